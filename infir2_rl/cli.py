@@ -1,0 +1,176 @@
+"""The `infir2-rl` command. Thin: parses arguments and calls the pipeline, stages and tools.
+
+Exit codes: 0 success, 1 a run that failed, 2 bad input (config, paths, arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from infir2_rl.config import (
+    ConfigError,
+    dump_config,
+    is_pipeline_file,
+    load_pipeline_config,
+    load_stage_config,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+log = logging.getLogger("infir2_rl")
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from infir2_rl.config import load_pipeline_stages, validate_paths
+
+    if is_pipeline_file(args.config):
+        pipeline = load_pipeline_config(args.config, args.overrides)
+        print(dump_config(pipeline), end="")
+        for i, (name, stage) in enumerate(load_pipeline_stages(pipeline, args.config)):
+            if stage is None:
+                print(f"# --- {name}: cast the previous checkpoint to blockwise FP8")
+                continue
+            print(f"# --- {name} ---")
+            print(dump_config(stage), end="")
+            if args.paths:
+                validate_paths(stage, check_model=i == 0)
+    else:
+        stage = load_stage_config(args.config, args.overrides)
+        print(dump_config(stage), end="")
+        if args.paths:
+            validate_paths(stage)
+    print(f"# {args.config}: OK", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from infir2_rl.pipeline import run_pipeline, run_stage_file
+
+    if is_pipeline_file(args.config):
+        run_pipeline(args.config, args.overrides)
+    else:
+        run_stage_file(args.config, args.overrides)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from infir2_rl.pipeline import run_demo
+
+    run_demo(out=Path(args.out), seed=args.seed, overrides=args.overrides)
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from infir2_rl.models.factory import init_model
+
+    path = init_model(args.out, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.preset} model to {path}")
+    return 0
+
+
+def _make_data(args: argparse.Namespace) -> int:
+    from infir2_rl.data.synthetic import make_data
+
+    kwargs = {k: v for k, v in (("num_sft", args.num_sft), ("num_rl", args.num_rl)) if v is not None}
+    paths = make_data(args.out, seed=args.seed, **kwargs)
+    print(f"wrote synthetic math data to {args.out}: {paths}")
+    return 0
+
+
+def _cast_fp8(args: argparse.Namespace) -> int:
+    from infir2_rl.fp8.checkpoint import cast_checkpoint
+
+    report = cast_checkpoint(
+        args.input, args.output, pow2_scales=args.pow2_scales, block_size=args.block_size
+    )
+    print(report)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from infir2_rl.metrics.report import make_report, print_summary, summarize
+
+    paths = make_report(args.run_dir)
+    print_summary(summarize(args.run_dir))
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infir2-rl", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("demo", _demo, "build the tiny model and data if absent, run SFT -> FP8 cast -> RL 8K -> RL 16K")
+    p.add_argument("--out", default="runs/demo", help="run directory (assets/ and one folder per stage)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", help="dotted overrides applied to every stage, e.g. seed=1")
+
+    for name, help in (
+        ("run", "run a stage or pipeline YAML on local Ray (or the cluster in RAY_ADDRESS)"),
+        ("pipeline", "run a pipeline YAML (same as `run` on a pipeline file)"),
+    ):
+        p = add(name, _run, help)
+        p.add_argument("config")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6")
+
+    p = add("check-config", _check_config, "validate a stage or pipeline YAML and print the resolved config")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--paths", action="store_true", help="also require every input path to exist")
+
+    p = add("init-model", _init_model, "write a Qwen2-architecture HF model + tokenizer built locally")
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("make-data", _make_data, "write deterministic synthetic math SFT and RL data (jsonl)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-sft", type=int, default=None)
+    p.add_argument("--num-rl", type=int, default=None)
+
+    p = add("cast-fp8", _cast_fp8, "cast a BF16 HF checkpoint to blockwise FP8 (weight_scale_inv format)")
+    p.add_argument("--input", required=True, help="BF16/FP32 HF checkpoint directory")
+    p.add_argument("--output", required=True, help="new directory (must not exist)")
+    p.add_argument("--pow2-scales", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--block-size", type=int, default=128)
+
+    p = add("report", _report, "plot a run's curves (PNG) and print its summary table")
+    p.add_argument("run_dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"infir2-rl: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        log.debug("traceback", exc_info=True)
+        print(f"infir2-rl: error: {e} (run with -v for the traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""One config class per component. Every field is documented; defaults suit the embedded demo run.
+
+The classes are pydantic models with `extra="forbid"`: an unknown key is an error, not a silent no-op.
+Cross-field rules that need more than one component (e.g. batch divisibility) live in `stage.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Config):
+    # HF directory (config.json + safetensors + tokenizer) the stage starts from; in a pipeline,
+    # every stage after the first starts from the previous stage's final checkpoint instead.
+    path: str = "runs/demo/assets/tiny-model"
+    # Compute dtype of the trainer and engines: "auto" = bfloat16 on GPU, float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Attention kernel passed to transformers (`sdpa` uses flash attention on GPUs).
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # Recompute activations in backward to save memory (long sequences on GPU).
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(_Config):
+    # Training file (jsonl or parquet). SFT: rows with a chat `messages` list. RL: `prompt` + `label`.
+    train_path: str = "runs/demo/assets/data/sft_train.jsonl"
+    # Held-out file with the same shape, for held-out loss / accuracy; None disables evaluation.
+    test_path: str | None = "runs/demo/assets/data/sft_test.jsonl"
+    # File format; "auto" picks by extension (.jsonl/.json -> jsonl, .parquet -> parquet).
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    # Key of the chat message list in SFT rows.
+    messages_key: str = "messages"
+    # Key of the prompt (chat message list or plain string) in RL rows.
+    input_key: str = "prompt"
+    # Key of the reference answer in RL rows.
+    label_key: str = "label"
+    # Longest prompt kept, in tokens; longer rows are skipped and counted.
+    max_prompt_tokens: int = Field(default=256, ge=1)
+    # Longest SFT sequence kept (prompt + answer), in tokens; longer rows are skipped and counted.
+    max_seq_len: int = Field(default=512, ge=2)
+    # Held-out examples used per evaluation (None = the whole test file).
+    num_eval_examples: int | None = Field(default=200, ge=1)
+    # Shuffle the training data each epoch (seeded by the stage seed).
+    shuffle: bool = True
+
+
+class OptimizerConfig(_Config):
+    # Peak learning rate (AdamW).
+    lr: float = Field(default=2e-3, gt=0)
+    # Final learning rate of the cosine schedule (ignored by "constant").
+    min_lr: float = Field(default=2e-4, ge=0)
+    # Learning-rate schedule after warmup.
+    schedule: Literal["cosine", "constant"] = "cosine"
+    # Fraction of the total optimizer steps spent in linear warmup.
+    warmup_ratio: float = Field(default=0.05, ge=0, lt=1)
+    # Decoupled weight decay (AdamW).
+    weight_decay: float = Field(default=0.0, ge=0)
+    # Adam betas.
+    betas: tuple[float, float] = (0.9, 0.95)
+    # Adam epsilon.
+    eps: float = Field(default=1e-8, gt=0)
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    grad_clip: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        for i, b in enumerate(self.betas):
+            if not 0 <= b < 1:
+                raise ValueError(f"optimizer.betas[{i}]={b}: must be in [0, 1), e.g. 0.9")
+        if self.schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(
+                f"optimizer.min_lr={self.min_lr}: must not exceed optimizer.lr={self.lr} for the cosine schedule"
+            )
+        return self
+
+
+class TrainerConfig(_Config):
+    # Trainer backend: "torch" (transformers + FSDP2, runs anywhere) or "megatron" (megatron-core +
+    # Transformer Engine, GPU clusters; shipped in docker/).
+    backend: Literal["torch", "megatron"] = "torch"
+    # FP8 blockwise training (128x128 weights, 1x128 activations/gradients, e4m3) of decoder linears.
+    fp8: bool = True
+    # Round FP8 scales up to powers of two (TE's default); False keeps plain amax/448 (InfiR2's RL setting).
+    fp8_pow2_scales: bool = False
+    # Trainer actors (data-parallel ranks); one per GPU on GPU machines.
+    num_workers: int = Field(default=1, ge=1)
+    # Sequences per optimizer step, summed over all workers.
+    global_batch_size: int = Field(default=32, ge=1)
+    # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
+    micro_batch_size: int = Field(default=8, ge=1)
+    # Token budget of one micro-batch on one worker (padded tokens); None = fixed micro_batch_size.
+    max_tokens_per_gpu: int | None = Field(default=None, ge=1)
+    # SFT: passes over the training data.
+    epochs: int = Field(default=1, ge=1)
+    # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
+    max_steps: int | None = Field(default=None, ge=1)
+    # Evaluate (held-out loss and accuracy) every N optimizer steps; 0 = only at the end.
+    eval_every: int = Field(default=0, ge=0)
+    # Megatron only: tensor-parallel size.
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # Megatron only: context-parallel size (long RL sequences).
+    context_parallel_size: int = Field(default=1, ge=1)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel_size * self.context_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_workers // self.model_parallel_size
+
+
+class RolloutConfig(_Config):
+    # Engine backend: "native" (transformers + our FP8 W8A8 linears) or "sglang" (SGLang servers).
+    backend: Literal["native", "sglang"] = "native"
+    # Rollout engine actors.
+    num_engines: int = Field(default=1, ge=1)
+    # Generate with blockwise FP8 W8A8 decoder linears (weights pushed by the trainer every step).
+    fp8: bool = True
+    # Prompts per optimizer step (the global batch is prompts_per_step x n_samples_per_prompt).
+    prompts_per_step: int = Field(default=8, ge=1)
+    # Samples per prompt (the GRPO group size).
+    n_samples_per_prompt: int = Field(default=8, ge=1)
+    # Prompts drawn per sampling round when dynamic sampling refills the batch (>= prompts_per_step).
+    over_sampling_prompts: int = Field(default=16, ge=1)
+    # Drop groups whose rewards are all equal (no learning signal) and sample more prompts to refill.
+    dynamic_sampling: bool = True
+    # Sampling rounds allowed per step before training on what was kept.
+    max_sampling_rounds: int = Field(default=4, ge=1)
+    # Longest response, in tokens (8,192 then 16,384 in the InfiR2 curriculum).
+    max_response_len: int = Field(default=64, ge=1)
+    # Sampling temperature (1.0 then 1.1 in the InfiR2 curriculum); the trainer scores at the same one.
+    temperature: float = Field(default=1.0, gt=0)
+    # Nucleus sampling; RL keeps 1.0 so the engine's log-probs are the plain tempered softmax.
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    # Top-k sampling; -1 disables it (required for exact RL log-probs).
+    top_k: int = -1
+    # Sequences decoded together in one engine batch.
+    max_batch_size: int = Field(default=256, ge=1)
+    # Rollout steps (optimizer steps) of the stage.
+    num_steps: int = Field(default=10, ge=1)
+    # Held-out accuracy every N steps (greedy decoding); 0 = only at start and end.
+    eval_every: int = Field(default=0, ge=0)
+    # Reward function: "math" (math-verify) or a dotted path "package.module:function".
+    reward: str = "math"
+    # SGLang only: tensor-parallel size of each engine.
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # FP8 checkpoint engines load at start (set by the pipeline from the cast stage); None = use model.path.
+    fp8_checkpoint: str | None = None
+
+
+class AlgorithmConfig(_Config):
+    # Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style mean-centring only.
+    normalize_std: bool = True
+    # Lower clip of the importance ratio (1 - eps_clip_low).
+    eps_clip_low: float = Field(default=0.2, ge=0)
+    # Upper clip of the importance ratio (1 + eps_clip_high), "clip-higher".
+    eps_clip_high: float = Field(default=0.28, ge=0)
+    # Truncated importance sampling against the rollout engine's log-probs.
+    tis: bool = True
+    # TIS weight floor (slime uses 0.5 in production scripts; InfiR2 caps only).
+    tis_low: float = Field(default=0.0, ge=0)
+    # TIS weight cap C.
+    tis_high: float = Field(default=2.0, gt=0)
+    # Masked importance sampling instead of clipping: "off", "token", "sequence" or "geometric".
+    mis: Literal["off", "token", "sequence", "geometric"] = "off"
+    # MIS keeps tokens/sequences whose ratio lies in [mis_low, mis_high].
+    mis_low: float = Field(default=0.5, ge=0)
+    mis_high: float = Field(default=2.0, gt=0)
+    # KL penalty against the initial policy; 0 builds and runs no reference model.
+    kl_coef: float = Field(default=0.0, ge=0)
+    # KL estimator used when kl_coef > 0.
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # Entropy bonus coefficient.
+    entropy_coef: float = Field(default=0.0, ge=0)
+    # Loss reduction: mean over each sample's tokens then over samples, or over all tokens.
+    loss_reduction: Literal["sample_token_mean", "token_mean"] = "sample_token_mean"
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmConfig:
+        if self.tis and self.tis_low >= self.tis_high:
+            raise ValueError(
+                f"algorithm.tis_low={self.tis_low}: must be below algorithm.tis_high={self.tis_high}"
+            )
+        if self.mis != "off" and self.mis_low >= self.mis_high:
+            raise ValueError(
+                f"algorithm.mis_low={self.mis_low}: must be below algorithm.mis_high={self.mis_high}"
+            )
+        return self
+
+
+class WeightSyncConfig(_Config):
+    # "unified_fp8": the trainer trains in FP8 and engines get the exact FP8 bytes it trains with.
+    # "bf16_train_fp8_rollout": trainer in BF16, weights cast to FP8 at sync (the setup Jet-RL shows
+    # diverging). "bf16": no FP8 anywhere (baseline).
+    mode: Literal["unified_fp8", "bf16_train_fp8_rollout", "bf16"] = "unified_fp8"
+    # How tensors travel: Ray's object store (CPU and GPU), CUDA IPC (colocated GPU), NCCL (separate GPUs).
+    transport: Literal["object_store", "cuda_ipc", "nccl"] = "object_store"
+    # Upper bound of one bucket of tensors, in MiB.
+    bucket_size_mb: int = Field(default=512, ge=1)
+    # Decoder layers read back from an engine after every push and compared byte for byte (0 = off).
+    self_check_layers: int = Field(default=2, ge=0)
+    # Seconds a push may take before it is reported as hung.
+    timeout_s: float = Field(default=600.0, gt=0)
+
+
+class PlacementConfig(_Config):
+    # "colocate": a trainer and an engine share each GPU (memory released/resumed between phases);
+    # "disaggregate": engines get GPUs of their own.
+    mode: Literal["colocate", "disaggregate"] = "colocate"
+    # Use GPUs: "auto" when Ray sees any, else CPU bundles.
+    use_gpu: Literal["auto", "yes", "no"] = "auto"
+    # CPUs reserved per actor in CPU bundles.
+    cpus_per_actor: float = Field(default=1.0, gt=0)
+
+
+class CheckpointConfig(_Config):
+    # Save every N optimizer steps (0 = only at the end of the stage).
+    save_every: int = Field(default=0, ge=0)
+    # Checkpoints kept; older ones are deleted after a successful save.
+    keep_last: int = Field(default=2, ge=1)
+    # Resume from the newest checkpoint in the run directory when one exists.
+    resume: bool = True
+
+
+class MetricsConfig(_Config):
+    # Write TensorBoard event files under RUN_DIR/tensorboard.
+    tensorboard: bool = True
+    # Export metrics through ray.util.metrics (Ray dashboard / Prometheus).
+    ray_metrics: bool = True
+    # Show a progress bar on local runs.
+    progress_bar: bool = True

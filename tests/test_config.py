@@ -1,0 +1,158 @@
+"""Config loading, overrides and validation: one test per rule, each checking the message names the field."""
+
+from pathlib import Path
+
+import pytest
+
+from infir2_rl.cli import main
+from infir2_rl.config import (
+    ConfigError,
+    apply_overrides,
+    load_pipeline_config,
+    load_pipeline_stages,
+    load_stage_config,
+    parse_stage_config,
+    validate_paths,
+)
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/**/*.yaml"))
+
+
+def _err(data: dict) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse_stage_config(data)
+    return str(e.value)
+
+
+def test_every_shipped_config_validates() -> None:
+    assert len(CONFIGS) >= 5
+    for path in CONFIGS:
+        assert path.read_text().startswith("# Run:"), f"{path} must open with the command that runs it"
+        assert main(["check-config", str(path)]) == 0, path
+
+
+def test_7b_recipe_values() -> None:
+    base = CONFIGS[0].parent if CONFIGS[0].parent.name == "configs" else CONFIGS[0].parents[1]
+    sft = load_stage_config(base / "sft_stage1.yaml")
+    assert (sft.trainer.epochs, sft.trainer.global_batch_size, sft.trainer.max_tokens_per_gpu) == (
+        5,
+        64,
+        32768,
+    )
+    assert (sft.optimizer.lr, sft.optimizer.min_lr, sft.optimizer.warmup_ratio) == (2e-5, 2e-6, 0.05)
+    assert sft.optimizer.betas == (0.9, 0.95) and sft.optimizer.weight_decay == 0.0
+    rl1, rl2 = load_stage_config(base / "rl_stage1_8k.yaml"), load_stage_config(base / "rl_stage2_16k.yaml")
+    for rl in (rl1, rl2):
+        assert rl.kind == "rl" and rl.trainer.fp8 and rl.rollout.fp8
+        assert (rl.rollout.prompts_per_step, rl.rollout.n_samples_per_prompt) == (128, 16)
+        assert rl.trainer.global_batch_size == 2048 and rl.rollout.over_sampling_prompts == 384
+        assert (rl.algorithm.eps_clip_low, rl.algorithm.eps_clip_high, rl.algorithm.kl_coef) == (
+            0.2,
+            0.28,
+            0.0,
+        )
+        assert rl.algorithm.tis and rl.algorithm.tis_high == 2.0
+        assert (rl.optimizer.lr, rl.optimizer.schedule, rl.optimizer.weight_decay) == (1e-6, "constant", 0.1)
+        assert rl.optimizer.betas == (0.9, 0.98) and rl.optimizer.grad_clip == 1.0
+    assert (rl1.rollout.max_response_len, rl1.rollout.temperature) == (8192, 1.0)
+    assert (rl2.rollout.max_response_len, rl2.rollout.temperature) == (16384, 1.1)
+
+
+def test_overrides_are_parsed_as_yaml() -> None:
+    data = apply_overrides({}, ["optimizer.lr=1e-6", "optimizer.betas=[0.9,0.98]", "data.test_path=null"])
+    assert data == {"optimizer": {"lr": 1e-6, "betas": [0.9, 0.98]}, "data": {"test_path": None}}
+    with pytest.raises(ConfigError, match="section.field=value"):
+        apply_overrides({}, ["optimizer.lr"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides({"seed": 1}, ["seed.x=2"])
+
+
+def test_unknown_key() -> None:
+    assert _err({"trainer": {"learning_rate": 1.0}}).startswith("trainer.learning_rate: unknown key")
+
+
+def test_wrong_type() -> None:
+    assert _err({"trainer": {"num_workers": "two"}}).startswith("trainer.num_workers='two'")
+
+
+def test_grpo_needs_two_samples() -> None:
+    msg = _err({"kind": "rl", "rollout": {"n_samples_per_prompt": 1}})
+    assert msg.startswith("rollout.n_samples_per_prompt=1: must be >= 2 for GRPO")
+
+
+def test_global_batch_divisible_by_micro_batch_times_dp() -> None:
+    msg = _err({"trainer": {"global_batch_size": 30, "micro_batch_size": 4, "num_workers": 2}})
+    assert msg.startswith("trainer.global_batch_size=30") and "4 x 2 = 8" in msg
+
+
+def test_rl_global_batch_follows_rollout() -> None:
+    cfg = parse_stage_config({"kind": "rl", "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4}})
+    assert cfg.trainer.global_batch_size == 16
+    assert "must equal rollout.prompts_per_step" in _err({"kind": "rl", "trainer": {"global_batch_size": 32}})
+
+
+def test_precision_follows_weight_sync_mode() -> None:
+    cfg = parse_stage_config({"kind": "rl", "weight_sync": {"mode": "bf16_train_fp8_rollout"}})
+    assert (cfg.trainer.fp8, cfg.rollout.fp8) == (False, True)
+    msg = _err({"kind": "rl", "weight_sync": {"mode": "bf16"}, "rollout": {"fp8": True}})
+    assert msg.startswith("rollout.fp8=True contradicts weight_sync.mode='bf16'")
+
+
+def test_rl_sampling_must_be_plain_softmax() -> None:
+    assert _err({"kind": "rl", "rollout": {"top_p": 0.95}}).startswith("rollout.top_p=0.95")
+
+
+def test_torch_backend_has_no_tensor_parallel() -> None:
+    msg = _err({"trainer": {"num_workers": 4, "tensor_parallel_size": 2}})
+    assert "torch backend is data-parallel only" in msg
+
+
+def test_bad_kind_and_values() -> None:
+    assert _err({"kind": "dpo"}) == "kind: must be 'sft' or 'rl'"
+    assert _err({"optimizer": {"lr": 1e-5, "min_lr": 1e-4}}).startswith("optimizer.min_lr=0.0001")
+    assert _err({"optimizer": {"betas": [0.9, 1.5]}}).startswith("optimizer.betas[1]=1.5")
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    cfg = parse_stage_config(
+        {"model": {"path": str(tmp_path)}, "data": {"train_path": str(tmp_path / "no.jsonl")}}
+    )
+    with pytest.raises(ValueError, match=r"^data.train_path='.*no.jsonl': no such file"):
+        validate_paths(cfg)
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_stage_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_stage_config(bad)
+
+
+def test_pipeline_resolves_stages(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text("kind: sft\n")
+    (tmp_path / "p.yaml").write_text(
+        "run_dir: R\nstages:\n  - {name: a, config: s.yaml, overrides: ['seed=3']}\n  - {name: c, kind: cast_fp8}\n"
+    )
+    pipe = load_pipeline_config(tmp_path / "p.yaml")
+    stages = load_pipeline_stages(pipe, tmp_path / "p.yaml")
+    assert [n for n, _ in stages] == ["a", "c"] and stages[1][1] is None
+    first = stages[0][1]
+    assert first is not None and first.seed == 3 and first.run_dir == str(Path("R") / "a")
+    (tmp_path / "d.yaml").write_text(
+        "stages:\n  - {name: a, config: s.yaml}\n  - {name: a, config: s.yaml}\n"
+    )
+    with pytest.raises(ConfigError, match="repeat"):
+        load_pipeline_config(tmp_path / "d.yaml")
+
+
+def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: rl\nrollout:\n  n_samples_per_prompt: 1\n")
+    assert main(["check-config", str(bad)]) == 2
+    assert "rollout.n_samples_per_prompt=1" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text("kind: sft\n")
+    assert main(["check-config", str(good), "optimizer.lr=0.5"]) == 0
+    assert "lr: 0.5" in capsys.readouterr().out
