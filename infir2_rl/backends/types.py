@@ -1,0 +1,181 @@
+"""Typed boundaries between the stage loops, trainer backends and rollout engine backends.
+
+Shape legend: B sequences in a micro-batch, L padded sequence length (prompt + response), V vocabulary.
+Token-aligned tensors use one convention everywhere: the value at position t belongs to token
+`input_ids[:, t]`, predicted from the prefix `input_ids[:, :t]`. Position 0 is never trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from infir2_rl.weight_sync.types import WeightBucket
+
+
+@dataclass
+class TokenBatch:
+    """One micro-batch of token sequences (right-padded) for the trainer."""
+
+    # B x L token ids, right-padded.
+    input_ids: Tensor
+    # B x L, 1 on real tokens, 0 on padding.
+    attention_mask: Tensor
+    # B x L float, 1 where token t is trained (SFT: assistant tokens; RL: response tokens).
+    loss_mask: Tensor
+    # RL: B x L log-prob of token t under the rollout engine's sampling distribution (0 off the mask).
+    rollout_logprobs: Tensor | None = None
+    # RL: B x L log-prob of token t under the trainer's weights before this step (recomputed).
+    old_logprobs: Tensor | None = None
+    # RL: B advantages (one per sequence).
+    advantages: Tensor | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        moved = {
+            name: (value.to(device) if isinstance(value, Tensor) else value)
+            for name, value in self.__dict__.items()
+        }
+        return replace(self, **moved)
+
+
+@dataclass
+class LossOutput:
+    """What a loss function returns for one micro-batch."""
+
+    # Mean loss over the micro-batch's units (tokens or sequences); differentiable.
+    loss: Tensor
+    # How many units the mean is over; the trainer weights micro-batches by it so the gradient is
+    # that of the mean over the whole global batch, independent of how it was split.
+    num_units: int
+    # Detached scalars for logging (metric name -> value), averaged over micro-batches by units.
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class LossFn(Protocol):
+    """Turns logits and a micro-batch into a loss. Must be picklable (it is sent to trainer actors)."""
+
+    def __call__(self, logits_BLV: Tensor, batch: TokenBatch) -> LossOutput: ...
+
+
+@dataclass
+class TrainStats:
+    """Result of one optimizer step (already reduced over data-parallel ranks)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+    num_sequences: int
+    # True when the gradient norm was NaN/inf and the update was skipped.
+    skipped: bool
+    step_time_s: float
+    # Loss-function metrics averaged over the global batch (e.g. "mismatch/k3").
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainerBackend(Protocol):
+    """A data-parallel rank of the trainer (torch or megatron)."""
+
+    def forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
+        """Per-token log-probs (B x L, float32, CPU) of each batch at the given sampling temperature."""
+        ...
+
+    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+        """Forward/backward over the micro-batches, then one optimizer step.
+
+        total_units: loss units (tokens or sequences) in the global batch over all ranks.
+        """
+        ...
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors; FP8 decoder linears as the exact (weight fp8, weight_scale_inv) they train with."""
+        ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    # Generation ends after any of these tokens (it is kept in the response).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Greedy decoding (evaluation); log-probs are then those of the temperature-1 softmax.
+    greedy: bool = False
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    # Independent samples of this prompt (the GRPO group).
+    n: int
+    params: SamplingParams
+    # Seed of this request's sampling; the same seed gives the same samples.
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    request_id: str
+    # Index of this sample within its request's n samples.
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    # Log-prob of each response token under the sampling distribution (tempered softmax).
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass
+class EngineHealth:
+    ok: bool
+    weight_version: int
+    fp8: bool
+    device: str
+    detail: str = ""
+
+
+class EngineBackend(Protocol):
+    """A rollout engine (native or SGLang)."""
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """All samples of all requests (n per request), batched together."""
+        ...
+
+    def update_weights(self, bucket: WeightBucket) -> None:
+        """Load one bucket of weights; a bucket older than the engine's version raises StaleWeightsError."""
+        ...
+
+    def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
+        """The engine's current tensors of those names, for the post-push self-check."""
+        ...
+
+    def abort(self) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...

@@ -1,0 +1,197 @@
+"""Runs stages in order and hands each stage's final checkpoint to the next.
+
+    SFT 1 -> SFT 2 -> FP8 cast -> RL (short responses, T=1.0) -> RL (twice as long, T=1.1)
+
+Every stage writes RUN_DIR/STAGE/final (an HF directory). The pipeline records finished stages in
+RUN_DIR/pipeline_state.json, so a stopped pipeline skips what is done and the interrupted stage resumes
+from its own latest checkpoint (stages resume by themselves when `checkpoint.resume` is true).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infir2_rl.config import (
+    RlStageConfig,
+    SftStageConfig,
+    apply_overrides,
+    load_pipeline_config,
+    load_pipeline_stages,
+    load_stage_config,
+    validate_paths,
+)
+from infir2_rl.config.loader import ConfigError, parse_stage_config
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_PIPELINE = REPO_ROOT / "configs" / "demo" / "pipeline_demo.yaml"
+
+
+def ensure_ray() -> None:
+    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`) or start a local Ray instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        dashboard = os.environ.get("INFIR2_RAY_DASHBOARD", "1") == "1"
+        ray.init(include_dashboard=dashboard, log_to_driver=True)
+    log.info("Ray resources: %s", ray.cluster_resources())
+
+
+def run_stage(cfg: SftStageConfig | RlStageConfig) -> Path:
+    """Run one stage to completion; returns its final HF checkpoint directory."""
+    ensure_ray()
+    if cfg.kind == "sft":
+        from infir2_rl.stages.sft import run_sft_stage
+
+        return Path(run_sft_stage(cfg).final_checkpoint)
+    from infir2_rl.stages.rl import run_rl_stage
+
+    return Path(run_rl_stage(cfg).final_checkpoint)
+
+
+def run_stage_file(path: str | Path, overrides: Sequence[str] = ()) -> Path:
+    cfg = load_stage_config(path, overrides)
+    validate_paths(cfg)
+    return run_stage(cfg)
+
+
+@dataclass
+class PipelineState:
+    """Which stages finished, and the checkpoint each one handed on."""
+
+    path: Path
+    finished: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> PipelineState:
+        if path.exists():
+            return cls(path, dict(json.loads(path.read_text())["finished"]))
+        return cls(path)
+
+    def mark(self, name: str, checkpoint: Path) -> None:
+        self.finished[name] = str(checkpoint)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"finished": self.finished}, indent=2))
+        tmp.replace(self.path)  # atomic: a crash leaves the old or the new state, never half of one
+
+
+def run_pipeline(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    stage_overrides: Sequence[str] = (),
+    adjust: Callable[[SftStageConfig | RlStageConfig], None] | None = None,
+) -> dict[str, Path]:
+    """Run a pipeline YAML. `stage_overrides` apply to every stage (e.g. `seed=1`); `adjust` edits each
+    resolved stage config in place (the demo uses it to point data paths at the assets it built)."""
+    pipeline = load_pipeline_config(path, overrides)
+    stages = load_pipeline_stages(pipeline, path)
+    resolved: list[tuple[str, SftStageConfig | RlStageConfig | None]] = []
+    for name, cfg in stages:
+        if cfg is not None and stage_overrides:
+            data: dict[str, Any] = cfg.model_dump(mode="json")
+            try:
+                cfg = parse_stage_config(apply_overrides(data, stage_overrides))
+            except ConfigError as e:
+                raise ConfigError(f"stage {name!r}: {e}") from None
+        if cfg is not None and adjust is not None:
+            adjust(cfg)
+        resolved.append((name, cfg))
+    # Check every input before the first stage starts: a typo in stage 4 should not cost stages 1-3.
+    for i, (_, cfg) in enumerate(resolved):
+        if cfg is not None:
+            validate_paths(cfg, check_model=i == 0)
+
+    run_dir = Path(pipeline.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = PipelineState.load(run_dir / "pipeline_state.json")
+    outputs: dict[str, Path] = {}
+    previous: Path | None = None
+    fp8_dir: Path | None = None
+    for name, cfg in resolved:
+        if name in state.finished:
+            previous = Path(state.finished[name])
+            fp8_dir = previous if cfg is None else fp8_dir
+            log.info("stage %s already finished -> %s (skipping)", name, previous)
+            outputs[name] = previous
+            continue
+        t0 = time.perf_counter()
+        if cfg is None:
+            assert previous is not None  # validated: a cast is never first
+            fp8_dir = _cast(previous, run_dir / name / "fp8")
+            out = fp8_dir
+        else:
+            if previous is not None:
+                cfg.model.path = str(previous)
+            if isinstance(cfg, RlStageConfig) and fp8_dir is not None and cfg.rollout.fp8:
+                cfg.rollout.fp8_checkpoint = str(fp8_dir)  # engines start from the cast checkpoint
+                fp8_dir = None
+            log.info("stage %s (%s) starts from %s", name, cfg.kind, cfg.model.path)
+            out = run_stage(cfg)
+            previous = out
+        state.mark(name, out)
+        outputs[name] = out
+        log.info("stage %s finished in %.1f s -> %s", name, time.perf_counter() - t0, out)
+    return outputs
+
+
+def _cast(src: Path, dst: Path) -> Path:
+    from infir2_rl.fp8.checkpoint import cast_checkpoint
+
+    if dst.exists():  # an earlier attempt finished the cast but died before recording it
+        import shutil
+
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    report = cast_checkpoint(src, dst)
+    log.info("cast %s -> %s: %s", src, dst, report)
+    return dst
+
+
+def run_demo(out: Path, seed: int = 0, overrides: Sequence[str] = ()) -> dict[str, Path]:
+    """Build the tiny model and data if absent, run the demo pipeline, print the summary, draw the report."""
+    from infir2_rl.data.synthetic import make_data
+    from infir2_rl.metrics.report import make_report, print_summary, summarize
+    from infir2_rl.models.factory import init_model
+
+    if not DEMO_PIPELINE.exists():
+        raise FileNotFoundError(
+            f"{DEMO_PIPELINE} not found: run the demo from a source checkout installed with `pip install -e .`"
+        )
+    assets = out / "assets"
+    model_dir, data_dir = assets / "tiny-model", assets / "data"
+    if not (model_dir / "config.json").exists():
+        init_model(model_dir, preset="tiny", seed=seed)
+    if not (data_dir / "rl_test.jsonl").exists():
+        make_data(data_dir, seed=seed)
+    t0 = time.perf_counter()
+    outputs = run_pipeline(
+        DEMO_PIPELINE,
+        overrides=[f"run_dir={out}"],
+        stage_overrides=[f"seed={seed}", f"model.path={model_dir}", *overrides],
+        adjust=lambda cfg: _relocate_data(cfg, data_dir),
+    )
+    log.info("demo pipeline finished in %.1f s", time.perf_counter() - t0)
+    print_summary(summarize(out))
+    for png in make_report(out):
+        log.info("wrote %s", png)
+    return outputs
+
+
+def _relocate_data(cfg: SftStageConfig | RlStageConfig, data_dir: Path) -> None:
+    """Keep each demo stage's data file names, but read them from the data directory the demo built."""
+    cfg.data.train_path = str(data_dir / Path(cfg.data.train_path).name)
+    if cfg.data.test_path is not None:
+        cfg.data.test_path = str(data_dir / Path(cfg.data.test_path).name)
