@@ -1,0 +1,77 @@
+"""The reward-function protocol, loading a reward by name, and batch scoring.
+
+A reward function maps one response (the full decoded text, reasoning included) and the row's
+label to a float. Configs name one with `algorithm.reward`: `"math"` for the built-in math-verify
+reward, or a dotted path to any callable with that signature, `"my_pkg.rewards:exact_match"` or
+`"my_pkg.rewards.exact_match"`. A class that needs setup can be named by a factory function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from infir2_rl.reward.math import math_reward
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Score one response against its label; higher is better (the built-in returns 0.0 or 1.0)."""
+
+    def __call__(self, response: str, label: str) -> float: ...
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward}
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """The reward function named by `spec`: a built-in name or "package.module:function" / "package.module.function"."""
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    else:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"reward={spec!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor a dotted path; "
+            "use 'math' or 'package.module:function'."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"reward={spec!r}: cannot import module {module_name!r} ({exc}); "
+            "install it or put it on PYTHONPATH (with `ray job submit`, inside --working-dir)."
+        ) from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(
+            f"reward={spec!r}: module {module_name!r} has no attribute {attr!r}; check the name after the colon."
+        )
+    if not callable(fn):
+        raise ValueError(
+            f"reward={spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function; "
+            "name a callable (response: str, label: str) -> float."
+        )
+    return fn  # type: ignore[no-any-return]
+
+
+def score_batch(fn: RewardFn, responses: Sequence[str], labels: Sequence[str]) -> list[float]:
+    """`fn` applied to each (response, label) pair, in order; values are checked to be real numbers."""
+    if len(responses) != len(labels):
+        raise ValueError(
+            f"score_batch got {len(responses)} responses and {len(labels)} labels; pass one label per response."
+        )
+    scores: list[float] = []
+    for response, label in zip(responses, labels):
+        score = fn(response, label)
+        if not isinstance(score, numbers.Real):
+            raise TypeError(
+                f"reward function returned {score!r} ({type(score).__name__}); it must return a float."
+            )
+        scores.append(float(score))
+    return scores
