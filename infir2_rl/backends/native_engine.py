@@ -1,0 +1,302 @@
+"""The native rollout engine: batched sampling on a transformers model with a KV cache, FP8 W8A8 optional.
+
+A thin layer over transformers, not a new inference engine: the model is the HF causal LM (decoder
+linears swapped for ``Fp8InferenceLinear`` in FP8 mode, built from the same quantizer the trainer
+uses), the KV cache is transformers' ``DynamicCache``, and this file only adds the decode loop, the
+sampling rule of ``sampling.py`` and weight loading.
+
+Why not transformers' continuous batching (checked in transformers 5.23,
+``generation/continuous_batching``): ``generate_batch`` / ``ContinuousBatchingManager`` can return
+per-token log-probs (``ContinuousBatchingConfig.return_logprobs``: ``log(softmax(processed scores))``
+of the sampled token) and would run our FP8 linears (the model is called as a plain module on a
+flattened ``[1, tokens]`` batch, and our activation quantization is per token). But it samples with
+``torch.multinomial`` from the one global torch RNG seeded once per manager (``set_tp_seed``), so
+samples depend on scheduling and a request cannot carry its own seed; it needs the paged attention
+implementations and a background thread; and its log-prob is the log of a float32 probability (which
+loses precision against ``log_softmax`` for unlikely tokens). A batched loop over ``DynamicCache``
+gives per-sample seeds, exact log-probs and a simple abort in ~150 lines, so that is what this is.
+
+The decode loop. Requests expand to rows (one per sample); rows are processed in chunks of at most
+``max_batch_size``, longest prompts first. Prompts are left-padded, with ``position_ids`` counted over
+real tokens only (``cumsum(mask) - 1``), so a left-padded row sees exactly the positions and keys it
+would see alone. Each step feeds the last token of every live row; a row that emits one of its stop
+tokens (kept in the response, finish "stop") or reaches ``max_new_tokens`` (finish "length") is
+removed from the batch and from the KV cache (``DynamicCache.batch_select_indices``), so finished rows
+cost nothing. ``abort()`` (thread-safe) makes the running ``generate`` return at the next step with
+finish "abort" for unfinished rows. Rows do not join a running chunk (no continuous batching): a chunk
+runs until its longest row ends. Shared prompt prefixes of the n samples are recomputed per row.
+
+Weights. ``update_weights`` loads a bucket in place through ``weight_sync.receiver.WeightReceiver``
+(FP8 bytes + scales into ``Fp8InferenceLinear.load_fp8_``, other tensors cast into their parameters;
+versions only move forward, older buckets raise ``StaleWeightsError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from infir2_rl.backends.sampling import RowSampling, row_key, sample_tokens
+from infir2_rl.backends.types import EngineHealth, FinishReason, GenerateRequest, Sample
+from infir2_rl.weight_sync.receiver import WeightReceiver
+from infir2_rl.weight_sync.types import WeightBucket
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Row:
+    request: GenerateRequest
+    index: int
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto" = bfloat16 on GPU, float32 on CPU (CPU has no fast bfloat16 matmul and tests want exact fp32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
+    return _DTYPES[dtype]
+
+
+class NativeEngine:
+    """An ``EngineBackend`` on transformers (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        fp8: bool,
+        fp8_checkpoint: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        max_batch_size: int = 256,
+        pow2_scales: bool = False,
+    ) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from infir2_rl.fp8.checkpoint import load_fp8_model
+        from infir2_rl.fp8.linear import Fp8InferenceLinear, swap_to_fp8_inference
+        from infir2_rl.models.factory import load_model
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
+        if fp8_checkpoint is not None and not fp8:
+            raise ValueError(
+                f"fp8_checkpoint={fp8_checkpoint!r} with fp8=False: drop the checkpoint or set fp8=True"
+            )
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.fp8 = fp8
+        self.max_batch_size = max_batch_size
+        self.model_path = fp8_checkpoint or model_path
+        model: nn.Module
+        if fp8_checkpoint is not None:
+            model = load_fp8_model(fp8_checkpoint, device=self.device, dtype=self.dtype)
+        else:
+            model, _ = load_model(model_path, dtype=self.dtype, device=self.device)
+            if fp8:
+                swap_to_fp8_inference(model, pow2_scales=pow2_scales)
+        self._fp8_modules: dict[str, Fp8InferenceLinear] = {
+            name: m for name, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)
+        }
+        for m in self._fp8_modules.values():
+            m.pow2_scales = pow2_scales  # activations must be quantized like the trainer's
+        if fp8 and not self._fp8_modules:
+            raise ValueError(
+                f"model_path={self.model_path!r}: fp8=True but no decoder linear was found to swap"
+            )
+        self.model = model.eval()
+        config: Any = model.config
+        self.config = config
+        self.vocab_size = int(config.vocab_size)
+        self.pad_token_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        self._receiver = WeightReceiver(model)
+        self._abort = threading.Event()
+        # Held by generate and weight/memory changes, so weights never change under a running batch.
+        self._lock = threading.RLock()
+        self._released = False
+        self._logged_cpu_memory_noop = False
+        self.num_decode_steps = 0  # decode steps run so far (tests and progress)
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        """All n samples of every request, in request order then sample index."""
+        self._abort.clear()
+        rows = [_Row(req, i) for req in requests for i in range(req.n)]
+        for req in requests:
+            if req.n < 1 or req.params.max_new_tokens < 1 or not req.prompt_ids:
+                raise ValueError(
+                    f"request {req.request_id!r}: needs n >= 1, max_new_tokens >= 1 and a non-empty prompt"
+                    f" (got n={req.n}, max_new_tokens={req.params.max_new_tokens}, {len(req.prompt_ids)} prompt ids)"
+                )
+            if not req.params.greedy and req.params.temperature <= 0:
+                raise ValueError(
+                    f"request {req.request_id!r}: temperature={req.params.temperature} must be > 0"
+                )
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].request.prompt_ids))
+        results: dict[int, Sample] = {}
+        with self._lock:
+            if self._released:
+                raise RuntimeError("generate() called after release_memory(): call resume_memory() first")
+            for start in range(0, len(order), self.max_batch_size):
+                chunk = order[start : start + self.max_batch_size]
+                for i, sample in zip(chunk, self._generate_chunk([rows[i] for i in chunk])):
+                    results[i] = sample
+        return [results[i] for i in range(len(rows))]
+
+    # no_grad, not inference_mode: the FP8 ops cache quantized inputs keyed by the tensor version counter,
+    # which inference tensors do not have.
+    @torch.no_grad()
+    def _generate_chunk(self, rows: list[_Row]) -> list[Sample]:
+        from transformers import DynamicCache
+
+        num_rows, device = len(rows), self.device
+        prompt_len = max(len(r.request.prompt_ids) for r in rows)
+        input_ids = torch.full((num_rows, prompt_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((num_rows, prompt_len), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids = r.request.prompt_ids
+            input_ids[b, prompt_len - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[b, prompt_len - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+        params = [r.request.params for r in rows]
+        sampling = RowSampling.build(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            greedy=[p.greedy for p in params],
+            keys=[row_key(r.request.seed, r.index) for r in rows],
+            vocab_size=self.vocab_size,
+            device=device,
+        )
+        stop_sets = [set(p.stop_token_ids) for p in params]
+        tokens_out: list[list[int]] = [[] for _ in rows]
+        logprobs_out: list[list[float]] = [[] for _ in rows]
+        finish: list[FinishReason | None] = [None] * num_rows
+        live = list(range(num_rows))  # row index of each batch position
+
+        cache = DynamicCache(config=self.config)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        next_pos = position_ids[:, -1] + 1
+        step = 0
+        while True:
+            tokens, logprobs = sample_tokens(logits, sampling, step)
+            keep: list[int] = []
+            for pos, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+                b = live[pos]
+                tokens_out[b].append(tok)
+                logprobs_out[b].append(lp)
+                if tok in stop_sets[b]:
+                    finish[b] = "stop"
+                elif len(tokens_out[b]) >= params[b].max_new_tokens:
+                    finish[b] = "length"
+                else:
+                    keep.append(pos)
+            if keep and self._abort.is_set():
+                for pos in keep:
+                    finish[live[pos]] = "abort"
+                keep = []
+            if not keep:
+                break
+            if len(keep) < len(live):
+                idx = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(idx)
+                attention_mask, tokens, next_pos = attention_mask[idx], tokens[idx], next_pos[idx]
+                sampling = sampling.select(idx)
+                live = [live[pos] for pos in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], dim=1)
+            logits = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            next_pos = next_pos + 1
+            step += 1
+            self.num_decode_steps += 1
+        samples = []
+        for b, r in enumerate(rows):
+            reason = finish[b]
+            assert reason is not None
+            samples.append(
+                Sample(
+                    request_id=r.request.request_id,
+                    index=r.index,
+                    prompt_ids=list(r.request.prompt_ids),
+                    response_ids=tokens_out[b],
+                    logprobs=logprobs_out[b],
+                    finish_reason=reason,
+                )
+            )
+        return samples
+
+    def abort(self) -> None:
+        """Make the running ``generate`` return at its next decode step (unfinished rows: "abort")."""
+        self._abort.set()
+
+    # ---- weights --------------------------------------------------------------------------------
+    def update_weights(self, bucket: WeightBucket) -> None:
+        """Copy one bucket in place (rules in ``weight_sync.receiver``); waits for a running generate."""
+        with self._lock:
+            self._receiver.load(bucket)
+
+    def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
+        """CPU copies of the engine's current tensors of those names (FP8 linears: the FP8 buffers)."""
+        with self._lock:
+            return self._receiver.read(names)
+
+    # ---- status and memory ----------------------------------------------------------------------
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            ok=True,
+            weight_version=self._receiver.version,
+            fp8=self.fp8,
+            device=str(self.device),
+            detail=f"native engine, {self.model_path}, {len(self._fp8_modules)} FP8 linears, dtype {self.dtype}"
+            + (", memory released" if self._released else ""),
+        )
+
+    def _move(self, where: Literal["cpu", "device"]) -> None:
+        if self.device.type != "cuda":
+            if not self._logged_cpu_memory_noop:
+                logger.debug("release_memory/resume_memory are no-ops on %s", self.device)
+                self._logged_cpu_memory_noop = True
+            return
+        with self._lock:
+            self.model.to("cpu" if where == "cpu" else self.device)
+            torch.cuda.empty_cache()  # the KV cache lives only inside generate(); this returns its blocks
+
+    def release_memory(self) -> None:
+        """Colocated GPU: move the weights to host memory so the trainer can use the GPU."""
+        self._move("cpu")
+        self._released = self.device.type == "cuda"
+
+    def resume_memory(self) -> None:
+        self._move("device")
+        self._released = False

@@ -1,0 +1,70 @@
+"""Cutting the trainer's HF-named tensors into bounded buckets, one weight version per push.
+
+Rules: tensors keep the trainer's order; a bucket closes before a tensor that would push it over
+``max_bytes``; a tensor larger than ``max_bytes`` travels alone; an FP8 weight and its
+``weight_scale_inv`` (consecutive in ``fp8_state_from_model``) stay in one bucket, so an engine can load
+each FP8 linear as soon as its bucket arrives. Tensors are detached, contiguous CPU tensors (a copy only
+when they were not already), which is what Ray's object store ships.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+from infir2_rl.weight_sync.types import WeightBucket
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _units(named_tensors: Iterable[tuple[str, Tensor]]) -> list[list[tuple[str, Tensor]]]:
+    """Group ``X.weight`` with an immediately following ``X.weight_scale_inv``; everything else alone."""
+    units: list[list[tuple[str, Tensor]]] = []
+    for name, tensor in named_tensors:
+        t = tensor.detach().to("cpu").contiguous()
+        if units and name.endswith(SCALE_SUFFIX) and units[-1][-1][0] == name[: -len(SCALE_SUFFIX)]:
+            units[-1].append((name, t))
+        else:
+            units.append([(name, t)])
+    return units
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def build_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]], max_bytes: int, version: int
+) -> list[WeightBucket]:
+    """All tensors of one push as buckets of at most ``max_bytes`` (one oversized tensor excepted)."""
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes={max_bytes}: must be >= 1 (weight_sync.bucket_size_mb sets it)")
+    if version < 0:
+        raise ValueError(f"version={version}: weight versions are >= 0")
+    groups: list[list[tuple[str, Tensor]]] = []
+    size = 0
+    seen: set[str] = set()
+    for unit in _units(named_tensors):
+        for name, _ in unit:
+            if name in seen:
+                raise ValueError(f"{name} appears twice in the exported weights")
+            seen.add(name)
+        unit_bytes = sum(_nbytes(t) for _, t in unit)
+        if not groups or (size + unit_bytes > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].extend(unit)
+        size += unit_bytes
+    if not groups:
+        raise ValueError("no tensors to push: the trainer exported an empty state")
+    return [
+        WeightBucket(
+            version=version,
+            index=i,
+            num_buckets=len(groups),
+            names=[n for n, _ in group],
+            tensors=[t for _, t in group],
+        )
+        for i, group in enumerate(groups)
+    ]

@@ -1,0 +1,122 @@
+"""The engine side of weight sync: the version rule, and loading buckets into a torch model in place.
+
+Version rule (``VersionGate``): an engine starts at version 0 (the checkpoint it loaded). A bucket older
+than the version it holds, or older than the push it is in the middle of, raises ``StaleWeightsError``;
+buckets of the current or the in-progress version are accepted; the held version becomes the push's
+after its last bucket.
+
+Loading (``WeightReceiver``): ``<p>.weight`` (float8_e4m3fn) and ``<p>.weight_scale_inv`` (float32) of an
+``Fp8InferenceLinear`` are stored until both halves are there (a pair may straddle two buckets), then
+copied with ``load_fp8_``; any other tensor is copied into the parameter or buffer of that name, cast to
+its dtype (a BF16 engine takes FP32 master weights). Unknown names, FP8 bytes for a non-FP8 tensor, a
+plain weight for an FP8 linear, or a shape change are errors: a silent skip is how peers shipped wrong
+weights (verl#7986).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from infir2_rl.fp8.linear import Fp8InferenceLinear
+from infir2_rl.fp8.quant import FP8_DTYPE
+from infir2_rl.weight_sync.types import StaleWeightsError, TensorMap, WeightBucket
+
+
+class VersionGate:
+    """Tracks the held and in-progress weight versions of one engine."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.pending: int | None = None
+
+    def admit(self, bucket: WeightBucket) -> bool:
+        """Check ``bucket`` against the rule; True when it opens a new push."""
+        if bucket.version < self.version or (self.pending is not None and bucket.version < self.pending):
+            loading = f" and is loading {self.pending}" if self.pending is not None else ""
+            raise StaleWeightsError(
+                f"bucket of version {bucket.version} refused: the engine holds version {self.version}{loading}"
+            )
+        opens = bucket.version != self.pending
+        self.pending = bucket.version
+        return opens
+
+    def commit(self, bucket: WeightBucket) -> None:
+        if bucket.is_last:
+            self.version, self.pending = bucket.version, None
+
+
+class WeightReceiver:
+    """Loads ``WeightBucket``s into ``model`` in place and reads tensors back for the self-check."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.gate = VersionGate()
+        self.fp8_modules = {n: m for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)}
+        self._halves: dict[str, dict[str, Tensor]] = {}
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def _named_tensors(self) -> dict[str, Tensor]:
+        # Rebuilt per call: Module.to() replaces buffer objects, so a cached map would go stale.
+        return dict(self.model.state_dict(keep_vars=True))
+
+    def load(self, bucket: WeightBucket) -> None:
+        if len(bucket.names) != len(bucket.tensors):
+            raise ValueError(
+                f"bucket {bucket.index}: {len(bucket.names)} names but {len(bucket.tensors)} tensors"
+            )
+        if self.gate.admit(bucket):
+            self._halves = {}
+        named = self._named_tensors()
+        for name, tensor in zip(bucket.names, bucket.tensors):
+            self._load_one(name, tensor, named)
+        if bucket.is_last and self._halves:
+            raise ValueError(
+                f"push of version {bucket.version} ended with FP8 linears missing a half: {sorted(self._halves)}"
+            )
+        self.gate.commit(bucket)
+
+    @torch.no_grad()
+    def _load_one(self, name: str, tensor: Tensor, named: dict[str, Tensor]) -> None:
+        prefix, _, leaf = name.rpartition(".")
+        module = self.fp8_modules.get(prefix)
+        if module is not None and leaf in ("weight", "weight_scale_inv"):
+            if leaf == "weight" and tensor.dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"{name}: got {tensor.dtype} for an FP8 engine linear; send FP8 bytes + weight_scale_inv"
+                    " (weight_sync.mode unified_fp8 or bf16_train_fp8_rollout)"
+                )
+            halves = self._halves.setdefault(prefix, {})
+            halves[leaf] = tensor
+            if len(halves) == 2:
+                where = module.weight.device
+                module.load_fp8_(halves["weight"].to(where), halves["weight_scale_inv"].to(where))
+                del self._halves[prefix]
+            return
+        target = named.get(name)
+        if target is None:
+            raise ValueError(f"{name}: the engine's model has no tensor of that name (sent by the trainer)")
+        if tensor.dtype == FP8_DTYPE:
+            raise ValueError(
+                f"{name}: got FP8 bytes for a non-FP8 engine tensor; set weight_sync.mode=bf16 for a BF16 engine"
+            )
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} sent, the engine's is {tuple(target.shape)}"
+            )
+        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def read(self, names: Sequence[str]) -> TensorMap:
+        """CPU copies of those tensors (FP8 linears: their FP8 buffers), as a Ray-safe ``TensorMap``."""
+        named = self._named_tensors()
+        out = TensorMap()
+        for name in names:
+            if name not in named:
+                raise ValueError(f"{name}: the engine's model has no tensor of that name")
+            out[name] = named[name].detach().to("cpu", copy=True)
+        return out

@@ -1,0 +1,174 @@
+"""Rollout manager without Ray: grouping, dynamic sampling, shortfall filling, metrics, token batches, prompt cursor."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from infir2_rl.backends.types import GenerateRequest, Sample
+from infir2_rl.config.components import RolloutConfig
+from infir2_rl.rollout import manager as mgr
+from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
+from infir2_rl.rollout.manager import RolloutManager
+from infir2_rl.rollout.prompts import PromptSource
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_ids: list[int]
+    label: str
+
+
+class ScriptedEngine:
+    """Sample i of a prompt answers "1" (correct) when i < prompt_ids[0], else "0"; truncated when prompt_ids[1]."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        self.calls.append([r.request_id for r in requests])
+        out = []
+        for r in requests:
+            num_correct, truncated = r.prompt_ids[0], r.prompt_ids[1]
+            for i in range(r.n):
+                response = [1 if i < num_correct else 0] + [7] * (i + 1)
+                out.append(
+                    Sample(
+                        r.request_id,
+                        i,
+                        r.prompt_ids,
+                        response,
+                        [-0.5] * len(response),
+                        "length" if truncated else "stop",
+                    )
+                )
+        return out[::-1]  # any order: the manager regroups
+
+
+class DigitTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(ids[0])
+
+
+def reward(response: str, label: str) -> float:
+    return 1.0 if response == label else 0.0
+
+
+def _cfg(**kw: object) -> RolloutConfig:
+    base = dict(
+        prompts_per_step=2,
+        n_samples_per_prompt=4,
+        over_sampling_prompts=3,
+        max_sampling_rounds=3,
+        max_response_len=8,
+    )
+    return RolloutConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _manager(engines: list[ScriptedEngine], cfg: RolloutConfig) -> RolloutManager:
+    return RolloutManager(engines, cfg, reward, DigitTokenizer(), stop_token_ids=[2], seed=0)
+
+
+def _prompt(num_correct: int, truncated: int = 0) -> Prompt:
+    return Prompt([num_correct, truncated, 9], "1")
+
+
+def test_dynamic_sampling_keeps_groups_with_spread_and_counts_everything() -> None:
+    # Round 1 draws [0, 4, 2] correct: one kept, two dropped. Round 2 draws [4, 1, 3]: one dropped, two kept,
+    # of which one is surplus.
+    prompts = [
+        _prompt(0),
+        _prompt(4),
+        _prompt(2),
+        _prompt(4, truncated=1),
+        _prompt(1, truncated=1),
+        _prompt(3),
+    ]
+    batch = _manager([ScriptedEngine()], _cfg()).generate(PromptSource(prompts, seed=0, shuffle=False))
+    assert batch.num_groups == 2 and batch.group_size == 4 and batch.num_samples == 8
+    assert batch.rewards == [1, 1, 0, 0] + [1, 0, 0, 0]  # prompts with 2 and 1 correct, in draw order
+    assert [s.index for s in batch.samples] == [0, 1, 2, 3] * 2
+    assert len({s.request_id for s in batch.samples[:4]}) == 1
+    m = batch.metrics
+    assert m[mgr.ROUNDS] == 2 and m[mgr.KEPT_GROUPS] == 2 and m[mgr.DROPPED_GROUPS] == 3
+    assert m[mgr.SURPLUS_GROUPS] == 1 and m[mgr.FILLED_GROUPS] == 0 and batch.num_filled_groups == 0
+    assert m["rollout/response_len_mean"] == 3.5 and m[mgr.RESPONSE_LEN_MAX] == 5
+    assert m["rollout/truncated_frac"] == 0.5 and m[mgr.ABORTED_FRAC] == 0
+    assert m["rollout/reward_mean"] == 3 / 8
+    assert m[mgr.REWARD_MEAN_ALL] == (0 + 4 + 2 + 4 + 1 + 3) / 24
+
+
+def test_shortfall_is_filled_with_dropped_groups_and_reported() -> None:
+    prompts = [_prompt(0), _prompt(4), _prompt(2)]
+    batch = _manager([ScriptedEngine()], _cfg(max_sampling_rounds=1)).generate(
+        PromptSource(prompts, seed=0, shuffle=False)
+    )
+    # One group with spread (2 correct); the first dropped group (0 correct) fills the second slot.
+    assert batch.num_groups == 2 and batch.num_filled_groups == 1
+    assert batch.rewards == [1.0, 1.0, 0.0, 0.0] + [0.0] * 4
+    assert batch.metrics[mgr.FILLED_GROUPS] == 1 and batch.metrics[mgr.KEPT_GROUPS] == 1
+
+
+def test_without_dynamic_sampling_exactly_prompts_per_step_are_drawn() -> None:
+    source = PromptSource([_prompt(0), _prompt(4), _prompt(2)], seed=0, shuffle=False)
+    batch = _manager([ScriptedEngine()], _cfg(dynamic_sampling=False)).generate(source)
+    assert batch.rewards == [0.0] * 4 + [1.0] * 4 and batch.metrics[mgr.ROUNDS] == 1
+    assert source.cursor == 2
+
+
+def test_requests_are_spread_over_engines_and_seeded_by_a_saved_counter() -> None:
+    engines = [ScriptedEngine(), ScriptedEngine()]
+    manager = _manager(engines, _cfg(dynamic_sampling=False, prompts_per_step=3))
+    manager.generate(PromptSource([_prompt(1), _prompt(2), _prompt(3)], seed=0, shuffle=False))
+    assert engines[0].calls == [["req0", "req2"]] and engines[1].calls == [["req1"]]
+    assert manager.state_dict() == {"num_requests": 3}
+    restored = _manager([ScriptedEngine()], _cfg())
+    restored.load_state_dict(manager.state_dict())
+    assert restored.num_requests == 3
+
+
+def test_evaluate_scores_one_greedy_answer_per_prompt() -> None:
+    result = _manager([ScriptedEngine()], _cfg()).evaluate([_prompt(1), _prompt(0, truncated=1)])
+    assert result.accuracy == 0.5 and result.num_prompts == 2
+    assert result.response_len_mean == 2 and result.truncated_frac == 0.5
+
+
+def test_token_batches_align_response_tokens_logprobs_and_advantages() -> None:
+    samples = [
+        Sample("a", 0, [10, 11], [20, 21, 22], [-0.1, -0.2, -0.3], "stop"),
+        Sample("a", 1, [10, 11], [23], [-0.4], "length"),
+        Sample("b", 0, [12, 13, 14], [24, 25], [-0.5, -0.6], "stop"),
+        Sample("b", 1, [12, 13, 14], [26], [-0.7], "stop"),
+    ]
+    batch = RolloutBatch(samples, [1.0, 0.0, 0.0, 1.0], group_size=2, labels=["x", "y"])
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    micro = to_token_batches(batch, adv, pad_id=0, micro_batch_size=3)
+    assert [m.num_sequences for m in micro] == [3, 1]
+    first = micro[0]
+    assert first.input_ids.tolist() == [[10, 11, 20, 21, 22], [10, 11, 23, 0, 0], [12, 13, 14, 24, 25]]
+    assert first.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert first.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [0, 0, 0, 1, 1]]
+    torch.testing.assert_close(
+        first.rollout_logprobs,
+        torch.tensor([[0, 0, -0.1, -0.2, -0.3], [0, 0, -0.4, 0, 0], [0, 0, 0, -0.5, -0.6]]),
+    )
+    assert first.advantages is not None and first.advantages.tolist() == [1.0, -1.0, -1.0]
+    assert micro[1].input_ids.tolist() == [[12, 13, 14, 26]] and micro[1].num_loss_tokens == 1
+    with pytest.raises(ValueError, match="one each"):
+        to_token_batches(batch, adv[:3], pad_id=0, micro_batch_size=2)
+
+
+def test_prompt_source_is_seeded_crosses_epochs_and_resumes() -> None:
+    prompts = [_prompt(i) for i in range(5)]
+    a = PromptSource(prompts, seed=3)
+    first = [p.prompt_ids[0] for p in a.take(7)]
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4] and a.epoch == 1 and a.cursor == 2
+    assert first == [p.prompt_ids[0] for p in PromptSource(prompts, seed=3).take(7)]
+    assert first[:5] != [p.prompt_ids[0] for p in PromptSource(prompts, seed=4).take(5)]
+    state = a.state_dict()
+    b = PromptSource(prompts, seed=3)
+    b.load_state_dict(state)
+    assert [p.prompt_ids[0] for p in b.take(6)] == [p.prompt_ids[0] for p in a.take(6)]
+    with pytest.raises(ValueError, match="same data"):
+        PromptSource(prompts[:4], seed=3).load_state_dict(state)

@@ -1,0 +1,99 @@
+"""Real Ray: an engine actor from create_engines, the rollout manager over it, and a weight push through the object store."""
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from infir2_rl.actors.rollout_engine import RolloutEngine, create_engines
+from infir2_rl.config.stage import RlStageConfig
+from infir2_rl.fp8.checkpoint import fp8_state_from_model
+from infir2_rl.fp8.linear import swap_to_fp8_training
+from infir2_rl.models.factory import init_model, load_model
+from infir2_rl.rollout.manager import RolloutManager
+from infir2_rl.rollout.prompts import PromptSource
+from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
+from infir2_rl.weight_sync.transport import put_buckets
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory: pytest.TempPathFactory) -> RlStageConfig:
+    model_dir = init_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+    return RlStageConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 2,
+                "over_sampling_prompts": 3,
+                "max_sampling_rounds": 2,
+                "max_response_len": 6,
+                "num_engines": 1,
+            },
+            "placement": {"use_gpu": "no", "cpus_per_actor": 1},
+            "trainer": {"micro_batch_size": 2},
+        }
+    )
+
+
+def _length_parity(response: str, label: str) -> float:
+    return float(len(response) % 2 == int(label))
+
+
+def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_cluster: None, cfg: RlStageConfig) -> None:
+    engines = create_engines(cfg)
+    assert len(engines) == 1 and cfg.rollout.fp8
+    _, tokenizer = load_model(cfg.model.path)
+    prompts = [
+        type("P", (), {"prompt_ids": tokenizer(f"{a} + {a} =")["input_ids"], "label": str(a % 2)})()
+        for a in range(6)
+    ]
+    manager = RolloutManager(
+        engines, cfg.rollout, _length_parity, tokenizer, [tokenizer.eos_token_id], seed=0
+    )
+    batch = manager.generate(PromptSource(prompts, seed=0))
+    assert batch.num_samples == 4 and batch.group_size == 2
+    assert all(
+        1 <= len(s.response_ids) <= 6 and len(s.logprobs) == len(s.response_ids) for s in batch.samples
+    )
+    assert all(lp <= 0 for s in batch.samples for lp in s.logprobs)
+
+    trainer, _ = load_model(cfg.model.path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(1.01)
+    swap_to_fp8_training(trainer)
+    state = list(fp8_state_from_model(trainer))
+    service = WeightSyncService(engines, cfg.weight_sync)
+    stats = service.push(iter(state), version=1)
+    assert stats.num_checked > 0 and stats.bytes > 0
+    # The trainer-side path: buckets already put in the object store, only descriptors reach the driver.
+    stats2 = service.push(put_buckets(iter(state), service.max_bucket_bytes, version=2), version=2)
+    assert stats2.num_checked > 0
+    health = ray.get(engines[0].health.remote())
+    assert health.weight_version == 2 and health.fp8
+    name = "model.layers.0.mlp.up_proj.weight"
+    held = ray.get(engines[0].read_weights.remote([name]))[name]
+    assert same_bytes(dict(state)[name], held)
+    assert manager.generate(PromptSource(prompts, seed=1)).num_samples == 4
+
+
+def test_engine_actor_class_runs_without_ray(cfg: RlStageConfig) -> None:
+    engine = RolloutEngine(cfg.rollout, cfg.model.path, device="cpu")
+    assert engine.health().fp8 and engine.health().weight_version == 0
+
+
+def test_unknown_bundle_count_is_refused(ray_cluster: None, cfg: RlStageConfig) -> None:
+    with pytest.raises(ValueError, match="bundle_indices"):
+        create_engines(cfg, placement_group=None, bundle_indices=[0, 1])
