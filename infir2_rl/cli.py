@@ -85,13 +85,10 @@ def _make_data(args: argparse.Namespace) -> int:
 
 
 def _cast_fp8(args: argparse.Namespace) -> int:
-    from infir2_rl.fp8.checkpoint import cast_checkpoint
+    from infir2_rl.fp8.cli import cast_fp8_main
 
-    report = cast_checkpoint(
-        args.input, args.output, pow2_scales=args.pow2_scales, block_size=args.block_size
-    )
-    print(report)
-    return 0
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    return cast_fp8_main(rest)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -144,10 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-rl", type=int, default=None)
 
     p = add("cast-fp8", _cast_fp8, "cast a BF16 HF checkpoint to blockwise FP8 (weight_scale_inv format)")
-    p.add_argument("--input", required=True, help="BF16/FP32 HF checkpoint directory")
-    p.add_argument("--output", required=True, help="new directory (must not exist)")
-    p.add_argument("--pow2-scales", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="--input HF_DIR --output FP8_DIR [--pow2-scales]")
 
     p = add("report", _report, "plot a run's curves (PNG) and print its summary table")
     p.add_argument("run_dir")
@@ -155,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cast-fp8"]:  # its own parser (infir2_rl/fp8/cli.py), so its --help lists its flags
+        argv = ["cast-fp8", "--", *argv[1:]]
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

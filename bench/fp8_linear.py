@@ -1,0 +1,236 @@
+"""BF16 vs blockwise-FP8 linear layers at Qwen2.5-1.5B / 7B shapes (M tokens, default 8192).
+
+    python bench/fp8_linear.py [--m 8192] [--reps 30] [--sweep]
+
+All times come from CUDA events, median of --reps after warm-up, BF16 and FP8 measured in the same process.
+* ``--sweep`` first times the quantizer launch alternatives (each checked bit for bit against the eager
+  reference) and keeps the fastest for the rest of the run.
+* Per shape: forward (grad enabled) and forward+backward (dX and dW via autograd.grad) of ``nn.Linear``
+  in BF16 and of ``Fp8Linear`` with a BF16 master weight. "fp8 f+b" re-quantizes the weight every
+  iteration (one micro-batch per optimizer step); "W cached" reuses it (gradient accumulation: the cost
+  per micro-batch). Also: the three FP8 GEMMs alone on pre-quantized operands (the cuBLASLt ceiling of
+  this recipe) and each quantizer alone (weight with its transpose, X rows+tokens, dY rows+tokens).
+* Per decoder layer: the seven linears run as in the model (q, k, v read the same input, so do gate and
+  up), forward then one backward through all of them: launch overheads overlap GPU work as in training.
+TFLOP/s counts 2MNK per GEMM (forward 1 GEMM, forward+backward 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+# hidden, intermediate, kv width (num_key_value_heads * head_dim)
+MODELS = {"Qwen2.5-1.5B": (1536, 8960, 256), "Qwen2.5-7B": (3584, 18944, 512)}
+
+
+def layer_specs(hidden: int, inter: int, kv: int) -> list[tuple[str, int, int, str]]:
+    """(name, N, K, input) for the seven decoder linears; the input names which tensor each one reads."""
+    return [
+        ("q_proj", hidden, hidden, "x"),
+        ("k_proj", kv, hidden, "x"),
+        ("v_proj", kv, hidden, "x"),
+        ("o_proj", hidden, hidden, "attn"),
+        ("gate_proj", inter, hidden, "h"),
+        ("up_proj", inter, hidden, "h"),
+        ("down_proj", hidden, inter, "act"),
+    ]
+
+
+def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def _layers(specs: list[tuple[str, int, int, str]], fp8: bool) -> list[torch.nn.Linear]:
+    from infir2_rl.fp8.linear import Fp8Linear
+
+    cls = Fp8Linear if fp8 else torch.nn.Linear
+    torch.manual_seed(0)
+    return [cls(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for _, n, k, _ in specs]
+
+
+def _runner(
+    layers: list[torch.nn.Linear], inputs: list[torch.Tensor], dys: list[torch.Tensor] | None, fresh_w: bool
+):
+    from infir2_rl.fp8.linear import Fp8Linear
+
+    leaves = list(dict.fromkeys(inputs)) + [layer.weight for layer in layers]
+
+    def run() -> object:
+        if fresh_w:  # as after an optimizer step: the weight quantization is part of the timed work
+            for layer in layers:
+                if isinstance(layer, Fp8Linear):
+                    layer.invalidate_fp8_cache()
+        outs = [layer(x) for layer, x in zip(layers, inputs)]
+        return outs if dys is None else torch.autograd.grad(outs, leaves, dys)
+
+    return run
+
+
+def time_linears(specs: list[tuple[str, int, int, str]], m: int, reps: int) -> dict[str, float]:
+    """Forward and forward+backward of the given linears, BF16 vs FP8; inputs shared as named."""
+    bf16 = torch.bfloat16
+    srcs = {src: torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True) for _, _, k, src in specs}
+    inputs = [srcs[src] for *_, src in specs]
+    dys = [torch.randn(m, n, device="cuda", dtype=bf16) for _, n, _, _ in specs]
+    plain, fp8 = _layers(specs, False), _layers(specs, True)
+    return {
+        "bf16_fwd": cuda_time_ms(_runner(plain, inputs, None, False), reps),
+        "fp8_fwd": cuda_time_ms(_runner(fp8, inputs, None, True), reps),
+        "bf16_fb": cuda_time_ms(_runner(plain, inputs, dys, False), reps),
+        "fp8_fb": cuda_time_ms(_runner(fp8, inputs, dys, True), reps),
+        "fp8_fb_cached": cuda_time_ms(_runner(fp8, inputs, dys, False), reps),
+    }
+
+
+def time_parts(m: int, n: int, k: int, reps: int) -> dict[str, float]:
+    """The FP8 GEMMs on pre-quantized operands, and each quantizer alone."""
+    from infir2_rl.fp8 import gemm, quant_triton
+
+    bf16 = torch.bfloat16
+    x, dy = torch.randn(m, k, device="cuda", dtype=bf16), torch.randn(m, n, device="cuda", dtype=bf16)
+    w = torch.randn(n, k, device="cuda", dtype=bf16) * 0.02
+    wq, ws, wqt = quant_triton.quantize_weight_with_transpose(w)
+    wst = ws.t().contiguous()
+    xq, xs, xtq, xts = quant_triton.quantize_rows_and_cols(x)
+    dq, ds, dtq, dts = quant_triton.quantize_rows_and_cols(dy)
+    return {
+        "gemm": cuda_time_ms(lambda: gemm.mm_1x128_128x128(xq, xs, wq, ws, bf16), reps)
+        + cuda_time_ms(lambda: gemm.mm_1x128_128x128(dq, ds, wqt, wst, bf16), reps)
+        + cuda_time_ms(lambda: gemm.mm_1x128_1x128(dtq, dts, xtq, xts, bf16), reps),
+        "q_w": cuda_time_ms(lambda: quant_triton.quantize_weight_with_transpose(w), reps),
+        "q_x": cuda_time_ms(lambda: quant_triton.quantize_rows_and_cols(x), reps),
+        "q_dy": cuda_time_ms(lambda: quant_triton.quantize_rows_and_cols(dy), reps),
+    }
+
+
+def sweep(m: int, reps: int) -> None:
+    """Time each quantizer launch alternative at M x 3584 and M x 18944; keep the fastest correct one."""
+    from infir2_rl.fp8 import quant_triton as qt
+    from infir2_rl.fp8.quant import quantize_activation_eager, quantize_weight_blockwise_eager
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in (3584, 18944)]
+    refs = [quantize_activation_eager(x) for x in xs]
+    trefs = [quantize_activation_eager(x.t().contiguous()) for x in xs]
+    wrefs = [quantize_weight_blockwise_eager(x) for x in xs]
+
+    def check(kind: str, i: int) -> bool:
+        x, (q, s), (qt_, st_), (wq, ws) = xs[i], refs[i], trefs[i], wrefs[i]
+        if kind in ("rows", "dual"):
+            q2, s2 = qt.quantize_rows_and_cols(x)[:2] if kind == "dual" else qt.quantize_rows(x)
+            if not (same(q2, q) and torch.equal(s2.t(), s)):
+                return False
+        if kind in ("cols", "dual"):
+            qt2, st2 = qt.quantize_rows_and_cols(x)[2:] if kind == "dual" else qt.quantize_cols(x)
+            if not (same(qt2, qt_) and torch.equal(st2.t(), st_)):
+                return False
+        if kind == "weight":
+            wq2, ws2, wqt2 = qt.quantize_weight_with_transpose(x)
+            return same(wq2, wq) and torch.equal(ws2, ws) and same(wqt2, wq.t().contiguous())
+        return True
+
+    ops = {
+        "rows": qt.quantize_rows,
+        "cols": qt.quantize_cols,
+        "dual": qt.quantize_rows_and_cols,
+        "weight": qt.quantize_weight_with_transpose,
+    }
+    print(f"# sweep: quantizer launch alternatives, ms at K=3584 / K=18944 (M={m}); * = kept")
+    for kind in ("rows", "cols", "dual", "weight"):  # dual's "split" uses the rows/cols just chosen
+        results = []
+        for cand in qt.LAUNCH_CANDIDATES[kind]:
+            qt.LAUNCH[kind] = dict(cand)
+            try:
+                if not all(check(kind, i) for i in range(len(xs))):
+                    print(f"  {kind:<6} {cand}: WRONG RESULT, excluded")
+                    continue
+                op = ops[kind]
+                times = [cuda_time_ms(lambda x=x, op=op: op(x), reps) for x in xs]
+            except Exception as exc:  # a variant that does not compile is reported and skipped
+                print(f"  {kind:<6} {cand}: failed ({type(exc).__name__}: {str(exc)[:120]})")
+                continue
+            results.append((sum(times), cand, times))
+        best = min(results, key=lambda r: r[0])
+        qt.LAUNCH[kind] = dict(best[1])
+        for _total, cand, times in results:
+            mark = "*" if cand == best[1] else " "
+            print(f" {mark}{kind:<6} {str(cand):<48} {times[0]:7.3f} {times[1]:7.3f}")
+    print(f"# launch config used below: {qt.LAUNCH}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=8192, help="tokens per GEMM")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per case (median reported)")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--sweep", action="store_true", help="first pick the fastest quantizer launch shapes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/fp8_linear.py needs a CUDA GPU (Hopper, sm90, for the FP8 fast path); none found.")
+        return 1
+    from infir2_rl.fp8 import gemm
+
+    if not gemm.fast_path_ok(torch.empty(1, device="cuda"), 128, 128):
+        print(
+            "FP8 fast path unavailable on this GPU (see the warning above); timings would show emulation only."
+        )
+        return 1
+    m = args.m
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | M={m} | ms, median of {args.reps}")
+    if args.sweep:
+        sweep(m, args.reps)
+    print(
+        f"{'model':<13} {'layer':<9} {'N':>6} {'K':>6} | {'bf16 fwd':>8} {'fp8 fwd':>8} {'x':>5} | "
+        f"{'bf16 f+b':>8} {'fp8 f+b':>8} {'x':>5} | {'W cached':>8} {'x':>5} | {'TF/s bf16':>9} {'fp8':>5} | "
+        f"{'gemm f+b':>8} {'x':>5} | {'q W+WT':>6} {'q X':>6} {'q dY':>6}"
+    )
+    layer_rows = []
+    for model in args.models:
+        specs = layer_specs(*MODELS[model])
+        for name, n, k, _ in specs:
+            if name in ("v_proj", "o_proj", "up_proj"):
+                continue  # same shapes as k_proj, q_proj, gate_proj
+            r = time_linears([(name, n, k, "x")], m, args.reps) | time_parts(m, n, k, args.reps)
+            flops = 6 * m * n * k
+            print(
+                f"{model:<13} {name:<9} {n:>6} {k:>6} | {r['bf16_fwd']:8.3f} {r['fp8_fwd']:8.3f} "
+                f"{r['bf16_fwd'] / r['fp8_fwd']:5.2f} | {r['bf16_fb']:8.3f} {r['fp8_fb']:8.3f} "
+                f"{r['bf16_fb'] / r['fp8_fb']:5.2f} | {r['fp8_fb_cached']:8.3f} {r['bf16_fb'] / r['fp8_fb_cached']:5.2f} | "
+                f"{flops / r['bf16_fb'] / 1e9:9.0f} {flops / r['fp8_fb'] / 1e9:5.0f} | "
+                f"{r['gemm']:8.3f} {r['bf16_fb'] / r['gemm']:5.2f} | {r['q_w']:6.3f} {r['q_x']:6.3f} {r['q_dy']:6.3f}"
+            )
+        layer_rows.append((model, time_linears(specs, m, args.reps)))
+    print("\n# one decoder layer's seven linears, run as in the model (ms; x = BF16 time / FP8 time)")
+    print(
+        f"{'model':<13} | {'bf16 fwd':>8} {'fp8 fwd':>8} {'x':>5} | {'bf16 f+b':>8} {'fp8 f+b':>8} {'x':>5} | "
+        f"{'W cached':>8} {'x':>5}"
+    )
+    for model, t in layer_rows:
+        print(
+            f"{model:<13} | {t['bf16_fwd']:8.3f} {t['fp8_fwd']:8.3f} {t['bf16_fwd'] / t['fp8_fwd']:5.2f} | "
+            f"{t['bf16_fb']:8.3f} {t['fp8_fb']:8.3f} {t['bf16_fb'] / t['fp8_fb']:5.2f} | "
+            f"{t['fp8_fb_cached']:8.3f} {t['bf16_fb'] / t['fp8_fb_cached']:5.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

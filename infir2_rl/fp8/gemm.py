@@ -1,0 +1,154 @@
+"""FP8 GEMMs on blockwise-scaled operands: cuBLASLt through ``F.scaled_mm`` (v2) on Hopper GPUs.
+
+Layouts (cuBLASLt on sm90 only multiplies a row-major A by a column-major B, "TN"):
+
+* ``mm_1x128_128x128``: A (M, K) e4m3 row-major with 1x128 scales, B = W_fp8.t() with W (N, K) row-major and
+  its 128x128 ``weight_scale_inv`` (Nb, Kb). fprop (X @ W^T) and dgrad (dY @ W, with W^T materialized).
+  The A scale is passed as the (M, Kb) view of a (Kb, M) buffer ("outer-dim-major"). The B scale must be
+  (round_up(Kb, 4), Nb) with stride (1, round_up(Kb, 4)): cuBLASLt reads the 128x128 scale grid with
+  16-byte aligned rows, so ``weight_scale_inv`` is zero-padded to a multiple of 4 K-blocks first. The old
+  ``torch._scaled_mm`` (v1) took the unpadded grid and returned silent garbage when Kb % 4 != 0
+  (K = 640, 1408, 8960: the Qwen2.5-1.5B down-projection), which is why only v2 is used here.
+* ``mm_1x128_1x128``: both operands with 1x128 scales; wgrad dW = dY^T X, both quantized along tokens.
+
+``use_fast_accum`` stays off: cuBLASLt refuses it with 128x128 blockwise scaling (seen on an H200, torch 2.11);
+the blockwise kernels apply the block scales to FP32 partial sums, one 128-element K block at a time.
+
+Before first use on a device, ``fast_path_ok`` multiplies small random operands with Kb = 5 (not a multiple
+of 4) through each path and compares with dequantize-then-matmul; any error or mismatch disables the fast
+path with one loud warning, and callers emulate (same numbers up to accumulation order and output rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from infir2_rl.fp8 import quant_triton
+from infir2_rl.fp8.quant import dequantize_activation, dequantize_weight_blockwise
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _scaling_types() -> tuple[Any, Any]:
+    st = F.ScalingType  # type: ignore[attr-defined]
+    return st.BlockWise1x128, st.BlockWise128x128
+
+
+def mm_1x128_128x128(
+    a_fp8: torch.Tensor,
+    a_scale_t: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(A * sA) @ (W * sW)^T``: A (M, K) with a_scale_t (Kb, M); W (N, K) with w_scale_inv (Nb, Kb)."""
+    bw1x128, bw128 = _scaling_types()
+    kb = w_scale_inv.shape[1]
+    if kb % 4:  # (no copy needed, and no kernel launched, for the common Kb % 4 == 0)
+        w_scale_inv = F.pad(w_scale_inv, (0, _round_up(kb, 4) - kb))
+    scale_b = w_scale_inv.contiguous().t()  # (Kb4, Nb), stride (1, Kb4)
+    return F.scaled_mm(  # type: ignore[attr-defined]
+        a_fp8,
+        w_fp8.t(),
+        a_scale_t.t(),
+        bw1x128,
+        scale_b,
+        bw128,
+        output_dtype=out_dtype,
+    )
+
+
+def mm_1x128_1x128(
+    a_fp8: torch.Tensor,
+    a_scale_t: torch.Tensor,
+    b_fp8: torch.Tensor,
+    b_scale_t: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(A * sA) @ (B * sB)^T``: A (M, K) with a_scale_t (Kb, M); B (N, K) with b_scale_t (Kb, N)."""
+    bw1x128, _ = _scaling_types()
+    return F.scaled_mm(  # type: ignore[attr-defined]
+        a_fp8,
+        b_fp8.t(),
+        a_scale_t.t(),
+        bw1x128,
+        b_scale_t.t(),
+        bw1x128,
+        output_dtype=out_dtype,
+    )
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _self_check(device: torch.device) -> str | None:
+    """Run each GEMM layout once on random data; return why the fast path is unusable, or None."""
+    gen = torch.Generator(device=device).manual_seed(1234)
+    m, k, n = 64, 640, 384  # Kb = 5: the case v1 got wrong
+    x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.05
+    xq, xs_t = quant_triton.quantize_rows(x)
+    wq, ws = quant_triton.quantize_weight(w)
+    x_deq = dequantize_activation(xq, xs_t.t())
+    ref = x_deq @ dequantize_weight_blockwise(wq, ws).t()
+    for out_dtype in (torch.bfloat16, torch.float32):
+        err = _rel_err(mm_1x128_128x128(xq, xs_t, wq, ws, out_dtype), ref)
+        if not err < 1e-2:
+            return f"1x128 x 128x128 scaled_mm ({out_dtype}) differs from emulation (rel err {err:.3g})"
+    # Token-dim quantized operands as in wgrad: contract over m.
+    xtq, xts = quant_triton.quantize_cols(x)
+    yt = torch.randn(m, n, device=device, generator=gen, dtype=torch.bfloat16)
+    ytq, yts = quant_triton.quantize_cols(yt)
+    ref2 = dequantize_activation(ytq, yts.t()) @ dequantize_activation(xtq, xts.t()).t()
+    for out_dtype in (torch.bfloat16, torch.float32):
+        err = _rel_err(mm_1x128_1x128(ytq, yts, xtq, xts, out_dtype), ref2)
+        if not err < 1e-2:
+            return f"1x128 x 1x128 scaled_mm ({out_dtype}) differs from emulation (rel err {err:.3g})"
+    return None
+
+
+@functools.cache
+def _device_supported(device_index: int) -> bool:
+    device = torch.device("cuda", device_index)
+    reason: str | None = None
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        reason = (
+            f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (v2); it needs torch >= 2.10"
+        )
+    elif torch.cuda.get_device_capability(device)[0] != 9:
+        cap = torch.cuda.get_device_capability(device)
+        reason = f"blockwise FP8 GEMMs need a Hopper GPU (sm90); {torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}"
+    elif not quant_triton.available():
+        reason = "Triton is not importable, so the fused FP8 quantizers cannot run"
+    else:
+        try:
+            with torch.cuda.device(device):
+                reason = _self_check(device)
+        except Exception as exc:  # any failure here means: do not use the fast path
+            reason = f"F.scaled_mm blockwise self-check raised {type(exc).__name__}: {exc}"
+    if reason is not None:
+        warnings.warn(
+            f"FP8 fast path DISABLED on cuda:{device_index}: {reason}. FP8 linears fall back to emulation "
+            "(quantize, dequantize, matmul in FP32): same numbers, no speed-up.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def fast_path_ok(t: torch.Tensor, n: int, k: int) -> bool:
+    """True when a GEMM with N=n, K=k on ``t``'s device can use cuBLASLt blockwise FP8."""
+    if not t.is_cuda:
+        return False
+    if n % 16 or k % 16:  # cuBLASLt's FP8 alignment; tiny or odd layers are emulated
+        return False
+    return _device_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,230 @@
+"""FP8 linear modules and the functions that swap them into a transformers model.
+
+* ``Fp8Linear``: a drop-in ``nn.Linear`` for training. Its Parameters (the master weight, FP32 or BF16, and
+  the bias) are unchanged; each forward quantizes the weight in 128x128 blocks (cached until the weight
+  changes) and runs fprop/dgrad/wgrad in blockwise FP8 (``ops.py``). ``export_fp8()`` returns the exact
+  bytes and scales the forward used, which is what weight sync sends to the rollout engines.
+* ``Fp8InferenceLinear``: W8A8 for rollout. Holds only the FP8 weight and its FP32 ``weight_scale_inv``
+  (the checkpoint format), quantizes activations per 1x128 tile at run time.
+* ``swap_to_fp8_training`` / ``swap_to_fp8_inference``: replace the decoder linears (q, k, v, o, gate, up,
+  down projections) and nothing else; embeddings, lm_head and norms stay in higher precision. Model files
+  never mention FP8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from infir2_rl.fp8 import gemm, quant_triton
+from infir2_rl.fp8.ops import Fp8Weight, fp8_linear, fp8_linear_forward
+from infir2_rl.fp8.quant import FP8_DTYPE, quantize_weight_blockwise
+
+DECODER_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in blockwise FP8; parameters and state dict are unchanged.
+
+    The FP8 weight is cached per weight version (``weight._version``, bumped by every in-place update
+    such as an optimizer step or ``load_state_dict``) and storage, so micro-batches of one step share one
+    quantization. Writes through ``weight.data`` bypass the version counter: call
+    ``invalidate_fp8_cache()`` after them. The cache holds 1 byte per weight (2 on the GPU fast path,
+    which also keeps W^T in FP8 for dgrad).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        pow2_scales: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.pow2_scales = pow2_scales
+        self._fp8_cache: tuple[tuple[object, ...], Fp8Weight] | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, pow2_scales: bool = False) -> Fp8Linear:
+        """An ``Fp8Linear`` that shares ``linear``'s Parameter objects (no copy)."""
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta", pow2_scales=pow2_scales)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def _weight_key(self) -> tuple[object, ...]:
+        w = self.weight
+        return (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scales)
+
+    def invalidate_fp8_cache(self) -> None:
+        self._fp8_cache = None
+
+    @torch.no_grad()
+    def _fp8_weight(self) -> Fp8Weight:
+        key = self._weight_key()
+        if self._fp8_cache is None or self._fp8_cache[0] != key:
+            w = self.weight.detach()
+            if gemm.fast_path_ok(w, self.out_features, self.in_features):
+                w_fp8, scale_inv, w_fp8_t = quant_triton.quantize_weight_with_transpose(w, self.pow2_scales)
+                fp8w = Fp8Weight(w_fp8, scale_inv, w_fp8_t, scale_inv.t().contiguous())
+            else:
+                fp8w = Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=self.pow2_scales))
+            self._fp8_cache = (key, fp8w)
+        return self._fp8_cache[1]
+
+    def export_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`` exactly as forward uses them."""
+        fp8w = self._fp8_weight()
+        return fp8w.w_fp8, fp8w.scale_inv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp8w = self._fp8_weight()
+        w_fp8, scale_inv = fp8w.w_fp8, fp8w.scale_inv
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad
+            or self.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad)
+        )
+        if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
+            return fp8_linear_forward(x, w_fp8, scale_inv, self.bias, self.pow2_scales)
+        return fp8_linear(x, self.weight, self.bias, fp8w, self.pow2_scales)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8=e4m3 blockwise, pow2_scales={self.pow2_scales}"
+
+
+class Fp8InferenceLinear(nn.Module):
+    """W8A8 linear: buffers ``weight`` (float8_e4m3fn, N x K) and ``weight_scale_inv`` (FP32), optional
+    ``bias``; activations are quantized per 1x128 tile at run time and the output has the input's dtype.
+
+    ``module.to(dtype)`` leaves ``weight`` and ``weight_scale_inv`` in their formats (it moves devices only).
+    """
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        pow2_scales: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.pow2_scales = pow2_scales
+        nb, kb = _ceil_div(out_features, 128), _ceil_div(in_features, 128)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, pow2_scales: bool = False) -> Fp8InferenceLinear:
+        """Quantize ``linear``'s current weight with the training quantizer (same bytes as ``Fp8Linear``)."""
+        bias = linear.bias
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=bias is not None,
+            device=linear.weight.device,
+            dtype=bias.dtype if bias is not None else torch.bfloat16,
+            pow2_scales=pow2_scales,
+        )
+        if isinstance(linear, Fp8Linear) and linear.pow2_scales == pow2_scales:
+            w_fp8, scale_inv = linear.export_fp8()
+        else:
+            with torch.no_grad():
+                w_fp8, scale_inv = quantize_weight_blockwise(linear.weight.detach(), pow2_scales=pow2_scales)
+        new.load_fp8_(w_fp8, scale_inv)
+        if bias is not None and new.bias is not None:
+            new.bias.copy_(bias.detach())
+        return new
+
+    @torch.no_grad()
+    def load_fp8_(self, weight_fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Copy a new FP8 weight and its scales in place (weight sync: storage and shapes are kept)."""
+        if weight_fp8.dtype != FP8_DTYPE or tuple(weight_fp8.shape) != tuple(self.weight.shape):
+            raise ValueError(
+                f"weight_fp8 {weight_fp8.dtype} {tuple(weight_fp8.shape)}: expected {FP8_DTYPE} "
+                f"{tuple(self.weight.shape)}; quantize with quantize_weight_blockwise first"
+            )
+        if tuple(scale_inv.shape) != tuple(self.weight_scale_inv.shape):
+            raise ValueError(
+                f"weight_scale_inv shape {tuple(scale_inv.shape)}: expected {tuple(self.weight_scale_inv.shape)} "
+                "(one FP32 scale per 128x128 block)"
+            )
+        self.weight.copy_(weight_fp8)
+        self.weight_scale_inv.copy_(scale_inv.float())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Fp8InferenceLinear:  # type: ignore[override]
+        # Module.to(dtype) casts every floating buffer, FP8 ones included; casting the FP32 scales to BF16
+        # would lose precision. Keep both formats and follow only the device change.
+        keep = {"weight": self.weight, "weight_scale_inv": self.weight_scale_inv}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            new = self._buffers[name]
+            assert new is not None
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear_forward(x, self.weight, self.weight_scale_inv, self.bias, self.pow2_scales)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"W8A8 e4m3 blockwise, pow2_scales={self.pow2_scales}"
+        )
+
+
+def _decoder_linears(
+    model: nn.Module, types: tuple[type, ...] = (nn.Linear,)
+) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(full name, parent, attribute, module) for each linear of exactly one of ``types`` named like a
+    decoder projection (exact types: subclasses such as LoRA or already-swapped layers are left alone)."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            if attr in DECODER_LINEAR_NAMES and type(child) in types:
+                assert isinstance(child, nn.Linear)
+                full = f"{parent_name}.{attr}" if parent_name else attr
+                found.append((full, parent, attr, child))
+    return found
+
+
+def swap_to_fp8_training(model: nn.Module, pow2_scales: bool = False) -> list[str]:
+    """Replace decoder ``nn.Linear``s by ``Fp8Linear`` sharing the same Parameters; returns swapped names.
+
+    Parameters keep their identity, so an optimizer built before the swap keeps working.
+    """
+    swapped = []
+    for full, parent, attr, child in _decoder_linears(model):
+        setattr(parent, attr, Fp8Linear.from_linear(child, pow2_scales=pow2_scales))
+        swapped.append(full)
+    return swapped
+
+
+def swap_to_fp8_inference(model: nn.Module, pow2_scales: bool = False) -> list[str]:
+    """Replace decoder ``nn.Linear``s (or ``Fp8Linear``s) by ``Fp8InferenceLinear`` quantized from their
+    current weights; returns swapped names."""
+    swapped = []
+    for full, parent, attr, child in _decoder_linears(model, (nn.Linear, Fp8Linear)):
+        setattr(parent, attr, Fp8InferenceLinear.from_linear(child, pow2_scales=pow2_scales))
+        swapped.append(full)
+    return swapped

@@ -1,0 +1,240 @@
+"""The FP8 linear as functions: W8A8 forward, and the training autograd Function (fprop, dgrad, wgrad).
+
+Transformer Engine's Float8BlockScaling recipe, which InfiR2 trains with:
+
+* fprop  Y  = X(1x128) . W(128x128)^T         tiles of X along K (hidden), W in 128x128 blocks
+* dgrad  dX = dY(1x128) . W(128x128)          tiles of dY along N, the same FP8 weight read transposed
+* wgrad  dW = dY^T(1x128) . X(1x128)          both quantized in 1x128 tiles along the token dimension M
+
+Shape legend: M tokens (all leading dims flattened), K input features, N output features.
+
+CUDA with a Hopper GPU: fused Triton quantizers + cuBLASLt (``gemm.py``). Everywhere else (CPU, or when
+``gemm.fast_path_ok`` says no): *emulation* - quantize with the same quantizer, dequantize, matmul in FP32,
+cast to the input dtype. Both see the same FP8 values; they differ only in accumulation order and in the
+rounding of the output, which is why every FP8 code path can be tested on CPU.
+The bias is never quantized. The master weight's dtype (FP32 or BF16) is the dtype of its gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infir2_rl.fp8 import gemm, quant_triton
+from infir2_rl.fp8.quant import (
+    dequantize_activation,
+    dequantize_weight_blockwise,
+    quantize_activation,
+)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A quantized weight as the GEMMs use it: FP8 bytes (N, K), FP32 ``scale_inv`` (Nb, Kb), and for the
+    GPU dgrad optionally the transposes (K, N) and (Kb, Nb), made once per weight version."""
+
+    w_fp8: torch.Tensor
+    scale_inv: torch.Tensor
+    w_fp8_t: torch.Tensor | None = None
+    scale_inv_t: torch.Tensor | None = None
+
+
+# The last input quantized on the fast path. q, k and v projections (and gate and up) read the same
+# activation tensor: quantizing it once saves 3 of 5 input quantizations per decoder layer. The entry is
+# keyed on the tensor object itself (a weak reference, so a freed tensor whose memory is reused can never
+# match) and its version counter (so an in-place change invalidates it), and dropped when the tensor dies.
+_last_input: list[Any] = [None]
+
+
+def _quantize_input_fast(x: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool) -> tuple[Any, ...]:
+    entry = _last_input[0]
+    if entry is not None:
+        ref, version, entry_pow2, has_cols, out = entry
+        if ref() is x and version == x._version and entry_pow2 == pow2 and (has_cols or not need_cols):
+            return out
+    if need_cols:
+        out = quant_triton.quantize_rows_and_cols(x2d, pow2)
+    else:
+        out = (*quant_triton.quantize_rows(x2d, pow2), None, None)
+    _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, pow2, need_cols, out)
+    return out
+
+
+def _drop_last_input(ref: weakref.ref) -> None:
+    entry = _last_input[0]
+    if entry is not None and entry[0] is ref:  # free the quantized copy together with its source
+        _last_input[0] = None
+
+
+def _gpu_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _emulated_mm(a_deq: torch.Tensor, b_deq: torch.Tensor) -> torch.Tensor:
+    """FP32 matmul of dequantized operands; TF32 off so emulation stays a faithful reference on GPUs."""
+    if a_deq.is_cuda:
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            return a_deq @ b_deq.t()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+    return a_deq @ b_deq.t()
+
+
+def fp8_linear_forward(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pow2_scales: bool = False,
+) -> torch.Tensor:
+    """W8A8 ``x @ W^T + b`` with x quantized per 1x128 tile at run time; returns ``x``'s dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w_fp8.shape[0]
+    x2d = x.reshape(-1, k)
+    m = x2d.shape[0]
+    if m == 0:
+        return x.new_zeros(*lead, n)
+    if gemm.fast_path_ok(x2d, n, k):
+        xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, need_cols=False)
+        y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, x.dtype, bias)[:m]
+    else:
+        xq, xs = quantize_activation(x2d, pow2_scales=pow2_scales)
+        y32 = _emulated_mm(dequantize_activation(xq, xs), dequantize_weight_blockwise(w_fp8, w_scale_inv))
+        y = _add_bias(y32, bias).to(x.dtype)
+    return y.view(*lead, n)
+
+
+def _fast_fprop(
+    xq: torch.Tensor,
+    xs_t: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    # The bias is added after the GEMM rather than in cuBLASLt's epilogue, which blockwise scaling does not
+    # promise to support; it is a small elementwise pass, and only q/k/v have a bias in Qwen2.
+    y = _add_bias(gemm.mm_1x128_128x128(xq, xs_t, w_fp8, w_scale_inv, _gpu_out_dtype(dtype)), bias)
+    return y.to(dtype)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """Autograd for ``y = x @ W^T + b`` with all three GEMMs in blockwise FP8 (see module docstring)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        fp8w: Fp8Weight,
+        pow2_scales: bool,
+    ) -> torch.Tensor:
+        w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
+        lead, k = x.shape[:-1], x.shape[-1]
+        n = weight.shape[0]
+        x2d = x.reshape(-1, k)
+        m = x2d.shape[0]
+        fast = m > 0 and gemm.fast_path_ok(x2d, n, k)
+        need_wgrad = ctx.needs_input_grad[1]
+        ctx.fast, ctx.m, ctx.pow2 = fast, m, pow2_scales
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        if fast:
+            # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
+            xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_cols=need_wgrad)
+            w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
+            if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
+                w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
+            ctx.save_for_backward(w_t, s_t, xtq, xts)
+            y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, x.dtype, bias)[:m]
+        else:
+            ctx.save_for_backward(w_fp8, w_scale_inv, x2d if need_wgrad else None)
+            if m == 0:
+                y = x2d.new_zeros(0, n)
+            else:
+                xq, xs = quantize_activation(x2d, pow2_scales=pow2_scales)
+                w_deq = dequantize_weight_blockwise(w_fp8, w_scale_inv)
+                y = _add_bias(_emulated_mm(dequantize_activation(xq, xs), w_deq), bias).to(x.dtype)
+        return y.view(*lead, n)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        n = dy.shape[-1]
+        dy2d = dy.reshape(-1, n)
+        if dy2d.stride(-1) != 1:
+            dy2d = dy2d.contiguous()
+        dx = dw = db = None
+        if ctx.m == 0:
+            dx = dy.new_zeros(ctx.x_shape) if need_dx else None
+            dw = torch.zeros(n, ctx.x_shape[-1], dtype=ctx.w_dtype, device=dy.device) if need_dw else None
+        elif ctx.fast:
+            dx, dw = _fast_backward(ctx, dy2d, need_dx, need_dw)
+        else:
+            dx, dw = _emulated_backward(ctx, dy2d, need_dx, need_dw)
+        if need_db:
+            db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        return dx, dw, db, None, None
+
+
+def _fast_backward(
+    ctx: Any, dy2d: torch.Tensor, need_dx: bool, need_dw: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    w_t, s_t, xtq, xts = ctx.saved_tensors
+    m, pow2 = ctx.m, ctx.pow2
+    dx = dw = None
+    if need_dx and need_dw:
+        dyq, dys_t, dytq, dyts = quant_triton.quantize_rows_and_cols(dy2d, pow2)
+    elif need_dx:
+        dyq, dys_t = quant_triton.quantize_rows(dy2d, pow2)
+    elif need_dw:
+        dytq, dyts = quant_triton.quantize_cols(dy2d, pow2)
+    if need_dx:
+        # dX = dY . W: the B operand is W^T (K, N) row-major with the transposed 128x128 scale grid.
+        dx = gemm.mm_1x128_128x128(dyq, dys_t, w_t, s_t, _gpu_out_dtype(ctx.x_dtype))[:m].to(ctx.x_dtype)
+    if need_dw:
+        dw = gemm.mm_1x128_1x128(dytq, dyts, xtq, xts, _gpu_out_dtype(ctx.w_dtype)).to(ctx.w_dtype)
+    return dx, dw
+
+
+def _emulated_backward(
+    ctx: Any, dy2d: torch.Tensor, need_dx: bool, need_dw: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    w_fp8, w_scale_inv, x2d = ctx.saved_tensors
+    pow2 = ctx.pow2
+    dx = dw = None
+    if need_dx:
+        dyq, dys = quantize_activation(dy2d, pow2_scales=pow2)
+        w_deq = dequantize_weight_blockwise(w_fp8, w_scale_inv)
+        dx = _emulated_mm(dequantize_activation(dyq, dys), w_deq.t()).to(ctx.x_dtype)
+    if need_dw:
+        # Token-dim tiles: quantize the transposes along their last dim (zero padding changes nothing).
+        dytq, dyts = quantize_activation(dy2d.t().contiguous(), pow2_scales=pow2)
+        xtq, xts = quantize_activation(x2d.t().contiguous(), pow2_scales=pow2)
+        dw = _emulated_mm(dequantize_activation(dytq, dyts), dequantize_activation(xtq, xts)).to(ctx.w_dtype)
+    return dx, dw
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp8w: Fp8Weight,
+    pow2_scales: bool = False,
+) -> torch.Tensor:
+    """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``."""
+    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales)
+    assert isinstance(out, torch.Tensor)
+    return out

@@ -1,0 +1,281 @@
+"""Fused Triton kernels for blockwise FP8 quantization (CUDA only; ``quant.py`` holds the reference).
+
+Why fused: quantizing is memory-bound (read 2 bytes, write 1 byte and a scale per 128 elements), but the
+eager torch version makes ~6 passes over the data (abs, amax, divide, clamp, cast, pad/slice). Here each
+kernel reads its input once and writes exactly what the GEMMs consume:
+
+* ``quantize_rows``: 1x128 tiles along the last dim (fprop input X, dgrad input dY). The scale is written
+  K-block-major, shape (Kb, M_pad) in memory, because ``F.scaled_mm`` wants the 1x128 scale of its left
+  operand "outer-dim-major" (stride (1, M)); ``s_t.t()`` is then the (M, Kb) view it accepts as is.
+* ``quantize_cols``: 1x128 tiles along the *token* dim, written transposed (K, M_pad) for the wgrad GEMM
+  (dW = dY^T X contracts over tokens); the forward keeps only this FP8 copy of X for backward.
+* ``quantize_rows_and_cols``: both, either from one read of each 128x128 tile ("fused") or as the two
+  kernels above ("split": 6 bytes of traffic per element instead of 4, but short column strips keep many
+  more programs resident: 0.32 ms instead of 0.52 ms at 8192 x 18944 on an H200, see docs/performance.md).
+* ``quantize_weight``: one scale per 128x128 block; also writes W^T in FP8 for the dgrad GEMM.
+
+Rows are padded with zeros (scale 1) up to ``pad_rows_to`` (16 for row tiles: cuBLASLt wants M % 16;
+128 for token tiles, a whole tile). Numbers match the eager reference bit for bit: IEEE division
+(``div_rn``; Triton's plain ``/`` on FP32 is an approximate division), clamp, then round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    _HAVE_TRITON = False
+
+_TILE = 128
+# Launch shapes; bench/fp8_linear.py --sweep times the alternatives (docs/performance.md: on an H200 the
+# defaults are within noise of the fastest candidate and were also checked bit for bit with FP32 input).
+# rows: rows per program; cols: columns per program strip; trans_fp8: transpose after the FP8 cast
+# (4x less shared memory for the layout change); dual.split: two kernels instead of one fused pass.
+LAUNCH: dict[str, dict[str, Any]] = {
+    "rows": {"bm": 32, "warps": 4},
+    "cols": {"bk": 64, "warps": 4, "trans_fp8": False},
+    "dual": {"split": True, "warps": 4, "trans_fp8": False},
+    "weight": {"warps": 8},
+}
+
+# The alternatives bench/fp8_linear.py --sweep times (and tests/test_fp8_gpu.py checks bit for bit).
+LAUNCH_CANDIDATES: dict[str, list[dict[str, Any]]] = {
+    "rows": [{"bm": bm, "warps": w} for bm, w in ((16, 4), (32, 4), (64, 4), (32, 2))],
+    "cols": [{"bk": bk, "warps": 4, "trans_fp8": t} for bk in (32, 64, 128) for t in (False, True)]
+    + [{"bk": 32, "warps": 2, "trans_fp8": False}, {"bk": 64, "warps": 2, "trans_fp8": False}],
+    "dual": [{"split": False, "warps": w, "trans_fp8": t} for w in (4, 8) for t in (False, True)]
+    + [{"split": True, "warps": 4, "trans_fp8": False}],
+    "weight": [{"warps": 4}, {"warps": 8}],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """True when the fused kernels can run: Triton imports and a CUDA device is present."""
+    if os.environ.get("INFIR2_FP8_EAGER_QUANT") == "1":  # escape hatch to compare with the reference
+        return False
+    return _HAVE_TRITON and torch.cuda.is_available()
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _scale_from_amax(amax, POW2: tl.constexpr):
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        s = tl.where(amax > 0, s, 1.0)
+        if POW2:
+            # Round up to a power of two on the bit pattern (same rule as quant.round_scale_up_pow2).
+            bits = s.to(tl.int32, bitcast=True)
+            expo = bits & 0x7F800000
+            bits = tl.where((bits & 0x007FFFFF) != 0, expo + 0x00800000, expo)
+            s = bits.to(tl.float32, bitcast=True)
+        return s
+
+    @triton.jit
+    def _act_quant_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        qt_ptr,
+        st_ptr,
+        M,
+        K,
+        stride_xm,
+        rows_q,
+        rows_qt,
+        POW2: tl.constexpr,
+        DO_ROWS: tl.constexpr,
+        DO_COLS: tl.constexpr,
+        TRANS_FP8: tl.constexpr,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_k * BK + tl.arange(0, BK)
+        in_mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
+        x = tl.load(x_ptrs, mask=in_mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        if DO_ROWS:  # requires BK == 128: one program column is one K-block
+            s = _scale_from_amax(tl.max(ax, axis=1), POW2)
+            q = tl.math.div_rn(x, tl.broadcast_to(s[:, None], (BM, BK)))
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
+            tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
+        if DO_COLS:  # requires BM == 128: one program row is one token tile
+            sc = _scale_from_amax(tl.max(ax, axis=0), POW2)
+            qc = tl.math.div_rn(x, tl.broadcast_to(sc[None, :], (BM, BK)))
+            qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
+            if TRANS_FP8:
+                qc_t = tl.trans(qc.to(tl.float8e4nv))  # (BK, BM): row k of X^T, tokens contiguous
+            else:
+                qc_t = tl.trans(qc).to(tl.float8e4nv)
+            t_mask = (cols[:, None] < K) & (rows[None, :] < rows_qt)
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :], qc_t, mask=t_mask)
+            tl.store(st_ptr + pid_m * K + cols, sc, mask=cols < K)
+
+    @triton.jit
+    def _weight_quant_kernel(
+        w_ptr,
+        q_ptr,
+        qt_ptr,
+        s_ptr,
+        N,
+        K,
+        stride_wn,
+        KB,
+        POW2: tl.constexpr,
+        WRITE_T: tl.constexpr,
+        B: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * B + tl.arange(0, B)
+        cols = pid_k * B + tl.arange(0, B)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
+        w = w.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+        s = _scale_from_amax(tl.full((1,), 0.0, tl.float32) + amax, POW2)
+        q = tl.math.div_rn(w, tl.broadcast_to(s[:, None], (B, B)))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+        if WRITE_T:  # W^T (K, N) for dgrad: the same values, the same 128x128 grid transposed
+            mask_t = (cols[:, None] < K) & (rows[None, :] < N)
+            tl.store(
+                qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :],
+                tl.trans(q).to(tl.float8e4nv),
+                mask=mask_t,
+            )
+        tl.store(s_ptr + pid_n * KB + pid_k + tl.arange(0, 1), s)
+
+
+def _launch_act(
+    x2d: torch.Tensor, pow2: bool, do_rows: bool, do_cols: bool, pad_rows_to: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    assert x2d.dim() == 2
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    m, k = x2d.shape
+    kb = -(-k // _TILE)
+    rows_q = _round_up(m, pad_rows_to) if do_rows else 0
+    rows_qt = _round_up(m, _TILE) if do_cols else 0
+    dev = x2d.device
+    q = torch.empty((rows_q, k), dtype=torch.float8_e4m3fn, device=dev) if do_rows else None
+    s_t = torch.empty((kb, rows_q), dtype=torch.float32, device=dev) if do_rows else None
+    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if do_cols else None
+    st = torch.empty((rows_qt // _TILE, k), dtype=torch.float32, device=dev) if do_cols else None
+    if do_rows and do_cols:
+        cfg = LAUNCH["dual"]
+        bm, bk, warps, trans_fp8 = _TILE, _TILE, cfg["warps"], cfg["trans_fp8"]
+    elif do_cols:
+        cfg = LAUNCH["cols"]
+        bm, bk, warps, trans_fp8 = _TILE, cfg["bk"], cfg["warps"], cfg["trans_fp8"]
+    else:
+        cfg = LAUNCH["rows"]
+        bm, bk, warps, trans_fp8 = cfg["bm"], _TILE, cfg["warps"], False
+    grid = (triton.cdiv(max(rows_q, rows_qt), bm), triton.cdiv(k, bk))
+    dummy = x2d  # pointer slots of a branch compiled out
+    _act_quant_kernel[grid](
+        x2d,
+        q if q is not None else dummy,
+        s_t if s_t is not None else dummy,
+        qt if qt is not None else dummy,
+        st if st is not None else dummy,
+        m,
+        k,
+        x2d.stride(0),
+        rows_q,
+        rows_qt,
+        POW2=pow2,
+        DO_ROWS=do_rows,
+        DO_COLS=do_cols,
+        TRANS_FP8=trans_fp8,
+        BM=bm,
+        BK=bk,
+        num_warps=warps,
+    )
+    return q, s_t, qt, st
+
+
+def quantize_rows(
+    x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along the last dim of ``x2d`` (M, K) -> (q (M_pad, K), s_t (Kb, M_pad))."""
+    q, s_t, _, _ = _launch_act(x2d, pow2_scales, True, False, pad_rows_to)
+    assert q is not None and s_t is not None
+    return q, s_t
+
+
+def quantize_cols(x2d: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along the first (token) dim of ``x2d`` (M, K) -> (qt (K, M_128), st (M_128/128, K))."""
+    _, _, qt, st = _launch_act(x2d, pow2_scales, False, True, 1)
+    assert qt is not None and st is not None
+    return qt, st
+
+
+def quantize_rows_and_cols(
+    x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both of the above: (q, s_t, qt, st)."""
+    if LAUNCH["dual"]["split"]:
+        q, s_t = quantize_rows(x2d, pow2_scales, pad_rows_to)
+        qt, st = quantize_cols(x2d, pow2_scales)
+        return q, s_t, qt, st
+    q2, s2, qt2, st2 = _launch_act(x2d, pow2_scales, True, True, pad_rows_to)
+    assert q2 is not None and s2 is not None and qt2 is not None and st2 is not None
+    return q2, s2, qt2, st2
+
+
+def _launch_weight(
+    w: torch.Tensor, pow2: bool, with_transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    n, k = w.shape
+    nb, kb = -(-n // _TILE), -(-k // _TILE)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    qt = torch.empty((k, n), dtype=torch.float8_e4m3fn, device=w.device) if with_transpose else q
+    s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    _weight_quant_kernel[(nb, kb)](
+        w, q, qt, s, n, k, w.stride(0), kb, POW2=pow2, WRITE_T=with_transpose, B=_TILE,
+        num_warps=LAUNCH["weight"]["warps"],
+    )  # fmt: skip
+    return q, s, qt
+
+
+def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks of ``w`` (N, K) -> (w_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))."""
+    q, s, _ = _launch_weight(w, pow2_scales, False)
+    return q, s
+
+
+def quantize_weight_with_transpose(
+    w: torch.Tensor, pow2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``quantize_weight`` plus w_fp8^T (K, N) contiguous for dgrad, from the same read of ``w``.
+
+    FP32 weights take the transpose from torch instead: on an H200 (Triton 3.6, torch 2.11) the fused
+    transposed store returned wrong bytes (NaN in dgrad) for FP32 input while BF16 input was bit-exact;
+    the cause is not established. The transpose is made once per weight version, so this costs little.
+    """
+    if w.dtype == torch.float32:
+        q, s, _ = _launch_weight(w, pow2_scales, False)
+        return q, s, q.t().contiguous()
+    return _launch_weight(w, pow2_scales, True)

@@ -1,0 +1,133 @@
+"""The GPU fast path's plumbing (operand layouts, padding, caches), run on CPU.
+
+The Triton quantizers are replaced by eager equivalents with the same outputs and memory layouts, and
+``F.scaled_mm`` by a fake that enforces the layout rules cuBLASLt's blockwise kernels impose (as checked by
+torch's ScaledBlas.cpp) and computes in float64. The fast path must then agree with the emulation path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infir2_rl.fp8 import gemm, ops, quant_triton
+from infir2_rl.fp8.linear import Fp8InferenceLinear, Fp8Linear
+from infir2_rl.fp8.quant import quantize_activation_eager, quantize_weight_blockwise_eager
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows(x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16) -> tuple[torch.Tensor, ...]:
+    m = x2d.shape[0]
+    xp = F.pad(x2d, (0, 0, 0, _cdiv(m, pad_rows_to) * pad_rows_to - m))
+    q, s = quantize_activation_eager(xp, pow2_scales=pow2_scales)
+    return q, s.t().contiguous()  # scale stored (Kb, M_pad) like the kernel
+
+
+def _cols(x2d: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, ...]:
+    m = x2d.shape[0]
+    xp = F.pad(x2d, (0, 0, 0, _cdiv(m, 128) * 128 - m))
+    qt, st = quantize_activation_eager(xp.t().contiguous(), pow2_scales=pow2_scales)
+    return qt, st.t().contiguous()  # (K, M_128) and (M_128 / 128, K)
+
+
+def _weight_t(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, ...]:
+    q, s = quantize_weight_blockwise_eager(w, pow2_scales=pow2_scales)
+    return q, s, q.t().contiguous()
+
+
+def fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16, **_):  # type: ignore[no-untyped-def]
+    m, k = a.shape
+    n, kb = b.shape[1], _cdiv(k, 128)
+    assert a.stride(1) == 1 and b.stride(0) == 1, "cuBLASLt on sm90 multiplies row-major A by column-major B"
+    assert k % 16 == 0 and n % 16 == 0 and b.shape[0] == k
+    assert recipe_a == F.ScalingType.BlockWise1x128
+    assert scale_a.shape == (m, kb) and scale_a.stride(0) == 1 and (scale_a.stride(1) == m or kb == 1)
+    a64 = a.double() * scale_a.double().repeat_interleave(128, 1)[:, :k]
+    if recipe_b == F.ScalingType.BlockWise128x128:
+        nb, kb4 = _cdiv(n, 128), _cdiv(kb, 4) * 4
+        assert scale_b.shape == (kb4, nb) and scale_b.stride(0) == 1 and (scale_b.stride(1) == kb4 or nb == 1)
+        full = scale_b[:kb].double().repeat_interleave(128, 0)[:k].repeat_interleave(128, 1)[:, :n]
+    else:
+        assert recipe_b == F.ScalingType.BlockWise1x128
+        assert scale_b.shape == (n, kb) and scale_b.stride(0) == 1 and (scale_b.stride(1) == n or kb == 1)
+        full = scale_b.double().t().repeat_interleave(128, 0)[:k]
+    return (a64 @ (b.double() * full)).to(output_dtype)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"rows": 0, "dual": 0}
+
+    def dual(x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16) -> tuple[torch.Tensor, ...]:
+        calls["dual"] += 1
+        return (*_rows(x2d, pow2_scales, pad_rows_to), *_cols(x2d, pow2_scales))
+
+    def rows(x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16) -> tuple[torch.Tensor, ...]:
+        calls["rows"] += 1
+        return _rows(x2d, pow2_scales, pad_rows_to)
+
+    monkeypatch.setattr(quant_triton, "quantize_rows", rows)
+    monkeypatch.setattr(quant_triton, "quantize_cols", _cols)
+    monkeypatch.setattr(quant_triton, "quantize_rows_and_cols", dual)
+    monkeypatch.setattr(quant_triton, "quantize_weight_with_transpose", _weight_t)
+    monkeypatch.setattr(F, "scaled_mm", fake_scaled_mm, raising=False)
+    monkeypatch.setattr(gemm, "fast_path_ok", lambda t, n, k: n % 16 == 0 and k % 16 == 0)
+    return calls
+
+
+def _run(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = layer(x)
+    y.backward(dy)
+    return [y, x.grad, layer.weight.grad, layer.bias.grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lead", "k", "n"), [((2, 75), 640, 384), ((5,), 256, 128), ((130,), 1536, 272)])
+def test_fast_path_agrees_with_emulation(
+    fake_gpu: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+    lead: tuple[int, ...],
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+) -> None:
+    layer = Fp8Linear(k, n, bias=True, dtype=dtype)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(*lead, k).to(dtype)
+    dy = torch.randn(*lead, n).to(dtype)
+    fast = [*_run(layer, x, dy), Fp8InferenceLinear.from_linear(layer)(x)]
+    assert layer._fp8_cache is not None and layer._fp8_cache[1].w_fp8_t is not None  # transposes cached
+    monkeypatch.setattr(gemm, "fast_path_ok", lambda *a: False)
+    emulated = [*_run(layer, x, dy), Fp8InferenceLinear.from_linear(layer)(x)]
+    for name, a, b in zip(["y", "dx", "dw", "db", "inference"], fast, emulated):
+        assert a.shape == b.shape and a.dtype == b.dtype == dtype, name
+        rel = float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-6), (name, rel)
+
+
+def test_shared_input_is_quantized_once(fake_gpu: dict[str, int]) -> None:
+    q, k, v = (Fp8InferenceLinear.from_linear(nn.Linear(256, 128)) for _ in range(3))
+    x = torch.randn(4, 256)
+    first = [m(x) for m in (q, k, v)]
+    assert fake_gpu["rows"] == 1
+    x.mul_(2.0)  # in place: the cached quantization is stale and must not be used
+    second = [m(x) for m in (q, k, v)]
+    assert fake_gpu["rows"] == 2
+    assert not torch.equal(first[0], second[0])
+    assert torch.equal(q(x.clone()), second[0])  # a different tensor object is quantized afresh
+    assert fake_gpu["rows"] == 3
+    layers = [Fp8Linear(256, 128) for _ in range(2)]
+    xg = torch.randn(4, 256, requires_grad=True)
+    outs = [m(xg) for m in layers]
+    sum(o.square().sum() for o in outs).backward()
+    assert fake_gpu["dual"] == 3 and ops._last_input[0] is not None  # X once for both layers, dY once each
+    del xg, outs
+    assert ops._last_input[0] is None  # dropped with its source tensor
