@@ -23,6 +23,9 @@ from infir2_rl.config import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Local Ray workers inherit this environment: keep per-actor weight-loading bars out of the job log.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 log = logging.getLogger("infir2_rl")
 

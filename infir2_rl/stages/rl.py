@@ -1,0 +1,170 @@
+"""The GRPO RL stage: generate -> score -> advantages -> train -> sync -> log -> checkpoint.
+
+    infir2-rl run configs/demo/rl_stage1.yaml
+
+Each step the engines sample `n_samples_per_prompt` answers for `prompts_per_step` prompts with the
+FP8 weights they were last sent (dynamic sampling drops groups with no reward spread and samples more).
+The trainer recomputes the log-probs of those tokens at the rollout temperature (the "old" policy, in
+its own precision flow); their gap to the engine's log-probs is the train/rollout mismatch, logged every
+step and corrected by TIS in the loss. One optimizer step per rollout batch, then the new weights go to
+every engine (version = step) and a few layers are read back and compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from infir2_rl.algo.advantages import grpo_advantages
+from infir2_rl.algo.loss_fns import GrpoLoss
+from infir2_rl.algo.mismatch import mismatch_metrics
+from infir2_rl.checkpoint import CheckpointManager, save_checkpoint
+from infir2_rl.config import RlStageConfig, validate_paths
+from infir2_rl.metrics import MetricsLogger, PhaseTimer, names, progress
+from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
+from infir2_rl.stages.common import (
+    CHECKPOINTS_DIR,
+    StageResult,
+    final_from_checkpoint,
+    is_due,
+    publish_final,
+    resume_state,
+    stage_run_dir,
+    train_metrics,
+)
+from infir2_rl.stages.rl_setup import RlActors, load_rl_data, start_rl_actors
+
+log = logging.getLogger(__name__)
+
+
+def run_rl_stage(cfg: RlStageConfig) -> StageResult:
+    """Run (or resume) one RL stage to its last step; returns RUN_DIR/final and the last metrics."""
+    validate_paths(cfg)  # bad paths and data fail here, before any actor starts
+    data = load_rl_data(cfg)
+    last_step = min(cfg.rollout.num_steps, cfg.trainer.max_steps or sys.maxsize)
+    with stage_run_dir(cfg) as run_dir:
+        ckpts = CheckpointManager(run_dir / CHECKPOINTS_DIR, cfg.checkpoint.keep_last)
+        state, resumed = resume_state(ckpts, cfg.checkpoint.resume, len(data.train))
+        if state.step >= last_step:
+            assert resumed is not None
+            log.warning(
+                "RL stage %s: nothing to do: checkpoint at step %d of %d", cfg.name, state.step, last_step
+            )
+            final = final_from_checkpoint(resumed, run_dir)
+            return StageResult(final, run_dir, steps_run=0, last_step=state.step, nothing_to_do=True)
+        actors = start_rl_actors(cfg, data, total_steps=last_step, resume_from=resumed, state=state)
+        loss_fn = GrpoLoss.from_config(cfg.algorithm, cfg.rollout.temperature)
+        timer, summary, first = PhaseTimer(), dict[str, float](), state.step + 1
+        m = cfg.metrics
+        try:
+            with (
+                MetricsLogger(
+                    run_dir, tensorboard=m.tensorboard, ray_metrics=m.ray_metrics, stage=cfg.name
+                ) as logger,
+                progress(last_step, cfg.name, None if m.progress_bar else False) as bar,
+            ):
+                bar.update(state.step)
+                if resumed is None:  # the starting point of the reward/accuracy curves
+                    logger.log(0, actors.evaluate(data.test))
+                for step in range(first, last_step + 1):
+                    timer.reset()
+                    with timer("rollout"):
+                        batch = actors.manager.generate(actors.prompts)
+                    metrics = rl_step(cfg, actors, batch, loss_fn, step, timer)
+                    state.step, state.skipped_steps = (
+                        step,
+                        state.skipped_steps + int(metrics.pop("train/skipped")),
+                    )
+                    state.cursor.epoch, state.cursor.position = actors.prompts.epoch, actors.prompts.cursor
+                    metrics[names.TRAIN_SKIPPED_STEPS] = float(state.skipped_steps)
+                    if is_due(step, cfg.rollout.eval_every, last_step):
+                        with timer("eval"):
+                            metrics |= actors.evaluate(data.test)
+                    if is_due(step, cfg.checkpoint.save_every, last_step):
+                        with timer("checkpoint"):
+                            save_checkpoint(actors.checkpointable(), ckpts, state)
+                    metrics |= timer.as_metrics()
+                    logger.log(step, metrics)
+                    summary |= metrics
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics[names.ROLLOUT_REWARD_MEAN]:.3f}")
+                    log.info("step %d/%d %s", step, last_step, _brief(metrics))
+            final = publish_final(actors.trainer.save_hf, run_dir)
+        finally:
+            actors.shutdown()
+    return StageResult(final, run_dir, steps_run=last_step - first + 1, last_step=last_step, summary=summary)
+
+
+def rl_step(
+    cfg: RlStageConfig, actors: RlActors, batch: RolloutBatch, loss_fn: GrpoLoss, step: int, timer: PhaseTimer
+) -> dict[str, float]:
+    """Advantages, old log-probs and mismatch, one optimizer step, weight push: the step's metrics."""
+    advantages = grpo_advantages(batch.rewards_tensor(), batch.group_size, cfg.algorithm.normalize_std)
+    (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
+    actors.engines_sleep()
+    with timer("old_logprobs"):
+        tokens.old_logprobs = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature)
+    assert tokens.rollout_logprobs is not None
+    mask = tokens.loss_mask[:, 1:]
+    mm = mismatch_metrics(
+        tokens.old_logprobs[:, 1:],
+        tokens.rollout_logprobs[:, 1:],
+        mask,
+        cfg.algorithm.tis_low,
+        cfg.algorithm.tis_high,
+    )
+    units = int(mask.sum().item()) if cfg.algorithm.loss_reduction == "token_mean" else batch.num_samples
+    with timer("train"):
+        stats = actors.trainer.train_step(tokens, loss_fn, total_units=units)
+    actors.engines_wake()
+    with timer("weight_sync"):
+        push = actors.sync.push(actors.trainer.export_weights(), version=step)
+    return {
+        **batch.metrics,
+        **train_metrics(stats, 0, stats.step_time_s),
+        "train/skipped": float(stats.skipped),
+        names.MISMATCH_ABS_LOGP_DIFF_MEAN: mm.abs_logp_diff_mean,
+        names.MISMATCH_ABS_LOGP_DIFF_MAX: mm.abs_logp_diff_max,
+        names.MISMATCH_K3: mm.k3,
+        names.MISMATCH_IS_RATIO_MIN: mm.is_ratio_min,
+        names.MISMATCH_IS_RATIO_MAX: mm.is_ratio_max,
+        names.MISMATCH_TIS_CLIP_FRAC: mm.tis_clip_frac,
+        names.WEIGHT_SYNC_PUSH_S: push.seconds,
+        "weight_sync/bytes": float(push.bytes),
+        "rollout/advantage_abs_mean": float(torch.as_tensor(advantages).abs().mean()),
+    }
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    keys = (
+        names.ROLLOUT_REWARD_MEAN,
+        names.ROLLOUT_RESPONSE_LEN_MEAN,
+        names.TRAIN_LOSS,
+        names.MISMATCH_ABS_LOGP_DIFF_MEAN,
+        names.MISMATCH_K3,
+        names.EVAL_ACCURACY,
+    )
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from infir2_rl.config import load_stage_config
+    from infir2_rl.pipeline import ensure_ray
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m infir2_rl.stages.rl CONFIG [section.field=value ...]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_stage_config(args[0], args[1:])
+    if not isinstance(cfg, RlStageConfig):
+        raise ValueError(f"{args[0]}: kind={cfg.kind!r}; this entry point runs kind 'rl' stages")
+    ensure_ray()
+    print(f"final checkpoint: {run_rl_stage(cfg).final_checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
