@@ -1,0 +1,158 @@
+"""TrainerGroup: N TrainerWorker actors in one placement group, driven as one data-parallel trainer.
+
+Every call fans out to all ranks and is gathered with a single `ray.get`. A global batch is cut into
+contiguous row shards, one per rank, and each shard into micro-batches (microbatch.py); the loss
+weights use the global unit count, so the result does not depend on the number of ranks.
+
+    group = TrainerGroup(cfg, total_steps=100)          # places actors, forms the process group
+    stats = group.train_step(batch, loss_fn, total_units)
+    logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
+    group.save(path); group.load(path); group.save_hf(path)
+    group.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from torch import Tensor
+
+from infir2_rl.actors.placement import PlacementPlan, create_placement, remove_placement, resolve_use_gpu
+from infir2_rl.actors.trainer_worker import MEGATRON_MESSAGE, TrainerSpec, TrainerWorker, unpack_tensors
+from infir2_rl.backends.microbatch import merge_rows, shard_micro_batches
+from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
+from infir2_rl.config import RlStageConfig, SftStageConfig
+from infir2_rl.metrics import names
+
+log = logging.getLogger(__name__)
+
+
+class TrainerGroup:
+    """Data-parallel trainer actors. `plan` lets a caller share bundles with engines (colocate)."""
+
+    def __init__(
+        self,
+        cfg: SftStageConfig | RlStageConfig,
+        *,
+        total_steps: int,
+        use_gpu: bool | None = None,
+        plan: PlacementPlan | None = None,
+        bundle_indices: Sequence[int] | None = None,
+        share: float = 1.0,
+        fsdp: bool | None = None,
+    ) -> None:
+        if cfg.trainer.backend == "megatron":
+            raise ValueError(MEGATRON_MESSAGE)
+        self.num_workers = cfg.trainer.num_workers
+        self.trainer_cfg = cfg.trainer
+        self._owns_plan = plan is None
+        if plan is None:
+            if use_gpu is None:
+                use_gpu = resolve_use_gpu(cfg.placement.use_gpu)
+            plan = create_placement(
+                self.num_workers, use_gpu=use_gpu, cpus_per_bundle=cfg.placement.cpus_per_actor
+            )
+        self.plan = plan
+        self.bundle_indices = list(bundle_indices) if bundle_indices is not None else plan.bundle_indices
+        if len(self.bundle_indices) < self.num_workers:
+            raise ValueError(
+                f"trainer.num_workers={self.num_workers}: the placement plan offers only"
+                f" {len(self.bundle_indices)} bundles"
+            )
+        self.bundle_indices = self.bundle_indices[: self.num_workers]
+        plan.assigned["trainer"] = self.bundle_indices
+        if fsdp is None:
+            fsdp = plan.use_gpu and self.num_workers > 1
+        self.fsdp = fsdp
+        spec = TrainerSpec(
+            model=cfg.model,
+            trainer=cfg.trainer,
+            optimizer=cfg.optimizer,
+            total_steps=total_steps,
+            seed=cfg.seed,
+            fsdp=fsdp,
+        )
+        remote_cls = ray.remote(TrainerWorker)
+        self.workers: list[Any] = [
+            remote_cls.options(name=None, max_concurrency=1, **plan.actor_options(bundle, share)).remote(
+                spec, rank, self.num_workers
+            )
+            for rank, bundle in enumerate(self.bundle_indices)
+        ]
+        try:
+            addr, port = ray.get(self.workers[0].master_address.remote())
+            devices = self._all("setup", addr, port)
+        except Exception:
+            self.shutdown()
+            raise
+        log.info("trainer group: %d ranks on %s (fsdp=%s)", self.num_workers, sorted(set(devices)), fsdp)
+
+    # ------------------------------------------------------------------ fan-out helpers
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def _per_rank(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args)])
+
+    def _shards(self, batch: TokenBatch) -> list[list[TokenBatch]]:
+        t = self.trainer_cfg
+        return shard_micro_batches(batch, self.num_workers, t.micro_batch_size, t.max_tokens_per_gpu)
+
+    # ------------------------------------------------------------------ trainer API
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, total_units: int) -> TrainStats:
+        """One optimizer step on the global `batch`; `total_units` = loss units over all of it."""
+        loss_ref = ray.put(loss_fn)
+        stats: list[TrainStats] = self._per_rank(
+            "train_step", [(shard, loss_ref, total_units) for shard in self._shards(batch)]
+        )
+        peak = max(s.metrics.pop(names.PERF_PEAK_MEMORY_GB, 0.0) for s in stats)
+        result = replace(stats[0], step_time_s=max(s.step_time_s for s in stats))
+        result.metrics[names.PERF_PEAK_MEMORY_GB] = peak
+        return result
+
+    def forward_logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:
+        """Per-token log-probs of the whole batch, B x L float32, 0 at position 0 and on padding."""
+        parts: list[list[Tensor]] = self._per_rank(
+            "forward_logprobs", [(shard, temperature) for shard in self._shards(batch)]
+        )
+        return merge_rows([p for rank_parts in parts for p in rank_parts], int(batch.input_ids.shape[1]))
+
+    def evaluate_loss(self, batch: TokenBatch, loss_fn: LossFn) -> float:
+        """Mean loss over all units of `batch` (no update)."""
+        results = self._per_rank("evaluate_loss", [(shard, loss_fn) for shard in self._shards(batch)])
+        units = sum(u for _, u in results)
+        return sum(total for total, _ in results) / max(units, 1)
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions of `prompts`, spread over the ranks (evaluation)."""
+        n, w = len(prompts), self.num_workers
+        bounds = [(r * n // w, (r + 1) * n // w) for r in range(w)]
+        outs = self._per_rank("generate_greedy", [(list(prompts[a:b]), max_new_tokens) for a, b in bounds])
+        return [row for rank_rows in outs for row in rank_rows]
+
+    def export_weights(self) -> list[tuple[str, Tensor]]:
+        """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective)."""
+        if self.fsdp:
+            return unpack_tensors(self._all("export_weights")[0])
+        return unpack_tensors(ray.get(self.workers[0].export_weights.remote()))
+
+    def save(self, directory: Path) -> None:
+        self._all("save", str(directory))
+
+    def load(self, directory: Path) -> None:
+        self._all("load", str(directory))
+
+    def save_hf(self, directory: Path) -> None:
+        self._all("save_hf", str(directory))
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self._owns_plan:
+            remove_placement(self.plan)

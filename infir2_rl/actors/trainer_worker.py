@@ -1,0 +1,145 @@
+"""TrainerWorker: one data-parallel trainer rank, a plain class that Ray runs as an actor.
+
+`ray.remote(TrainerWorker)` is applied only in trainer_group.py, where the actors are placed; here
+the class can be built and tested in-process. Lifecycle: construct (cheap), `master_address()` on
+rank 0, then `setup(addr, port)` on every rank at once (joins the process group, loads the model).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from infir2_rl.backends.distributed import free_port, init_process_group
+from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.metrics import names
+
+if TYPE_CHECKING:
+    from infir2_rl.backends.torch_trainer import TorchTrainer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+MEGATRON_MESSAGE = (
+    "trainer.backend='megatron' runs only in the GPU-cluster image (docker/: megatron-core + Transformer"
+    " Engine) and is not available in this install; use trainer.backend=torch"
+)
+
+
+def pack_tensors(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, str]]:
+    """FP8 tensors as uint8 views (same bytes) plus their dtype name.
+
+    torch 2.13 cannot unpickle float8 tensors (its legacy storage reduce loses the dtype), and Ray
+    pickles tensors, so an FP8 tensor sent as is fails on the receiving side.
+    """
+    return [
+        (name, t.view(torch.uint8), str(t.dtype)) if t.dtype in _FP8_DTYPES else (name, t, "")
+        for name, t in named
+    ]
+
+
+def unpack_tensors(packed: Sequence[tuple[str, Tensor, str]]) -> list[tuple[str, Tensor]]:
+    return [
+        (name, t.view(getattr(torch, dtype.removeprefix("torch."))) if dtype else t)
+        for name, t, dtype in packed
+    ]
+
+
+@dataclass
+class TrainerSpec:
+    """Everything a trainer rank needs to build itself (sent once to every actor)."""
+
+    model: ModelConfig
+    trainer: TrainerConfig
+    optimizer: OptimizerConfig
+    # Optimizer steps of the stage (the length of the lr schedule).
+    total_steps: int
+    seed: int = 0
+    # None: FSDP2 on GPUs with several ranks, gradient all-reduce otherwise; True/False force it.
+    fsdp: bool | None = None
+
+
+class TrainerWorker:
+    """One trainer rank: wraps the configured TrainerBackend (only `torch` ships in this install)."""
+
+    def __init__(self, spec: TrainerSpec, rank: int, world_size: int) -> None:
+        if spec.trainer.backend == "megatron":
+            raise NotImplementedError(MEGATRON_MESSAGE)
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self._backend: TorchTrainer | None = None
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for the rendezvous of the process group (called on rank 0)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str = "127.0.0.1", master_port: int = 0) -> str:
+        """Join the process group (several ranks) and build the backend; returns the device name."""
+        from infir2_rl.backends.torch_trainer import TorchTrainer
+
+        if self.world_size > 1:
+            init_process_group(master_addr, master_port, self.rank, self.world_size)
+        torch.manual_seed(self.spec.seed)
+        self._backend = TorchTrainer(
+            self.spec.model,
+            self.spec.trainer,
+            self.spec.optimizer,
+            total_steps=self.spec.total_steps,
+            seed=self.spec.seed,
+            fsdp=self.spec.fsdp,
+        )
+        return str(self._backend.device)
+
+    @property
+    def backend(self) -> TorchTrainer:
+        if self._backend is None:
+            raise RuntimeError("TrainerWorker.setup() must be called before use")
+        return self._backend
+
+    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+        stats: TrainStats = self.backend.train_step(batches, loss_fn, total_units)
+        # Peak memory is per rank; the group reports the maximum over ranks.
+        stats.metrics[names.PERF_PEAK_MEMORY_GB] = self.backend.peak_memory_gb()
+        return stats
+
+    def forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
+        result: list[Tensor] = self.backend.forward_logprobs(batches, temperature)
+        return result
+
+    def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
+        result: tuple[float, int] = self.backend.evaluate_loss(batches, loss_fn)
+        return result
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        result: list[list[int]] = self.backend.generate_greedy(prompts, max_new_tokens)
+        return result
+
+    def export_weights(self) -> list[tuple[str, Tensor]]:
+        """HF-named weights (FP8 linears as weight + weight_scale_inv) on rank 0, [] on other ranks.
+
+        Through Ray the result travels as `pack_tensors` output; call `unpack_tensors` on it.
+        """
+        weights = [(name, t.cpu()) for name, t in self.backend.export_weights()]
+        return pack_tensors(weights) if self.rank == 0 else []  # type: ignore[return-value]
+
+    def save(self, directory: str) -> None:
+        self.backend.save(Path(directory))
+
+    def load(self, directory: str) -> None:
+        self.backend.load(Path(directory))
+
+    def save_hf(self, directory: str) -> None:
+        self.backend.save_hf(Path(directory))
+
+    def step(self) -> int:
+        """Optimizer steps taken (skipped ones included)."""
+        return int(self.backend.step)

@@ -1,0 +1,93 @@
+"""Splitting a global TokenBatch into data-parallel shards and micro-batches.
+
+Shapes: G rows in the global batch, L its padded length. A shard is a contiguous block of rows
+(rank r of W gets rows [r*G/W, (r+1)*G/W) when W divides G); its micro-batches are contiguous
+runs of rows, each trimmed to its own longest row so padding is not computed. Order is kept, so
+the split is deterministic and `merge_rows` puts per-row results back in place.
+
+Two micro-batch rules (trainer config): a fixed number of rows (`micro_batch_size`), or a token
+budget (`max_tokens_per_gpu`): as many rows as fit with rows x longest row <= budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from infir2_rl.backends.types import TokenBatch
+from infir2_rl.data.batching import batch_by_token_budget
+
+
+def row_lengths(batch: TokenBatch) -> list[int]:
+    """Real (non-pad) tokens per row; rows are right-padded, so this is the index after the last real token."""
+    mask = batch.attention_mask
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.ne(0) * positions).amax(dim=1).tolist()
+
+
+def select_rows(batch: TokenBatch, start: int, stop: int) -> TokenBatch:
+    """Rows [start, stop) of `batch`, cut to the longest of them (B x L fields) or sliced (B fields)."""
+    length = max(max(row_lengths(batch)[start:stop], default=1), 1)
+    fields: dict[str, Tensor | None] = {}
+    for name, value in batch.__dict__.items():
+        if value is None:
+            fields[name] = None
+        elif value.dim() == 1:
+            fields[name] = value[start:stop]
+        else:
+            fields[name] = value[start:stop, :length]
+    return TokenBatch(**fields)  # type: ignore[arg-type]
+
+
+def shard_bounds(num_rows: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) row ranges, one per rank, sizes differing by at most one."""
+    base, extra = divmod(num_rows, world_size)
+    bounds, start = [], 0
+    for rank in range(world_size):
+        stop = start + base + (1 if rank < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def micro_batches(
+    batch: TokenBatch, micro_batch_size: int, max_tokens_per_gpu: int | None = None
+) -> list[TokenBatch]:
+    """Split `batch` (one rank's shard) into micro-batches by row count or by token budget."""
+    num_rows = batch.num_sequences
+    if num_rows == 0:
+        return []
+    if max_tokens_per_gpu is None:
+        groups = [
+            list(range(i, min(i + micro_batch_size, num_rows))) for i in range(0, num_rows, micro_batch_size)
+        ]
+    else:
+        groups = batch_by_token_budget(row_lengths(batch), max_tokens_per_gpu)
+    return [select_rows(batch, g[0], g[-1] + 1) for g in groups]
+
+
+def shard_micro_batches(
+    batch: TokenBatch, world_size: int, micro_batch_size: int, max_tokens_per_gpu: int | None = None
+) -> list[list[TokenBatch]]:
+    """Per rank, its list of micro-batches of the global `batch`."""
+    return [
+        micro_batches(select_rows(batch, start, stop), micro_batch_size, max_tokens_per_gpu)
+        if stop > start
+        else []
+        for start, stop in shard_bounds(batch.num_sequences, world_size)
+    ]
+
+
+def merge_rows(parts: Sequence[Tensor], length: int) -> Tensor:
+    """Stack per-micro-batch B_i x L_i tensors (in row order) into one sum(B_i) x `length`, zero-padded."""
+    if not parts:
+        return torch.zeros(0, length)
+    rows = sum(int(p.shape[0]) for p in parts)
+    out = torch.zeros(rows, length, dtype=parts[0].dtype)
+    r = 0
+    for p in parts:
+        out[r : r + p.shape[0], : p.shape[1]] = p
+        r += int(p.shape[0])
+    return out

@@ -1,0 +1,300 @@
+"""The embedded trainer backend: a transformers causal LM, AdamW, optional blockwise FP8, data parallel.
+
+Precision. Parameters are loaded and kept in FP32: they are the master weights, and AdamW's moments
+are created in the parameters' dtype, so they are FP32 too. When the compute dtype is bfloat16
+(`model.dtype: auto` on a GPU), forwards run under `torch.autocast(bfloat16)`: matmuls, attention and
+the logits are BF16 while the stored weights, gradients and optimizer state stay FP32. This is the
+simplest correct form of "FP32 master weights": there is no second copy to keep in sync. With
+`trainer.fp8` the decoder linears are swapped for `fp8.Fp8Linear`, which quantizes the FP32 master
+weight into 128x128 FP8 blocks each forward (cached until the weight changes) and runs fprop, dgrad
+and wgrad in FP8; embeddings, norms and lm_head stay in the compute dtype.
+
+A step. `train_step(batches, loss_fn, total_units)` runs forward/backward over this rank's
+micro-batches, scaling each micro-batch's mean loss by num_units / total_units (units summed over the
+global batch, all ranks) so the accumulated gradient is that of the global-batch mean, whatever the
+split. Gradients are then reduced over ranks (see distributed.py), the global norm is measured, and
+a non-finite norm skips the update: gradients are dropped, neither the optimizer nor the lr
+schedule advances, and `TrainStats.skipped` is True. Otherwise the norm is clipped to
+`optimizer.grad_clip` (0 = off) and AdamW and the schedule step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from transformers import PreTrainedModel
+
+from infir2_rl.algo.logprobs import token_logprobs
+from infir2_rl.backends import distributed as D
+from infir2_rl.backends import torch_trainer_io as io
+from infir2_rl.backends.optim import build_optimizer, build_scheduler
+from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.fp8.linear import Fp8Linear, swap_to_fp8_training
+from infir2_rl.metrics.logger import peak_memory_gb
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+log = logging.getLogger(__name__)
+
+
+def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on CPU; explicit settings are honoured."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
+class TorchTrainer:
+    """One data-parallel rank of the torch trainer (implements `TrainerBackend`).
+
+    Call after the process group is initialized (when there is more than one rank). `fsdp=None`
+    shards with FSDP2 on GPUs when there are several ranks and replicates (gradient all-reduce)
+    otherwise; True/False force it (FSDP2 also runs on CPU over gloo, which is how it is tested).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        trainer_cfg: TrainerConfig,
+        optimizer_cfg: OptimizerConfig,
+        *,
+        total_steps: int,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        fsdp: bool | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.rank, self.world_size = D.rank_and_world()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.compute_dtype = resolve_compute_dtype(model_cfg.dtype, self.device)
+        self.optimizer_cfg = optimizer_cfg
+        torch.manual_seed(seed)
+        path = model_cfg.path
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch.float32,
+            attn_implementation=model_cfg.attn_implementation,
+            local_files_only=True,
+        )
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model.config.use_cache = False
+        if model_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.fp8_linears: list[str] = []
+        self.pow2_scales = trainer_cfg.fp8_pow2_scales
+        if trainer_cfg.fp8:
+            self.fp8_linears = swap_to_fp8_training(model, pow2_scales=trainer_cfg.fp8_pow2_scales)
+            if not self.fp8_linears:
+                log.warning(
+                    "trainer.fp8=true but the model has no decoder linears to swap: training in BF16/FP32"
+                )
+        model.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
+        if fsdp is None:
+            fsdp = self.device.type == "cuda" and self.world_size > 1
+        if fsdp:
+            D.apply_fsdp2(model)
+        self.model: PreTrainedModel = model
+        self.fsdp = D.is_fsdp(model)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, optimizer_cfg)
+        self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
+        self.step = 0
+        self.num_skipped = 0
+
+    # ------------------------------------------------------------------ forward helpers
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _logits(self, batch: TokenBatch) -> Tensor:
+        with self._autocast():
+            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        return out.logits
+
+    def _padded(self, batches: Sequence[TokenBatch]) -> list[TokenBatch | None]:
+        """Under FSDP every rank must run as many forwards as the busiest one: pad with None (dummy)."""
+        items: list[TokenBatch | None] = [b.to(self.device) for b in batches]
+        if self.fsdp:
+            items += [None] * (D.all_reduce_max_int(len(items), self.device) - len(items))
+        return items
+
+    def _dummy_batch(self) -> TokenBatch:
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2))
+
+    def _invalidate_fp8(self) -> None:
+        # FSDP may refill unsharded parameters in place without a version bump: never trust the cache
+        # across a step boundary.
+        for m in self.model.modules():
+            if isinstance(m, Fp8Linear):
+                m.invalidate_fp8_cache()
+
+    # ------------------------------------------------------------------ TrainerBackend
+    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+        if total_units < 1:
+            raise ValueError(
+                f"total_units={total_units}: the global batch has no loss units (empty loss mask?)"
+            )
+        start = time.perf_counter()
+        self.model.train()
+        self._invalidate_fp8()
+        # Loss weight of FSDP2's averaging reduce-scatter: undo its division by world size.
+        grad_scale = float(self.world_size) if self.fsdp else 1.0
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        metric_sums: dict[str, float] = {}
+        num_tokens = num_sequences = 0
+        for batch in self._padded(batches):
+            if batch is None:
+                (self._logits(self._dummy_batch()).sum() * 0.0).backward()
+                continue
+            out = loss_fn(self._logits(batch), batch)
+            weight = out.num_units / total_units
+            (out.loss * (weight * grad_scale)).backward()
+            loss_sum += out.loss.detach().double().cpu() * weight
+            for name, value in out.metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0.0) + float(value) * weight
+            num_tokens += int(batch.attention_mask.sum().item())
+            num_sequences += batch.num_sequences
+        if self.world_size > 1 and not self.fsdp:
+            D.all_reduce_grads_(self.params)
+        grad_norm = self._grad_norm()
+        lr = float(self.scheduler.get_last_lr()[0])
+        skipped = not bool(torch.isfinite(grad_norm).item())
+        if skipped:
+            self.num_skipped += 1
+            log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
+        else:
+            if self.optimizer_cfg.grad_clip > 0:
+                clip_grads_with_norm_(self.params, self.optimizer_cfg.grad_clip, grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        names = self._metric_names(metric_sums)
+        totals = self._sum_over_ranks(
+            [loss_sum.item(), num_tokens, num_sequences, *(metric_sums.get(n, 0.0) for n in names)]
+        )
+        return TrainStats(
+            step=self.step,
+            loss=totals[0],
+            grad_norm=float(grad_norm.item()),
+            lr=lr,
+            num_tokens=int(round(totals[1])),
+            num_sequences=int(round(totals[2])),
+            skipped=skipped,
+            step_time_s=time.perf_counter() - start,
+            metrics=dict(zip(names, totals[3:])),
+        )
+
+    def _grad_norm(self) -> Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norm = get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the full value is the global norm
+            norm = norm.full_tensor()
+        return norm.float()
+
+    def _metric_names(self, local: dict[str, float]) -> list[str]:
+        """Loss metric names over all ranks (a rank without micro-batches has none), in one order."""
+        if self.world_size == 1:
+            return sorted(local)
+        gathered: list[list[str] | None] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, sorted(local))
+        return sorted({n for names in gathered for n in names or []})
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        D.all_reduce_sum_([t])
+        return t.cpu().tolist()
+
+    @torch.no_grad()
+    def forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float = 1.0) -> list[Tensor]:
+        self.model.eval()
+        self._invalidate_fp8()
+        out: list[Tensor] = []
+        for batch in self._padded(batches):
+            if batch is None:
+                self._logits(self._dummy_batch())
+                continue
+            logp = token_logprobs(self._logits(batch)[:, :-1], batch.input_ids[:, 1:], temperature)
+            full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=logp.device)
+            full[:, 1:] = logp * batch.attention_mask[:, 1:].to(logp.dtype)
+            out.append(full.cpu())
+        self.model.train()
+        return out
+
+    @torch.no_grad()
+    def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
+        """(sum over micro-batches of loss x units, units) on this rank, without gradients."""
+        self.model.eval()
+        self._invalidate_fp8()
+        total, units = 0.0, 0
+        for batch in self._padded(batches):
+            if batch is None:
+                self._logits(self._dummy_batch())
+                continue
+            out = loss_fn(self._logits(batch), batch)
+            total += float(out.loss.item()) * out.num_units
+            units += out.num_units
+        self.model.train()
+        return total, units
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors; FP8 decoder linears as (weight fp8, weight_scale_inv). Collective under FSDP."""
+        from infir2_rl.fp8.checkpoint import fp8_state_from_model
+
+        if not self.fsdp:
+            for name, tensor in fp8_state_from_model(self.model, pow2_scales=self.pow2_scales):
+                yield io.hf_name(name), tensor.detach()
+            return
+        # FSDP2: modules hold shards. Gather one tensor at a time (all ranks in the same order) and quantize
+        # decoder linears with the quantizer Fp8Linear's forward uses: the same bytes it trains with.
+        from torch.distributed.tensor import DTensor
+
+        from infir2_rl.fp8.linear import DECODER_LINEAR_NAMES
+        from infir2_rl.fp8.quant import quantize_weight_blockwise
+
+        with torch.no_grad():
+            for name, value in self.model.state_dict().items():
+                full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+                prefix, _, leaf = io.hf_name(name).rpartition(".")
+                if leaf == "weight" and prefix.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
+                    w_fp8, scale_inv = quantize_weight_blockwise(full, pow2_scales=self.pow2_scales)
+                    yield f"{prefix}.weight", w_fp8
+                    yield f"{prefix}.weight_scale_inv", scale_inv
+                else:
+                    yield f"{prefix}.{leaf}", full
+
+    def save(self, directory: Path) -> None:
+        """directory/hf (rank 0, FP32 masters + tokenizer) and directory/train_state/rank_K.pt (every rank)."""
+        io.save_checkpoint(self, Path(directory))
+
+    def load(self, directory: Path) -> None:
+        """Restore weights, optimizer, schedule, RNG states and step from a `save` directory."""
+        io.load_checkpoint(self, Path(directory))
+
+    def save_hf(self, directory: Path, dtype: torch.dtype | None = None) -> None:
+        """An HF directory transformers loads (weights in `dtype`, default the compute dtype) + tokenizer."""
+        io.save_hf(self, Path(directory), dtype or self.compute_dtype)
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions (new tokens, up to and including eos) of this rank's prompts."""
+        return io.generate_greedy(self, prompts, max_new_tokens)
+
+    def peak_memory_gb(self) -> float:
+        return peak_memory_gb()

@@ -1,0 +1,205 @@
+"""Save, load and greedy generation for `TorchTrainer` (split out to keep each file one concern).
+
+A trainer checkpoint directory:
+
+    hf/                      rank 0: config.json, model.safetensors (FP32 master weights), tokenizer files
+    train_state/rank_K.pt    every rank: optimizer, lr schedule, RNG states (torch, cuda, python, numpy), step
+
+FP32 in `hf/` is what makes resume exact: reloading the masters gives back the very same numbers.
+The stage's final export (`save_hf`) is written in the compute dtype instead (BF16 on GPUs), as an
+ordinary HF checkpoint for the next stage or for inference.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from infir2_rl.backends import distributed as D
+
+if TYPE_CHECKING:
+    from infir2_rl.backends.torch_trainer import TorchTrainer
+
+HF_DIR = "hf"
+TRAIN_STATE_DIR = "train_state"
+# Prompts per generate() call in held-out evaluation.
+GENERATE_BATCH_SIZE = 64
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def hf_name(name: str) -> str:
+    """Drop wrapper prefixes (torch.compile's `_orig_mod.`, DDP's `module.`) that are not HF names."""
+    for prefix in ("_orig_mod.", "module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def full_state_dict(trainer: TorchTrainer) -> dict[str, Tensor]:
+    """HF-named full FP32 state dict on CPU (collective under FSDP; meaningful on rank 0)."""
+    if trainer.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd: dict[str, Any] = get_model_state_dict(
+            trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    else:
+        sd = trainer.model.state_dict()
+    return {hf_name(k): v.detach().cpu() for k, v in sd.items()}
+
+
+def save_hf(trainer: TorchTrainer, directory: Path, dtype: torch.dtype) -> None:
+    state = full_state_dict(trainer)
+    if trainer.rank != 0:
+        return
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    config = trainer.model.config
+    saved = (config.dtype, config.use_cache)
+    # The checkpoint is for inference and the next stage: its config names its dtype and enables the KV cache.
+    config.dtype, config.use_cache = dtype, True
+    try:
+        trainer.model.save_pretrained(str(directory), state_dict=state)
+    finally:
+        config.dtype, config.use_cache = saved
+    trainer.tokenizer.save_pretrained(str(directory))
+
+
+def _optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
+    if trainer.fsdp:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    return trainer.optimizer.state_dict()
+
+
+def save_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
+    save_hf(trainer, directory / HF_DIR, torch.float32)
+    state_dir = directory / TRAIN_STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "world_size": trainer.world_size,
+            "step": trainer.step,
+            "num_skipped": trainer.num_skipped,
+            "optimizer": _optimizer_state(trainer),
+            "scheduler": trainer.scheduler.state_dict(),
+            "rng": rng_state(),
+        },
+        state_dir / f"rank_{trainer.rank}.pt",
+    )
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{hf_dir}: no *.safetensors weights; point at a directory written by save")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
+    state_file = directory / TRAIN_STATE_DIR / f"rank_{trainer.rank}.pt"
+    if not state_file.is_file():
+        raise ValueError(f"{state_file}: missing; the checkpoint is incomplete or was written by fewer ranks")
+    train_state = torch.load(state_file, map_location="cpu", weights_only=False)
+    if train_state["world_size"] != trainer.world_size:
+        raise ValueError(
+            f"checkpoint {directory} was written by {train_state['world_size']} trainer ranks, this run has"
+            f" {trainer.world_size}: resume with trainer.num_workers={train_state['world_size']}"
+        )
+    weights = read_hf_weights(directory / HF_DIR)
+    if trainer.fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(
+            trainer.model,
+            dict[str, Any](weights),
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, train_state["optimizer"])
+    else:
+        missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(trainer.model.config, "tie_word_embeddings", False) else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(
+                f"{directory / HF_DIR}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]},"
+                f" unexpected {sorted(unexpected)[:5]}); resume with the model the checkpoint was written from"
+            )
+        trainer.optimizer.load_state_dict(train_state["optimizer"])
+    trainer.scheduler.load_state_dict(train_state["scheduler"])
+    set_rng_state(train_state["rng"])
+    trainer.step = int(train_state["step"])
+    trainer.num_skipped = int(train_state["num_skipped"])
+
+
+@torch.no_grad()
+def generate_greedy(
+    trainer: TorchTrainer, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy completions, batched with left padding; under FSDP all ranks must call (synced_gpus)."""
+    from transformers import GenerationConfig
+
+    tok = trainer.tokenizer
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        use_cache=True,
+    )
+    chunks = [list(prompts[i : i + GENERATE_BATCH_SIZE]) for i in range(0, len(prompts), GENERATE_BATCH_SIZE)]
+    if trainer.fsdp:  # every rank runs as many generate() calls as the busiest one
+        chunks += [[[tok.pad_token_id]]] * (D.all_reduce_max_int(len(chunks), trainer.device) - len(chunks))
+    trainer.model.eval()
+    trainer._invalidate_fp8()
+    results: list[list[int]] = []
+    for chunk in chunks:
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(chunk):
+            ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        with trainer._autocast():
+            out = trainer.model.generate(  # type: ignore[operator]
+                input_ids=ids.to(trainer.device),
+                attention_mask=mask.to(trainer.device),
+                generation_config=gen_cfg,
+                synced_gpus=trainer.fsdp,
+            )
+        for row in out[:, width:].tolist():
+            cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            results.append(row[:cut])
+    trainer.model.train()
+    return results[: len(prompts)]

@@ -1,0 +1,153 @@
+"""Helpers shared by the stage loops: run directory, data order, resume, final export, step metrics."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infir2_rl.backends.types import TrainStats
+from infir2_rl.checkpoint import Checkpoint, CheckpointManager, DataCursor, StageState
+from infir2_rl.config import RlStageConfig, SftStageConfig, dump_config
+from infir2_rl.metrics import MetricsLogger, names, progress
+
+log = logging.getLogger(__name__)
+
+FINAL_DIR = "final"
+CHECKPOINTS_DIR = "checkpoints"
+LOG_FILE = "logs/stage.log"
+
+
+@dataclass
+class StageResult:
+    """What a stage hands to the pipeline."""
+
+    # HF directory the next stage starts from (RUN_DIR/final; the input model when nothing was trained).
+    final_checkpoint: Path
+    run_dir: Path
+    # Optimizer steps run by this call (0 when the stage found nothing to do).
+    steps_run: int
+    # Optimizer steps of the stage in total, including those of earlier (resumed) runs.
+    last_step: int
+    # True when the stage found nothing to do and trained nothing.
+    nothing_to_do: bool = False
+    # Last value of each metric logged by this call (e.g. "train/loss", "eval/accuracy").
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+@contextmanager
+def stage_run_dir(cfg: SftStageConfig | RlStageConfig) -> Iterator[Path]:
+    """Create RUN_DIR, write the resolved config.yaml, and copy the log to RUN_DIR/logs/stage.log."""
+    run_dir = Path(cfg.run_dir)
+    (run_dir / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    handler = logging.FileHandler(run_dir / LOG_FILE)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("infir2_rl")
+    root.addHandler(handler)
+    if root.getEffectiveLevel() > logging.INFO:
+        root.setLevel(logging.INFO)
+    try:
+        yield run_dir
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def epoch_order(num_examples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The example order of one epoch: a permutation seeded by (seed, epoch), or 0..n-1."""
+    if not shuffle:
+        return list(range(num_examples))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_examples, generator=gen).tolist()
+
+
+def next_batch(
+    cursor: DataCursor, num_examples: int, batch_size: int, seed: int, shuffle: bool
+) -> tuple[list[int], DataCursor]:
+    """Indices of the next full batch and the cursor after it; a partial batch at an epoch's end is dropped."""
+    if num_examples < batch_size:
+        raise ValueError(f"{num_examples} examples cannot fill one batch of {batch_size}")
+    epoch, position = cursor.epoch, cursor.position
+    if position + batch_size > num_examples:
+        epoch, position = epoch + 1, 0
+    indices = epoch_order(num_examples, epoch, seed, shuffle)[position : position + batch_size]
+    return indices, DataCursor(epoch=epoch, position=position + batch_size)
+
+
+def resume_state(
+    manager: CheckpointManager, resume: bool, num_examples: int
+) -> tuple[StageState, Checkpoint | None]:
+    """The state to start from: the newest complete checkpoint when resuming, else step 0."""
+    latest = manager.latest() if resume else None
+    if latest is None:
+        if not resume and manager.complete():
+            # Old checkpoints of higher steps would otherwise outrank the new run's on the next resume.
+            log.warning(
+                "checkpoint.resume=false: starting at step 0; deleting the checkpoints in %s", manager.root
+            )
+            manager.clear()
+        return StageState(num_examples=num_examples), None
+    state = latest.read_state()
+    if state.num_examples != num_examples:
+        raise ValueError(
+            f"checkpoint {latest.path} was trained on {state.num_examples} examples, the data now has"
+            f" {num_examples}: use the same data to resume, or a new run_dir / checkpoint.resume=false"
+        )
+    log.info("resuming from %s (step %d, epoch %d)", latest.path, state.step, state.cursor.epoch)
+    return state, latest
+
+
+def publish_final(write: Callable[[Path], object], run_dir: Path) -> Path:
+    """Write RUN_DIR/final through `write(temp_dir)` (e.g. `group.save_hf`) and one rename: complete or absent."""
+    final, tmp = run_dir / FINAL_DIR, run_dir / f".tmp_{FINAL_DIR}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    log.info("final checkpoint: %s", final)
+    return final
+
+
+def final_from_checkpoint(ckpt: Checkpoint, run_dir: Path) -> Path:
+    """RUN_DIR/final for a stage whose last step is already checkpointed (killed before the export)."""
+    final = run_dir / FINAL_DIR
+    if not final.exists():
+        publish_final(lambda tmp: shutil.copytree(ckpt.hf_dir, tmp), run_dir)
+    return final
+
+
+def metrics_logger(cfg: SftStageConfig | RlStageConfig, run_dir: Path) -> MetricsLogger:
+    """metrics.jsonl, TensorBoard and Ray gauges of a stage, as its `metrics` section asks."""
+    m = cfg.metrics
+    return MetricsLogger(run_dir, tensorboard=m.tensorboard, ray_metrics=m.ray_metrics, stage=cfg.name)
+
+
+def progress_bar(cfg: SftStageConfig | RlStageConfig, total_steps: int) -> Any:
+    """A tqdm bar on interactive terminals (never in Ray job logs); off when metrics.progress_bar is false."""
+    return progress(total_steps, cfg.name, None if cfg.metrics.progress_bar else False)
+
+
+def train_metrics(stats: TrainStats, skipped_steps: int, wall_s: float) -> dict[str, float]:
+    """The per-step trainer metrics (names.py) of one TrainStats; `wall_s` is the step as the driver saw it."""
+    return {
+        names.TRAIN_LOSS: stats.loss,
+        names.TRAIN_GRAD_NORM: stats.grad_norm,
+        names.TRAIN_LR: stats.lr,
+        names.TRAIN_SKIPPED_STEPS: float(skipped_steps),
+        names.PERF_STEP_TIME_S: wall_s,
+        names.PERF_TOKENS_PER_S: stats.num_tokens / max(wall_s, 1e-9),
+        **stats.metrics,
+    }
+
+
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """True every `every` steps (0 = never in between) and always at the last step."""
+    return step == last_step or (every > 0 and step % every == 0)

@@ -1,0 +1,152 @@
+"""The SFT stage end to end on a real local Ray: outputs, exact resume after a kill, nothing-to-do, bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+import infir2_rl.stages.sft as sft_module
+from infir2_rl.config import SftStageConfig
+from infir2_rl.data.synthetic import make_data
+from infir2_rl.metrics import names
+from infir2_rl.models.factory import init_model
+from infir2_rl.stages.sft import run_sft_stage
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sft")
+    model = init_model(root / "model", preset="tiny", num_hidden_layers=2)
+    make_data(root / "data", num_sft=48, num_rl=4, num_test=8)
+    return model, root / "data"
+
+
+def stage(assets: tuple[Path, Path], run_dir: Path, **sections: dict[str, Any]) -> SftStageConfig:
+    model, data = assets
+    base: dict[str, dict[str, Any]] = {
+        "model": {"path": str(model)},
+        "data": {"train_path": str(data / "sft_train.jsonl"), "test_path": str(data / "sft_test.jsonl")},
+        "trainer": {"global_batch_size": 8, "micro_batch_size": 2, "fp8": True},  # 6 steps per epoch
+        "optimizer": {"lr": 3e-3, "min_lr": 3e-4},
+        "checkpoint": {"save_every": 3, "keep_last": 1},
+        "metrics": {"tensorboard": True, "ray_metrics": False, "progress_bar": False},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return SftStageConfig(name="sft_test", run_dir=str(run_dir), **base)
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_sft_stage_writes_what_the_next_stage_and_the_user_need(
+    assets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = run_sft_stage(stage(assets, tmp_path / "run"))
+    run_dir = tmp_path / "run"
+    assert result.final_checkpoint == run_dir / "final" and result.steps_run == result.last_step == 6
+    model = AutoModelForCausalLM.from_pretrained(result.final_checkpoint, local_files_only=True)
+    assert model.config.use_cache and AutoTokenizer.from_pretrained(result.final_checkpoint).eos_token
+    assert SftStageConfig.model_validate(__import__("yaml").safe_load((run_dir / "config.yaml").read_text()))
+    assert "step 6/6" in (run_dir / "logs" / "stage.log").read_text()
+    assert any((run_dir / "tensorboard").iterdir())
+    assert [c.name for c in (run_dir / "checkpoints").iterdir() if c.name.startswith("step_")] == [
+        "step_000006"
+    ]
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # step 0: the untrained model's eval
+    assert set(rows[0]) == {"step", "time", names.EVAL_LOSS, names.EVAL_ACCURACY}
+    assert rows[-1][names.EVAL_LOSS] < rows[0][names.EVAL_LOSS]
+    rows = rows[1:]
+    for name in (names.TRAIN_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_LR, names.PERF_TOKENS_PER_S,
+                 names.PERF_STEP_TIME_S, names.PERF_PEAK_MEMORY_GB, names.TRAIN_SKIPPED_STEPS):  # fmt: skip
+        assert all(name in r for r in rows), name
+    assert rows[-1][names.TRAIN_LOSS] < rows[0][names.TRAIN_LOSS]
+    assert names.EVAL_LOSS in rows[-1] and 0.0 <= rows[-1][names.EVAL_ACCURACY] <= 1.0
+    assert result.summary[names.EVAL_LOSS] == rows[-1][names.EVAL_LOSS]
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(
+    assets: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sections = {"trainer": {"num_workers": 2}, "data": {"test_path": None}}
+    straight = run_sft_stage(stage(assets, tmp_path / "straight", **sections))
+
+    # Kill the second run in the middle of step 4: trained, not yet logged or checkpointed.
+    real_train_metrics = sft_module.train_metrics
+
+    def dies_at_step_4(stats: Any, *args: Any) -> dict[str, float]:
+        if stats.step == 4:
+            raise Killed
+        return real_train_metrics(stats, *args)
+
+    monkeypatch.setattr(sft_module, "train_metrics", dies_at_step_4)
+    resumed_dir = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        run_sft_stage(stage(assets, resumed_dir, **sections))
+    monkeypatch.setattr(sft_module, "train_metrics", real_train_metrics)
+    # Debris of a later save that never finished must be ignored.
+    (resumed_dir / "checkpoints" / ".tmp_step_000005" / "hf").mkdir(parents=True)
+    (resumed_dir / "checkpoints" / "step_000009" / "hf").mkdir(parents=True)
+    assert not (resumed_dir / "final").exists()
+
+    result = run_sft_stage(stage(assets, resumed_dir, **sections))
+    assert result.steps_run == 3 and result.last_step == 6
+    want = {r["step"]: r for r in records(tmp_path / "straight")}
+    got = {r["step"]: r for r in records(resumed_dir)}  # steps 1-3 from the killed run, 4-6 resumed
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):  # bit-identical on CPU
+        for name in (names.TRAIN_LOSS, names.TRAIN_GRAD_NORM, names.TRAIN_LR):
+            assert got[step][name] == want[step][name], (step, name)
+    a = (straight.final_checkpoint / "model.safetensors").read_bytes()
+    assert a == (result.final_checkpoint / "model.safetensors").read_bytes()
+
+    # Run again: every step is done, so the stage says so and trains nothing.
+    again = run_sft_stage(stage(assets, resumed_dir, **sections))
+    assert again.nothing_to_do and again.steps_run == 0 and again.final_checkpoint == result.final_checkpoint
+    assert len(records(resumed_dir)) == 6
+
+
+def test_no_full_batch_means_nothing_to_do(assets: tuple[Path, Path], tmp_path: Path) -> None:
+    result = run_sft_stage(stage(assets, tmp_path / "run", trainer={"global_batch_size": 64}))
+    assert result.nothing_to_do and result.steps_run == 0
+    assert result.final_checkpoint == assets[0]  # the input model is handed on unchanged
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_bad_input_fails_before_any_actor_starts(
+    assets: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_actors(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("actors were started for a run that cannot succeed")
+
+    monkeypatch.setattr(sft_module, "TrainerGroup", no_actors)
+    with pytest.raises(ValueError, match="data.train_path=.*no such file"):
+        run_sft_stage(stage(assets, tmp_path / "a", data={"train_path": str(tmp_path / "missing.jsonl")}))
+    with pytest.raises(ValueError, match="model.path=.*no such file"):
+        run_sft_stage(stage(assets, tmp_path / "b", model={"path": str(tmp_path / "no-model")}))
+    no_assistant = tmp_path / "users_only.jsonl"
+    no_assistant.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="no usable SFT row"):
+        run_sft_stage(stage(assets, tmp_path / "c", data={"train_path": str(no_assistant)}))

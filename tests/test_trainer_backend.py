@@ -1,0 +1,153 @@
+"""TorchTrainer in-process (no Ray): accumulation, non-finite guard, log-prob alignment, exact save/load,
+FP8 export, lr schedules, micro-batching."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from infir2_rl.backends.microbatch import (
+    merge_rows,
+    micro_batches,
+    row_lengths,
+    shard_bounds,
+    shard_micro_batches,
+)
+from infir2_rl.backends.optim import LrFactor
+from infir2_rl.backends.torch_trainer import TorchTrainer
+from infir2_rl.backends.types import LossOutput, TokenBatch
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.data.datasets import load_sft_examples
+from infir2_rl.data.synthetic import make_data
+from infir2_rl.models.factory import init_model
+from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TokenBatch]:
+    root = tmp_path_factory.mktemp("trainer")
+    model = init_model(root / "model", preset="tiny", num_hidden_layers=2)
+    paths = make_data(root / "data", num_sft=40, num_rl=4, num_test=4)
+    trainer = make_trainer(model)
+    examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
+    return model, to_token_batch(examples[:8], trainer.tokenizer.pad_token_id)
+
+
+def make_trainer(model: Path, fp8: bool = False, total_steps: int = 10, **optim: float) -> TorchTrainer:
+    return TorchTrainer(
+        ModelConfig(path=str(model)),
+        TrainerConfig(fp8=fp8),
+        OptimizerConfig(warmup_ratio=0.0, **optim),
+        total_steps=total_steps,
+    )
+
+
+def params(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_accumulation_gives_the_global_mean_whatever_the_split(assets: tuple[Path, TokenBatch]) -> None:
+    model, batch = assets
+    units = num_target_tokens(batch)
+    one, split = make_trainer(model), make_trainer(model)
+    stats_one = one.train_step([batch], SftLossFn(), units)
+    stats_split = split.train_step(micro_batches(batch, 3), SftLossFn(), units)  # 3 + 3 + 2 rows
+    assert stats_one.loss == pytest.approx(stats_split.loss, rel=1e-6)
+    assert stats_one.grad_norm == pytest.approx(stats_split.grad_norm, rel=1e-5)
+    assert stats_one.num_sequences == stats_split.num_sequences == 8
+    assert stats_one.num_tokens == stats_split.num_tokens == int(batch.attention_mask.sum())
+    for name, value in params(one).items():
+        # Adam divides by |g|: entries with near-zero gradients amplify rounding, hence atol ~ 1% of lr.
+        torch.testing.assert_close(value, params(split)[name], rtol=1e-5, atol=2e-5)
+
+
+class NanLoss:
+    def __call__(self, logits: torch.Tensor, batch: TokenBatch) -> LossOutput:
+        return LossOutput(loss=logits.float().mean() * math.nan, num_units=1)
+
+
+def test_non_finite_gradient_skips_the_update_and_the_schedule(assets: tuple[Path, TokenBatch]) -> None:
+    model, batch = assets
+    trainer = make_trainer(model, schedule="cosine", min_lr=1e-4)
+    before, lr_before = params(trainer), trainer.scheduler.get_last_lr()[0]
+    stats = trainer.train_step([batch], NanLoss(), total_units=1)
+    assert stats.skipped and math.isnan(stats.grad_norm) and trainer.num_skipped == 1
+    assert all(torch.equal(v, params(trainer)[k]) for k, v in before.items())
+    assert trainer.scheduler.get_last_lr()[0] == lr_before and trainer.scheduler.last_epoch == 0
+    assert not trainer.optimizer.state  # AdamW never stepped: no moments were created
+    assert all(p.grad is None for p in trainer.params)
+    good = trainer.train_step([batch], SftLossFn(), num_target_tokens(batch))
+    assert not good.skipped and math.isfinite(good.loss) and trainer.step == 2
+
+
+def test_forward_logprobs_follow_the_token_batch_alignment(assets: tuple[Path, TokenBatch]) -> None:
+    model, batch = assets
+    trainer = make_trainer(model)
+    (logp,) = trainer.forward_logprobs([batch], temperature=1.3)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    ref = torch.log_softmax(logits[:, :-1] / 1.3, dim=-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.attention_mask[:, 1:].bool()
+    assert logp.shape == batch.input_ids.shape and logp.dtype == torch.float32
+    assert torch.all(logp[:, 0] == 0) and torch.all(logp[:, 1:][~mask] == 0)
+    torch.testing.assert_close(logp[:, 1:][mask], ref[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_save_then_load_continues_bit_identically(assets: tuple[Path, TokenBatch], tmp_path: Path) -> None:
+    model, batch = assets
+    units = num_target_tokens(batch)
+    first = make_trainer(model, fp8=True)
+    for _ in range(2):
+        first.train_step(micro_batches(batch, 4), SftLossFn(), units)
+    first.save(tmp_path / "ck")
+    expected = first.train_step(micro_batches(batch, 4), SftLossFn(), units)
+
+    second = make_trainer(model, fp8=True)
+    second.load(tmp_path / "ck")
+    assert second.step == 2
+    got = second.train_step(micro_batches(batch, 4), SftLossFn(), units)
+    assert (got.loss, got.grad_norm, got.lr) == (expected.loss, expected.grad_norm, expected.lr)
+    assert all(torch.equal(v, params(second)[k]) for k, v in params(first).items())
+
+
+def test_export_weights_are_hf_named_and_fp8_exact(assets: tuple[Path, TokenBatch]) -> None:
+    model, _ = assets
+    trainer = make_trainer(model, fp8=True)
+    exported = dict(trainer.export_weights())
+    hf_names = set(trainer.model.state_dict())
+    for name in trainer.fp8_linears:
+        module = trainer.model.get_submodule(name)
+        w_fp8, scale_inv = module.export_fp8()
+        assert exported[f"{name}.weight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(exported[f"{name}.weight"].view(torch.uint8), w_fp8.view(torch.uint8))
+        assert torch.equal(exported[f"{name}.weight_scale_inv"], scale_inv)
+    plain = {n for n in exported if not n.endswith("weight_scale_inv")}
+    assert plain == hf_names and len(trainer.fp8_linears) == 2 * 7
+    assert exported["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_lr_schedules() -> None:
+    cos = LrFactor(OptimizerConfig(lr=1.0, min_lr=0.1, warmup_ratio=0.2, schedule="cosine"), total_steps=10)
+    factors = [cos(s) for s in range(10)]
+    assert factors[:3] == [0.5, 1.0, 1.0]  # 2 warmup steps ramp linearly (never lr 0), cosine starts at peak
+    assert all(a > b for a, b in zip(factors[2:], factors[3:]))  # then decays
+    assert cos(10) == pytest.approx(0.1)  # reaches min_lr after the last step
+    const = LrFactor(OptimizerConfig(lr=1.0, warmup_ratio=0.5, schedule="constant"), total_steps=4)
+    assert [const(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_micro_batches_cover_every_row_in_order_under_a_token_budget(assets: tuple[Path, TokenBatch]) -> None:
+    _, batch = assets
+    lengths = row_lengths(batch)
+    budget = 2 * max(lengths)
+    parts = micro_batches(batch, micro_batch_size=8, max_tokens_per_gpu=budget)
+    assert len(parts) >= 4
+    assert all(p.num_sequences * p.input_ids.shape[1] <= budget for p in parts)
+    merged = merge_rows([p.input_ids * p.attention_mask for p in parts], batch.input_ids.shape[1])
+    assert torch.equal(merged, batch.input_ids * batch.attention_mask)  # merge_rows pads with 0
+    assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
+    shards = shard_micro_batches(batch, world_size=2, micro_batch_size=3)
+    assert [[p.num_sequences for p in s] for s in shards] == [[3, 1], [3, 1]]
