@@ -109,14 +109,15 @@ def run_pipeline(
         if cfg is not None and adjust is not None:
             adjust(cfg)
         resolved.append((name, cfg))
-    # Check every input before the first stage starts: a typo in stage 4 should not cost stages 1-3.
-    for i, (_, cfg) in enumerate(resolved):
-        if cfg is not None:
-            validate_paths(cfg, check_model=i == 0)
-
     run_dir = Path(pipeline.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     state = PipelineState.load(run_dir / "pipeline_state.json")
+    # Check the inputs of every stage still to run before the first one starts (a typo in stage 4 should
+    # not cost stages 1-3); only the first stage to run reads its own model.path, later ones get a checkpoint.
+    todo = [cfg for name, cfg in resolved if name not in state.finished]
+    for i, cfg in enumerate(todo):
+        if cfg is not None:
+            validate_paths(cfg, check_model=i == 0 and len(todo) == len(resolved))
+    run_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, Path] = {}
     previous: Path | None = None
     fp8_dir: Path | None = None
