@@ -55,7 +55,9 @@ def _measure(model_dir: Path, trainer_fp8: bool) -> MismatchStats:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_new_tokens=24)
     requests = [
-        GenerateRequest(f"r{i}", torch.randint(10, 200, (8,), generator=gen).tolist(), n=4, params=params, seed=i)
+        GenerateRequest(
+            f"r{i}", torch.randint(10, 200, (8,), generator=gen).tolist(), n=4, params=params, seed=i
+        )
         for i in range(4)
     ]
     samples = sorted(engine.generate(requests), key=lambda s: (s.request_id, s.index))

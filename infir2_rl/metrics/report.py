@@ -198,10 +198,12 @@ class StageSummary:
     """One row of the run summary; None where the stage did not log that metric."""
 
     stage: str
-    # Distinct steps logged.
+    # Distinct training steps logged (step 0, the evaluation before training, not counted).
     steps: int
     first_reward: float | None
     last_reward: float | None
+    # Held-out accuracy at the stage's first and last evaluation (the first is before training).
+    first_eval_accuracy: float | None
     last_eval_accuracy: float | None
     # Means over the stage's steps of mean |logp_train - logp_rollout| and of K3.
     mismatch_mean: float | None
@@ -231,9 +233,10 @@ def summarize(run_dir: str | Path) -> list[StageSummary]:
         rows.append(
             StageSummary(
                 stage=stage.name,
-                steps=len(stage.steps),
+                steps=sum(1 for step in stage.steps if step > 0),
                 first_reward=rewards[0] if rewards else None,
                 last_reward=rewards[-1] if rewards else None,
+                first_eval_accuracy=accuracies[0] if accuracies else None,
                 last_eval_accuracy=accuracies[-1] if accuracies else None,
                 mismatch_mean=_mean(stage.series(names.MISMATCH_ABS_LOGP_DIFF_MEAN)[1]),
                 k3_mean=_mean(stage.series(names.MISMATCH_K3)[1]),
@@ -251,7 +254,16 @@ def summary_table(rows: list[StageSummary], title: str = "Run summary") -> Table
         return "-" if value is None else format(value, spec)
 
     table = Table(title=title)
-    for column in ("stage", "steps", "reward first -> last", "eval acc", "|dlogp| mean", "K3 mean", "wall s"):
+    columns = (
+        "stage",
+        "steps",
+        "reward first -> last",
+        "eval acc first -> last",
+        "|dlogp| mean",
+        "K3 mean",
+        "wall s",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column == "stage" else "right")
     table.add_column("time per phase (s)", justify="left")
     for row in rows:
@@ -260,7 +272,7 @@ def summary_table(rows: list[StageSummary], title: str = "Run summary") -> Table
             row.stage,
             str(row.steps),
             f"{fmt(row.first_reward, '.3f')} -> {fmt(row.last_reward, '.3f')}",
-            fmt(row.last_eval_accuracy, ".3f"),
+            f"{fmt(row.first_eval_accuracy, '.3f')} -> {fmt(row.last_eval_accuracy, '.3f')}",
             fmt(row.mismatch_mean, ".2e"),
             fmt(row.k3_mean, ".2e"),
             f"{row.wall_time_s:.1f}",
@@ -271,4 +283,6 @@ def summary_table(rows: list[StageSummary], title: str = "Run summary") -> Table
 
 def print_summary(rows: list[StageSummary], console: Console | None = None) -> None:
     """Print the summary table to `console` (stdout by default)."""
-    (console or Console()).print(summary_table(rows))
+    if console is None:  # rich assumes 80 columns off a terminal (Ray job logs): too narrow for this table
+        console = Console(width=max(Console().width, 170))
+    console.print(summary_table(rows))

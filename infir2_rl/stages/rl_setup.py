@@ -137,7 +137,9 @@ def start_rl_actors(
         raise
     tok = data.tokenizer
     if tok.eos_token_id is None:
-        raise ValueError(f"model.path={cfg.model.path!r}: the tokenizer has no eos token to stop generation at")
+        raise ValueError(
+            f"model.path={cfg.model.path!r}: the tokenizer has no eos token to stop generation at"
+        )
     stop_ids = [int(tok.eos_token_id)]  # the end of the assistant turn (<|im_end|> in ChatML templates)
     manager = RolloutManager(
         engines, cfg.rollout, load_reward_fn(cfg.rollout.reward), tok, stop_ids, cfg.seed
