@@ -6,6 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -22,3 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Run a module's torch ops on one thread, as Ray gives each CPU actor one core.
+
+    On a 2-core machine shared with other work, 2-thread tiny matmuls are an order of magnitude slower
+    (thread oversubscription); one thread also makes float32 accumulation order repeatable.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

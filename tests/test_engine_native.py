@@ -1,7 +1,6 @@
 """The native engine: log-probs equal the trainer's forward (BF16 and FP8 modes), stops, seeds, weights, abort."""
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,8 @@ TOL_FP8_MAX = 5e-3
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Ray gives each engine actor one CPU thread; a 2-core machine shared with other test runs slows
-    # 2-thread tiny matmuls down by an order of magnitude (thread oversubscription).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread: None) -> None:
+    """Single-threaded torch for this module (see conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")

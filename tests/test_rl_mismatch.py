@@ -10,7 +10,6 @@ for dense models in BF16 and NeMo-RL gates its CI at 2e-3; a single precision fl
 the bottom of that range or below (measured here ~1e-9..1e-7), while the mixed flow measures ~1e-4.
 """
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,8 @@ K3_UNIFIED_MAX = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread: None) -> None:
+    """Single-threaded torch for this module (see conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")

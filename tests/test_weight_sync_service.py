@@ -1,6 +1,6 @@
 """Weight sync: bounded buckets, versioned pushes, stale rejection, and the read-back self-check."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,8 @@ from infir2_rl.weight_sync.types import StaleWeightsError, WeightBucket, WeightS
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread: None) -> None:
+    """Single-threaded torch for this module (see conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")

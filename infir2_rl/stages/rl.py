@@ -66,7 +66,7 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
                 progress(last_step, cfg.name, None if m.progress_bar else False) as bar,
             ):
                 bar.update(state.step)
-                if resumed is None:  # the starting point of the reward/accuracy curves
+                if resumed is None and data.test:  # the starting point of the accuracy curve
                     logger.log(0, actors.evaluate(data.test))
                 for step in range(first, last_step + 1):
                     timer.reset()
