@@ -15,6 +15,7 @@ from infir2_rl.fp8.quant import (
     FP8_DTYPE,
     dequantize_activation,
     dequantize_weight_blockwise,
+    fake_quantize_tiles,
     quantize_activation,
     quantize_weight_blockwise,
     round_scale_up_pow2,
@@ -126,3 +127,25 @@ def test_bad_shapes_are_refused_with_clear_errors() -> None:
         dequantize_activation(x_fp8, scale[:, :1])
     with pytest.raises(ValueError, match="block_size=0"):
         quantize_weight_blockwise(torch.randn(4, 4), block_size=0)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 330), (130, 5), (1, 129)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fake_quantize_tiles_equals_quantize_then_dequantize(shape: tuple[int, int], pow2: bool) -> None:
+    """The emulation's fused quantize-dequantize gives the same FP32 numbers as the two public steps,
+    along the feature dim (fprop/dgrad tiles) and along the token dim (wgrad tiles, via the transpose)."""
+    torch.manual_seed(1)
+    x = _random_weight(*shape, torch.float32)
+    x[0, :3] = 0.0  # zeros, and a subnormal-range value, inside otherwise normal tiles
+    x[-1, -1] = 1e-9
+    rows = dequantize_activation(*quantize_activation(x, pow2_scales=pow2))
+    assert torch.equal(fake_quantize_tiles(x, dim=-1, pow2_scales=pow2), rows)
+    cols = dequantize_activation(*quantize_activation(x.t().contiguous(), pow2_scales=pow2)).t()
+    assert torch.equal(fake_quantize_tiles(x, dim=0, pow2_scales=pow2), cols)
+
+
+def test_fake_quantize_tiles_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="2-D"):
+        fake_quantize_tiles(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="dim=2"):
+        fake_quantize_tiles(torch.zeros(2, 3), dim=2)

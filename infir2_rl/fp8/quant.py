@@ -180,3 +180,35 @@ def dequantize_activation(
         )
     full = scale.float().repeat_interleave(tile, dim=-1)[..., :k]
     return (x_fp8.float() * full).to(dtype)
+
+
+def fake_quantize_tiles(
+    x: torch.Tensor, dim: int = -1, tile: int = 128, pow2_scales: bool = False
+) -> torch.Tensor:
+    """Quantize a 2-D ``x`` to e4m3 in 1x``tile`` tiles along ``dim`` and dequantize it, in FP32.
+
+    ``dim=-1`` (or 1) gives ``dequantize_activation(*quantize_activation(x))`` bit for bit; ``dim=0`` gives
+    the same for the token-dimension tiles of the wgrad GEMM, i.e. the transpose of quantizing ``x.t()``,
+    without materializing a transpose (on a 2-core CPU a transposing copy of a (4096, 384) tensor costs
+    longer than the matmul it feeds). The CPU emulation of the FP8 linear uses it; the GPU fast path
+    keeps the real FP8 tensors.
+    """
+    _check_block("tile", tile)
+    if x.dim() != 2:
+        raise ValueError(f"x shape {tuple(x.shape)}: fake_quantize_tiles needs a 2-D tensor")
+    if dim not in (-1, 0, 1):
+        raise ValueError(f"dim={dim}: must be 0 (token tiles) or -1/1 (feature tiles)")
+    rows, cols = x.shape
+    x32 = x.float()
+    if dim == 0:
+        nb = _ceil_div(rows, tile)
+        padded = torch.nn.functional.pad(x32, (0, 0, 0, nb * tile - rows)) if rows % tile else x32
+        tiles = padded.view(nb, tile, cols)
+        scale = _scales_from_amax(tiles.abs().amax(dim=1, keepdim=True), pow2_scales)
+    else:
+        nb = _ceil_div(cols, tile)
+        padded = torch.nn.functional.pad(x32, (0, nb * tile - cols)) if cols % tile else x32
+        tiles = padded.view(rows, nb, tile)
+        scale = _scales_from_amax(tiles.abs().amax(dim=2, keepdim=True), pow2_scales)
+    deq = (_to_fp8(tiles / scale).float() * scale).view(padded.shape)
+    return deq[:rows, :cols] if padded is not x32 else deq
