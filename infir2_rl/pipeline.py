@@ -35,6 +35,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_PIPELINE = REPO_ROOT / "configs" / "demo" / "pipeline_demo.yaml"
 
 
+# glibc malloc settings for the actors of a local Ray instance: CPU training allocates and frees tensors
+# of a few MB per op, which by default glibc maps and unmaps from the OS each time (a page fault per 4 KB
+# page on every reuse). Keeping them on the heap made a tiny-model FP8 CPU train step 14% faster (936 ->
+# 802 ms, 2 cores). Values already in the environment win.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
 def ensure_ray() -> None:
     """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`) or start a local Ray instance."""
     import ray
@@ -46,7 +53,8 @@ def ensure_ray() -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         dashboard = os.environ.get("INFIR2_RAY_DASHBOARD", "1") == "1"
-        ray.init(include_dashboard=dashboard, log_to_driver=True)
+        env = {k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}
+        ray.init(include_dashboard=dashboard, log_to_driver=True, runtime_env={"env_vars": env})
     log.info("Ray resources: %s", ray.cluster_resources())
 
 
