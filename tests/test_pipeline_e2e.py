@@ -80,6 +80,8 @@ def test_demo_pipeline_end_to_end(tmp_path: Path, ray_cluster: object) -> None:
         for m in steps:
             assert 0.0 <= m[names.ROLLOUT_REWARD_MEAN] <= 1.0
             assert m[names.MISMATCH_K3] < K3_UNIFIED_MAX
+            # The same samples scored by the trainer with FP8 off: the bf16_train_fp8_rollout gap.
+            assert m[names.MISMATCH_DENSE_K3] > 10 * m[names.MISMATCH_K3], m
             assert m[names.MISMATCH_ABS_LOGP_DIFF_MEAN] < 1e-2
             assert m[names.WEIGHT_SYNC_PUSH_S] > 0
         assert names.EVAL_ACCURACY in steps[-1]

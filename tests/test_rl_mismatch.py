@@ -18,7 +18,7 @@ import torch
 from infir2_rl.algo.mismatch import MismatchStats, mismatch_metrics
 from infir2_rl.backends.native_engine import NativeEngine
 from infir2_rl.backends.torch_trainer import TorchTrainer
-from infir2_rl.backends.types import GenerateRequest, SamplingParams
+from infir2_rl.backends.types import GenerateRequest, SamplingParams, TokenBatch
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.models.factory import init_model
 from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
@@ -62,6 +62,30 @@ def _measure(model_dir: Path, trainer_fp8: bool) -> MismatchStats:
     (logp,) = trainer.forward_logprobs([tokens], temperature=1.0)
     assert tokens.rollout_logprobs is not None
     return mismatch_metrics(logp[:, 1:], tokens.rollout_logprobs[:, 1:], tokens.loss_mask[:, 1:])
+
+
+def test_fp8_disabled_forward_is_the_dense_trainer(model_dir: Path) -> None:
+    """`forward_logprobs(fp8=False)` of an FP8 trainer (the RL stage's dense_trainer_mismatch metric) is
+    exactly what a trainer without FP8 linears computes from the same weights; fp8=True is not."""
+    trainers = [
+        TorchTrainer(
+            ModelConfig(path=str(model_dir), dtype="float32"),
+            TrainerConfig(fp8=fp8, global_batch_size=4, micro_batch_size=4),
+            OptimizerConfig(),
+            total_steps=1,
+            device="cpu",
+        )
+        for fp8 in (True, False)
+    ]
+    ids = torch.randint(10, 200, (4, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    batch = TokenBatch(input_ids=ids, attention_mask=mask, loss_mask=mask.float())
+    (dense_of_fp8,) = trainers[0].forward_logprobs([batch], temperature=1.0, fp8=False)
+    (fp8,) = trainers[0].forward_logprobs([batch], temperature=1.0)
+    (dense,) = trainers[1].forward_logprobs([batch], temperature=1.0)
+    assert torch.equal(dense_of_fp8, dense)
+    assert (fp8 - dense).abs().max() > 1e-4
+    assert all(m.fp8_enabled for m in trainers[0].model.modules() if hasattr(m, "fp8_enabled"))
 
 
 def test_unified_fp8_mismatch_is_far_below_bf16_train_fp8_rollout(model_dir: Path) -> None:

@@ -115,10 +115,13 @@ class TrainerGroup:
         result.metrics[names.PERF_PEAK_MEMORY_GB] = peak
         return result
 
-    def forward_logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> Tensor:
-        """Per-token log-probs of the whole batch, B x L float32, 0 at position 0 and on padding."""
+    def forward_logprobs(self, batch: TokenBatch, temperature: float = 1.0, fp8: bool = True) -> Tensor:
+        """Per-token log-probs of the whole batch, B x L float32, 0 at position 0 and on padding.
+
+        ``fp8=False``: the FP8 linears run dense on their master weights (see ``fp8.linear.fp8_disabled``).
+        """
         parts: list[list[Tensor]] = self._per_rank(
-            "forward_logprobs", [(shard, temperature) for shard in self._shards(batch)]
+            "forward_logprobs", [(shard, temperature, fp8) for shard in self._shards(batch)]
         )
         return merge_rows([p for rank_parts in parts for p in rank_parts], int(batch.input_ids.shape[1]))
 

@@ -111,8 +111,10 @@ class TrainerWorker:
         stats.metrics[names.PERF_PEAK_MEMORY_GB] = self.backend.peak_memory_gb()
         return stats
 
-    def forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
-        result: list[Tensor] = self.backend.forward_logprobs(batches, temperature)
+    def forward_logprobs(
+        self, batches: Sequence[TokenBatch], temperature: float, fp8: bool = True
+    ) -> list[Tensor]:
+        result: list[Tensor] = self.backend.forward_logprobs(batches, temperature, fp8)
         return result
 
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:

@@ -39,7 +39,7 @@ from infir2_rl.backends import torch_trainer_io as io
 from infir2_rl.backends.optim import build_optimizer, build_scheduler
 from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
-from infir2_rl.fp8.linear import Fp8Linear, swap_to_fp8_training
+from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -223,9 +223,17 @@ class TorchTrainer:
         return t.cpu().tolist()
 
     @torch.no_grad()
-    def forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float = 1.0) -> list[Tensor]:
+    def forward_logprobs(
+        self, batches: Sequence[TokenBatch], temperature: float = 1.0, fp8: bool = True
+    ) -> list[Tensor]:
         self.model.eval()
         self._invalidate_fp8()
+        with contextlib.nullcontext() if fp8 else fp8_disabled(self.model):
+            out = self._forward_logprobs(batches, temperature)
+        self.model.train()
+        return out
+
+    def _forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
         out: list[Tensor] = []
         for batch in self._padded(batches):
             if batch is None:
@@ -235,7 +243,6 @@ class TorchTrainer:
             full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=logp.device)
             full[:, 1:] = logp * batch.attention_mask[:, 1:].to(logp.dtype)
             out.append(full.cpu())
-        self.model.train()
         return out
 
     @torch.no_grad()

@@ -90,8 +90,13 @@ class TrainStats:
 class TrainerBackend(Protocol):
     """A data-parallel rank of the trainer (torch or megatron)."""
 
-    def forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
-        """Per-token log-probs (B x L, float32, CPU) of each batch at the given sampling temperature."""
+    def forward_logprobs(
+        self, batches: Sequence[TokenBatch], temperature: float, fp8: bool = True
+    ) -> list[Tensor]:
+        """Per-token log-probs (B x L, float32, CPU) of each batch at the given sampling temperature.
+
+        ``fp8=False`` runs an FP8 trainer's linears dense on their master weights (a no-op without FP8).
+        """
         ...
 
     def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:

@@ -236,3 +236,7 @@ class MetricsConfig(_Config):
     ray_metrics: bool = True
     # Show a progress bar on local runs.
     progress_bar: bool = True
+    # RL with an FP8 trainer: also score every rollout batch with the trainer's FP8 linears off (BF16 on a
+    # GPU, FP32 on CPU) and log the mismatch a bf16_train_fp8_rollout trainer would have against the same
+    # engine and samples (names.MISMATCH_DENSE_*). Costs one extra forward pass per step.
+    dense_trainer_mismatch: bool = False

@@ -6,6 +6,8 @@
   bytes and scales the forward used, which is what weight sync sends to the rollout engines.
 * ``Fp8InferenceLinear``: W8A8 for rollout. Holds only the FP8 weight and its FP32 ``weight_scale_inv``
   (the checkpoint format), quantizes activations per 1x128 tile at run time.
+* ``fp8_disabled(model)``: a context in which every ``Fp8Linear`` runs as a plain linear on its master
+  weight (how a BF16 trainer would score the same tokens; used to measure that mismatch in the same run).
 * ``swap_to_fp8_training`` / ``swap_to_fp8_inference``: replace the decoder linears (q, k, v, o, gate, up,
   down projections) and nothing else; embeddings, lm_head and norms stay in higher precision. Model files
   never mention FP8.
@@ -13,9 +15,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from infir2_rl.fp8 import gemm, quant_triton
@@ -50,6 +54,8 @@ class Fp8Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.pow2_scales = pow2_scales
+        # False runs a plain (dense) linear on the master weight: see `fp8_disabled`.
+        self.fp8_enabled = True
         self._fp8_cache: tuple[tuple[object, ...], Fp8Weight] | None = None
 
     @classmethod
@@ -87,6 +93,8 @@ class Fp8Linear(nn.Linear):
         return fp8w.w_fp8, fp8w.scale_inv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
         fp8w = self._fp8_weight()
         w_fp8, scale_inv = fp8w.w_fp8, fp8w.scale_inv
         needs_grad = torch.is_grad_enabled() and (
@@ -228,3 +236,17 @@ def swap_to_fp8_inference(model: nn.Module, pow2_scales: bool = False) -> list[s
         setattr(parent, attr, Fp8InferenceLinear.from_linear(child, pow2_scales=pow2_scales))
         swapped.append(full)
     return swapped
+
+
+@contextlib.contextmanager
+def fp8_disabled(model: nn.Module) -> Iterator[int]:
+    """Run every ``Fp8Linear`` of ``model`` as a dense linear inside the block; yields how many there are."""
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    previous = [m.fp8_enabled for m in linears]
+    for m in linears:
+        m.fp8_enabled = False
+    try:
+        yield len(linears)
+    finally:
+        for m, enabled in zip(linears, previous, strict=True):
+            m.fp8_enabled = enabled

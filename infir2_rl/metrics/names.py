@@ -38,6 +38,11 @@ MISMATCH_IS_RATIO_MIN = "mismatch/is_ratio_min"
 MISMATCH_IS_RATIO_MAX = "mismatch/is_ratio_max"
 MISMATCH_TIS_CLIP_FRAC = "mismatch/tis_clip_frac"
 MISMATCH_MIS_MASK_FRAC = "mismatch/mis_mask_frac"
+# The same samples scored by the trainer with its FP8 linears off (metrics.dense_trainer_mismatch): the
+# mismatch a bf16_train_fp8_rollout trainer would see against the same FP8 engine, measured in the same run.
+MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN = "mismatch_dense_trainer/abs_logp_diff_mean"
+MISMATCH_DENSE_ABS_LOGP_DIFF_MAX = "mismatch_dense_trainer/abs_logp_diff_max"
+MISMATCH_DENSE_K3 = "mismatch_dense_trainer/k3"
 
 # Held-out evaluation: answer accuracy (math reward on greedy answers) and loss.
 EVAL_ACCURACY = "eval/accuracy"

@@ -119,7 +119,12 @@ PLOTS = (
     PlotSpec(
         "mismatch.png",
         "Train/rollout mismatch",
-        (names.MISMATCH_ABS_LOGP_DIFF_MEAN, names.MISMATCH_K3),
+        (
+            names.MISMATCH_ABS_LOGP_DIFF_MEAN,
+            names.MISMATCH_K3,
+            names.MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN,
+            names.MISMATCH_DENSE_K3,
+        ),
         "value (log scale)",
         log_scale=True,
     ),
@@ -208,6 +213,9 @@ class StageSummary:
     # Means over the stage's steps of mean |logp_train - logp_rollout| and of K3.
     mismatch_mean: float | None
     k3_mean: float | None
+    # The same with the trainer's FP8 linears off (metrics.dense_trainer_mismatch), None when not measured.
+    dense_mismatch_mean: float | None
+    dense_k3_mean: float | None
     # Seconds from the stage's first record to its last.
     wall_time_s: float
     # Total seconds per phase (`time/<phase>_s` metrics summed over steps).
@@ -240,6 +248,8 @@ def summarize(run_dir: str | Path) -> list[StageSummary]:
                 last_eval_accuracy=accuracies[-1] if accuracies else None,
                 mismatch_mean=_mean(stage.series(names.MISMATCH_ABS_LOGP_DIFF_MEAN)[1]),
                 k3_mean=_mean(stage.series(names.MISMATCH_K3)[1]),
+                dense_mismatch_mean=_mean(stage.series(names.MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN)[1]),
+                dense_k3_mean=_mean(stage.series(names.MISMATCH_DENSE_K3)[1]),
                 wall_time_s=stage.wall_time_s,
                 phase_times_s=phases,
             )
@@ -259,8 +269,8 @@ def summary_table(rows: list[StageSummary], title: str = "Run summary") -> Table
         "steps",
         "reward first -> last",
         "eval acc first -> last",
-        "|dlogp| mean",
-        "K3 mean",
+        "|dlogp| mean (dense trainer)",
+        "K3 mean (dense trainer)",
         "wall s",
     )
     for column in columns:
@@ -273,12 +283,16 @@ def summary_table(rows: list[StageSummary], title: str = "Run summary") -> Table
             str(row.steps),
             f"{fmt(row.first_reward, '.3f')} -> {fmt(row.last_reward, '.3f')}",
             f"{fmt(row.first_eval_accuracy, '.3f')} -> {fmt(row.last_eval_accuracy, '.3f')}",
-            fmt(row.mismatch_mean, ".2e"),
-            fmt(row.k3_mean, ".2e"),
+            _with_dense(fmt(row.mismatch_mean, ".2e"), row.dense_mismatch_mean),
+            _with_dense(fmt(row.k3_mean, ".2e"), row.dense_k3_mean),
             f"{row.wall_time_s:.1f}",
             phases or "-",
         )
     return table
+
+
+def _with_dense(text: str, dense: float | None) -> str:
+    return text if dense is None else f"{text} ({dense:.2e})"
 
 
 def print_summary(rows: list[StageSummary], console: Console | None = None) -> None:

@@ -107,14 +107,19 @@ def rl_step(
     with timer("old_logprobs"):
         tokens.old_logprobs = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature)
     assert tokens.rollout_logprobs is not None
-    mask = tokens.loss_mask[:, 1:]
-    mm = mismatch_metrics(
-        tokens.old_logprobs[:, 1:],
-        tokens.rollout_logprobs[:, 1:],
-        mask,
-        cfg.algorithm.tis_low,
-        cfg.algorithm.tis_high,
-    )
+    mask, rollout_logp = tokens.loss_mask[:, 1:], tokens.rollout_logprobs[:, 1:]
+    tis = (cfg.algorithm.tis_low, cfg.algorithm.tis_high)
+    mm = mismatch_metrics(tokens.old_logprobs[:, 1:], rollout_logp, mask, *tis)
+    dense: dict[str, float] = {}
+    if cfg.metrics.dense_trainer_mismatch and cfg.trainer.fp8:
+        with timer("dense_logprobs"):
+            dense_logp = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature, fp8=False)
+        dmm = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis)
+        dense = {
+            names.MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN: dmm.abs_logp_diff_mean,
+            names.MISMATCH_DENSE_ABS_LOGP_DIFF_MAX: dmm.abs_logp_diff_max,
+            names.MISMATCH_DENSE_K3: dmm.k3,
+        }
     units = int(mask.sum().item()) if cfg.algorithm.loss_reduction == "token_mean" else batch.num_samples
     with timer("train"):
         stats = actors.trainer.train_step(tokens, loss_fn, total_units=units)
@@ -134,6 +139,7 @@ def rl_step(
         names.WEIGHT_SYNC_PUSH_S: push.seconds,
         "weight_sync/bytes": float(push.bytes),
         "rollout/advantage_abs_mean": float(torch.as_tensor(advantages).abs().mean()),
+        **dense,
     }
 
 
@@ -144,6 +150,7 @@ def _brief(metrics: dict[str, float]) -> str:
         names.TRAIN_LOSS,
         names.MISMATCH_ABS_LOGP_DIFF_MEAN,
         names.MISMATCH_K3,
+        names.MISMATCH_DENSE_K3,
         names.EVAL_ACCURACY,
     )
     return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
