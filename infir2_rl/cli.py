@@ -64,9 +64,17 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from infir2_rl.pipeline import run_demo
+    from infir2_rl.pipeline import DEMO_PIPELINE, run_demo
 
-    run_demo(out=Path(args.out), seed=args.seed, overrides=args.overrides)
+    pipeline = Path(args.pipeline) if args.pipeline else DEMO_PIPELINE
+    run_demo(
+        out=Path(args.out),
+        seed=args.seed,
+        overrides=args.overrides,
+        pipeline=pipeline,
+        preset=args.preset,
+        precision=args.precision,
+    )
     return 0
 
 
@@ -95,10 +103,16 @@ def _cast_fp8(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from infir2_rl.metrics.report import make_report, print_summary, summarize
+    from infir2_rl.metrics.report import make_comparison, make_report, print_summary, summarize
 
-    paths = make_report(args.run_dir)
-    print_summary(summarize(args.run_dir))
+    if len(args.run_dir) > 1 and not args.compare_out:
+        raise SystemExit("several run directories: give --compare-out DIR for the comparison plots")
+    paths = []
+    for run_dir in args.run_dir:
+        paths += make_report(run_dir)
+        print_summary(summarize(run_dir), title=f"Run summary: {run_dir}")
+    if len(args.run_dir) > 1:
+        paths += make_comparison([Path(d) for d in args.run_dir], Path(args.compare_out))
     for p in paths:
         print(f"wrote {p}")
     return 0
@@ -117,7 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", _demo, "build the tiny model and data if absent, run SFT -> FP8 cast -> RL 8K -> RL 16K")
     p.add_argument("--out", default="runs/demo", help="run directory (assets/ and one folder per stage)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("overrides", nargs="*", help="dotted overrides applied to every stage, e.g. seed=1")
+    p.add_argument(
+        "--pipeline", default=None, help="pipeline YAML (default: configs/demo/pipeline_demo.yaml)"
+    )
+    p.add_argument(
+        "--preset", default="tiny", help="model preset built when OUT/assets has none (tiny, 100m, ...)"
+    )
+    p.add_argument(
+        "--precision",
+        choices=["unified_fp8", "bf16_train_fp8_rollout", "bf16"],
+        default=None,
+        help="run every stage in this precision setup (SFT: FP8 only for unified_fp8; RL: weight_sync.mode);"
+        " default: as the configs say",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted overrides applied to every stage (optimizer.lr=1e-4), or to the stages of one kind"
+        " with a kind prefix (sft:trainer.max_steps=50, rl:rollout.num_steps=3)",
+    )
 
     for name, help in (
         ("run", "run a stage or pipeline YAML on local Ray (or the cluster in RAY_ADDRESS)"),
@@ -146,8 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("cast-fp8", _cast_fp8, "cast a BF16 HF checkpoint to blockwise FP8 (weight_scale_inv format)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="--input HF_DIR --output FP8_DIR [--pow2-scales]")
 
-    p = add("report", _report, "plot a run's curves (PNG) and print its summary table")
-    p.add_argument("run_dir")
+    p = add("report", _report, "plot a run's curves (PNG) and print its summary table; several runs: compare")
+    p.add_argument("run_dir", nargs="+", help="run directories (a pipeline or one stage each)")
+    p.add_argument(
+        "--compare-out", default=None, help="with several runs: folder for the compare_*.png overlays"
+    )
     return parser
 
 

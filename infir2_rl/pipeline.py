@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from infir2_rl.config import (
+    PipelineConfig,
     RlStageConfig,
     SftStageConfig,
     apply_overrides,
@@ -101,22 +102,13 @@ def run_pipeline(
     overrides: Sequence[str] = (),
     stage_overrides: Sequence[str] = (),
     adjust: Callable[[SftStageConfig | RlStageConfig], None] | None = None,
+    kind_overrides: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Path]:
-    """Run a pipeline YAML. `stage_overrides` apply to every stage (e.g. `seed=1`); `adjust` edits each
-    resolved stage config in place (the demo uses it to point data paths at the assets it built)."""
+    """Run a pipeline YAML. `stage_overrides` apply to every stage (e.g. `seed=1`), `kind_overrides` to
+    the stages of one kind (``{"rl": ["weight_sync.mode=bf16"]}``); `adjust` edits each resolved stage
+    config in place (the demo uses it to point data paths at the assets it built)."""
     pipeline = load_pipeline_config(path, overrides)
-    stages = load_pipeline_stages(pipeline, path)
-    resolved: list[tuple[str, SftStageConfig | RlStageConfig | None]] = []
-    for name, cfg in stages:
-        if cfg is not None and stage_overrides:
-            data: dict[str, Any] = cfg.model_dump(mode="json")
-            try:
-                cfg = parse_stage_config(apply_overrides(data, stage_overrides))
-            except ConfigError as e:
-                raise ConfigError(f"stage {name!r}: {e}") from None
-        if cfg is not None and adjust is not None:
-            adjust(cfg)
-        resolved.append((name, cfg))
+    resolved = resolve_stages(path, pipeline, stage_overrides, kind_overrides, adjust)
     run_dir = Path(pipeline.run_dir)
     state = PipelineState.load(run_dir / "pipeline_state.json")
     # Check the inputs of every stage still to run before the first one starts (a typo in stage 4 should
@@ -156,6 +148,32 @@ def run_pipeline(
     return outputs
 
 
+def resolve_stages(
+    path: str | Path,
+    pipeline: PipelineConfig,
+    stage_overrides: Sequence[str] = (),
+    kind_overrides: Mapping[str, Sequence[str]] | None = None,
+    adjust: Callable[[SftStageConfig | RlStageConfig], None] | None = None,
+) -> list[tuple[str, SftStageConfig | RlStageConfig | None]]:
+    """Each stage of a loaded pipeline as (name, config with overrides applied); None for a cast."""
+    stages = load_pipeline_stages(pipeline, path)
+    resolved: list[tuple[str, SftStageConfig | RlStageConfig | None]] = []
+    for name, cfg in stages:
+        extra = [*stage_overrides, *((kind_overrides or {}).get(cfg.kind, ()) if cfg is not None else ())]
+        if cfg is not None and extra:
+            # Only what the YAML set: values a validator derived (an RL stage's trainer.fp8 from
+            # weight_sync.mode) are derived again, so an override of the mode takes them along.
+            data: dict[str, Any] = cfg.model_dump(mode="json", exclude_unset=True)
+            try:
+                cfg = parse_stage_config(apply_overrides(data, extra))
+            except ConfigError as e:
+                raise ConfigError(f"stage {name!r}: {e}") from None
+        if cfg is not None and adjust is not None:
+            adjust(cfg)
+        resolved.append((name, cfg))
+    return resolved
+
+
 def _cast(src: Path, dst: Path) -> Path:
     from infir2_rl.fp8.checkpoint import cast_checkpoint
 
@@ -169,28 +187,69 @@ def _cast(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run_demo(out: Path, seed: int = 0, overrides: Sequence[str] = ()) -> dict[str, Path]:
-    """Build the tiny model and data if absent, run the demo pipeline, print the summary, draw the report."""
+PRECISIONS = ("unified_fp8", "bf16_train_fp8_rollout", "bf16")
+
+
+def precision_overrides(precision: str) -> dict[str, list[str]]:
+    """Per-kind overrides that run a whole pipeline in one precision setup (``weight_sync.mode`` values):
+    SFT trains in FP8 only for ``unified_fp8``; RL stages take the mode, which sets trainer and engine."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return {
+        "sft": [f"trainer.fp8={str(precision == 'unified_fp8').lower()}"],
+        "rl": [f"weight_sync.mode={precision}"],
+    }
+
+
+def split_kind_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Split ``sft:a.b=1`` / ``rl:a.b=1`` overrides (one stage kind) from plain ones (every stage)."""
+    common: list[str] = []
+    by_kind: dict[str, list[str]] = {}
+    for item in overrides:
+        kind, sep, rest = item.partition(":")
+        if sep and kind in ("sft", "rl") and "=" not in kind:
+            by_kind.setdefault(kind, []).append(rest)
+        else:
+            common.append(item)
+    return common, by_kind
+
+
+def run_demo(
+    out: Path,
+    seed: int = 0,
+    overrides: Sequence[str] = (),
+    *,
+    pipeline: Path = DEMO_PIPELINE,
+    preset: str = "tiny",
+    precision: str | None = None,
+) -> dict[str, Path]:
+    """Build the model (random weights of `preset`) and data if absent, run the demo pipeline, print the
+    summary, draw the report. `precision` (a weight_sync mode) overrides the configs' FP8 settings in
+    every stage; None keeps them. The GPU comparison runs this with `configs/gpu/pipeline_100m.yaml`."""
     from infir2_rl.data.synthetic import make_data
     from infir2_rl.metrics.report import make_report, print_summary, summarize
     from infir2_rl.models.factory import init_model
 
-    if not DEMO_PIPELINE.exists():
+    if not Path(pipeline).exists():
         raise FileNotFoundError(
-            f"{DEMO_PIPELINE} not found: run the demo from a source checkout installed with `pip install -e .`"
+            f"{pipeline} not found: run the demo from a source checkout installed with `pip install -e .`"
         )
+    common, kind_overrides = split_kind_overrides(overrides)
+    for kind, items in (precision_overrides(precision) if precision is not None else {}).items():
+        kind_overrides[kind] = [*items, *kind_overrides.get(kind, [])]  # explicit ones win
     assets = out / "assets"
-    model_dir, data_dir = assets / "tiny-model", assets / "data"
+    model_dir, data_dir = assets / f"{preset}-model", assets / "data"
     if not (model_dir / "config.json").exists():
-        init_model(model_dir, preset="tiny", seed=seed)
+        init_model(model_dir, preset=preset, seed=seed)
     if not (data_dir / "rl_test.jsonl").exists():
         make_data(data_dir, seed=seed)
     t0 = time.perf_counter()
     outputs = run_pipeline(
-        DEMO_PIPELINE,
+        pipeline,
         overrides=[f"run_dir={out}"],
-        stage_overrides=[f"seed={seed}", f"model.path={model_dir}", *overrides],
+        stage_overrides=[f"seed={seed}", f"model.path={model_dir}", *common],
         adjust=lambda cfg: _relocate_data(cfg, data_dir),
+        kind_overrides=kind_overrides,
     )
     log.info("demo pipeline finished in %.1f s", time.perf_counter() - t0)
     print_summary(summarize(out))

@@ -156,3 +156,49 @@ def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     good.write_text("kind: sft\n")
     assert main(["check-config", str(good), "optimizer.lr=0.5"]) == 0
     assert "lr: 0.5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision", ["unified_fp8", "bf16_train_fp8_rollout", "bf16"])
+def test_demo_precision_switch_sets_every_stage(precision: str) -> None:
+    from infir2_rl.config import load_pipeline_config
+    from infir2_rl.pipeline import DEMO_PIPELINE, precision_overrides, resolve_stages
+
+    pipeline = load_pipeline_config(DEMO_PIPELINE)
+    stages = resolve_stages(DEMO_PIPELINE, pipeline, ["seed=3"], precision_overrides(precision))
+    kinds = [cfg.kind for _, cfg in stages if cfg is not None]
+    assert kinds == ["sft", "sft", "rl", "rl"]
+    for _, cfg in stages:
+        if cfg is None:
+            continue
+        assert cfg.seed == 3
+        if cfg.kind == "sft":
+            assert cfg.trainer.fp8 is (precision == "unified_fp8")
+        else:
+            assert cfg.weight_sync.mode == precision
+            assert cfg.trainer.fp8 is (precision == "unified_fp8")
+            assert cfg.rollout.fp8 is (precision != "bf16")
+            assert (
+                cfg.trainer.global_batch_size
+                == cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+            )
+
+
+def test_unknown_precision_is_refused() -> None:
+    from infir2_rl.pipeline import precision_overrides
+
+    with pytest.raises(ValueError, match="choose one of"):
+        precision_overrides("fp4")
+
+
+def test_kind_prefixed_overrides_reach_only_that_kind() -> None:
+    from infir2_rl.config import load_pipeline_config
+    from infir2_rl.pipeline import DEMO_PIPELINE, resolve_stages, split_kind_overrides
+
+    common, by_kind = split_kind_overrides(["seed=5", "sft:trainer.max_steps=7", "rl:rollout.num_steps=2"])
+    assert common == ["seed=5"] and by_kind == {"sft": ["trainer.max_steps=7"], "rl": ["rollout.num_steps=2"]}
+    stages = resolve_stages(DEMO_PIPELINE, load_pipeline_config(DEMO_PIPELINE), common, by_kind)
+    for _, cfg in stages:
+        if cfg is not None and cfg.kind == "sft":
+            assert (cfg.seed, cfg.trainer.max_steps) == (5, 7)
+        elif cfg is not None:
+            assert (cfg.seed, cfg.rollout.num_steps) == (5, 2)

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from infir2_rl.metrics import MetricsLogger, make_report, names, print_summary, summarize
-from infir2_rl.metrics.report import load_run, stage_offsets
+from infir2_rl.metrics.report import load_run, make_comparison, stage_offsets
 
 
 def write_jsonl(path: Path, records: list[dict], torn_tail: str = "") -> None:
@@ -132,3 +132,22 @@ def test_run_dir_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "empty_stage").mkdir()
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         make_report(tmp_path)
+
+
+def test_cli_report_compares_runs(pipeline_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from infir2_rl.cli import main
+
+    other = tmp_path / "other_run"
+    shutil.copytree(pipeline_dir, other)
+    out = tmp_path / "cmp"
+    assert main(["report", str(pipeline_dir), str(other), "--compare-out", str(out)]) == 0
+    written = sorted(p.name for p in out.glob("*.png"))
+    assert "compare_reward.png" in written and "compare_accuracy.png" in written
+    assert "compare_mismatch.png" in written
+    assert (other / "report" / "reward.png").exists()
+    with pytest.raises(SystemExit, match="--compare-out"):
+        main(["report", str(pipeline_dir), str(other)])
+    with pytest.raises(ValueError, match="at least two"):
+        make_comparison([pipeline_dir], out)

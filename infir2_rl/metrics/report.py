@@ -198,6 +198,81 @@ def make_report(run_dir: str | Path) -> list[Path]:
     return written
 
 
+COMPARE_PLOTS = (
+    PlotSpec("compare_reward.png", "Rollout reward (mean)", (names.ROLLOUT_REWARD_MEAN,), "reward"),
+    PlotSpec("compare_accuracy.png", "Held-out accuracy", (names.EVAL_ACCURACY,), "accuracy"),
+    PlotSpec(
+        "compare_response_length.png", "Response length (mean)", (names.ROLLOUT_RESPONSE_LEN_MEAN,), "tokens"
+    ),
+    PlotSpec(
+        "compare_mismatch.png",
+        "Mean |logp_train - logp_rollout|",
+        (names.MISMATCH_ABS_LOGP_DIFF_MEAN,),
+        "value (log scale)",
+        log_scale=True,
+    ),
+    PlotSpec(
+        "compare_k3.png", "K3 KL(rollout || train)", (names.MISMATCH_K3,), "value (log scale)", log_scale=True
+    ),
+)
+
+
+def make_comparison(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = None) -> list[Path]:
+    """Overlay several runs of the same pipeline (one colour per run, global step axis, stage starts of
+    the first run dashed) as ``compare_*.png`` in `out_dir`; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(run_dirs) < 2:
+        raise ValueError(f"a comparison needs at least two run directories, got {len(run_dirs)}")
+    labels = labels or [Path(d).name for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    runs = [load_run(d) for d in run_dirs]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for spec in COMPARE_PLOTS:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        drawn = 0
+        for run_index, (stages, label) in enumerate(zip(runs, labels)):
+            xs: list[int] = []
+            ys: list[float] = []
+            for stage, offset in zip(stages, stage_offsets(stages)):
+                steps, values = stage.series(spec.keys[0])
+                for step, value in zip(steps, values):
+                    if not spec.log_scale or value > 0:
+                        xs.append(step + offset)
+                        ys.append(value)
+            if xs:
+                ax.plot(
+                    xs, ys, label=label, color=f"C{run_index}", marker="o" if len(xs) < 30 else None, ms=3
+                )
+                drawn += 1
+        if drawn == 0:
+            plt.close(fig)
+            log.info("comparison: no data for %s; skipped", spec.file_name)
+            continue
+        first = runs[0]
+        for stage, offset in zip(first, stage_offsets(first)):
+            ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
+            ax.text(offset, 1.0, f" {stage.name}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
+        if spec.log_scale:
+            ax.set_yscale("log")
+        ax.set_title(spec.title)
+        ax.set_xlabel("global step")
+        ax.set_ylabel(spec.ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        path = out_dir / spec.file_name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 @dataclasses.dataclass(frozen=True)
 class StageSummary:
     """One row of the run summary; None where the stage did not log that metric."""
@@ -295,8 +370,10 @@ def _with_dense(text: str, dense: float | None) -> str:
     return text if dense is None else f"{text} ({dense:.2e})"
 
 
-def print_summary(rows: list[StageSummary], console: Console | None = None) -> None:
+def print_summary(
+    rows: list[StageSummary], console: Console | None = None, title: str = "Run summary"
+) -> None:
     """Print the summary table to `console` (stdout by default)."""
     if console is None:  # rich assumes 80 columns off a terminal (Ray job logs): too narrow for this table
         console = Console(width=max(Console().width, 170))
-    console.print(summary_table(rows))
+    console.print(summary_table(rows, title))

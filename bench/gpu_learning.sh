@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU learning comparison: the 100m pipeline (configs/gpu/pipeline_100m.yaml) in the three precision setups
+# (unified_fp8, bf16_train_fp8_rollout, bf16), same seed, run side by side on ONE GPU, then
+# `infir2-rl report` overlays them (compare_*.png). Usage, on a GPU machine from the repository root:
+#
+#   bash bench/gpu_learning.sh OUT_DIR [SEED] [overrides...]     # e.g. sft:trainer.max_steps=50 rl:rollout.num_steps=3
+#
+# One Ray head with 3 logical GPUs that all map to the one physical GPU (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES:
+# every actor sees cuda:0), so each pipeline's placement group takes "its" GPU and the three runs overlap; a
+# 100M model leaves the GPU mostly idle between kernel launches, so they slow each other down little. Each run
+# is cut at LIMIT_S seconds (default 500) and the metrics are kept whatever happens. Writes OUT_DIR/<mode>/
+# (full run dirs), OUT_DIR/<mode>.log and OUT_DIR/compare/; prints each run's summary table.
+set -u
+out=${1:?usage: bash bench/gpu_learning.sh OUT_DIR [SEED] [overrides...]}
+seed=${2:-0}
+shift $(( $# >= 2 ? 2 : 1 ))
+modes=(unified_fp8 bf16_train_fp8_rollout bf16)
+mkdir -p "$out"
+export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+ray stop --force >/dev/null 2>&1
+ray start --head --num-gpus=${#modes[@]} --include-dashboard=false --disable-usage-stats >"$out/ray_start.log" 2>&1 || {
+    cat "$out/ray_start.log"; exit 1; }
+export RAY_ADDRESS=auto
+start=$(date +%s)
+for mode in "${modes[@]}"; do
+    timeout "${LIMIT_S:-500}" python -m infir2_rl.cli demo --pipeline configs/gpu/pipeline_100m.yaml --preset 100m \
+        --precision "$mode" --seed "$seed" --out "$out/$mode" "$@" >"$out/$mode.log" 2>&1 &
+done
+wait
+echo "three runs done in $(( $(date +%s) - start )) s"
+ray stop --force >/dev/null 2>&1
+for mode in "${modes[@]}"; do echo "== $mode: $(grep -c 'finished in' "$out/$mode.log") stages finished"; done
+python -m infir2_rl.cli report "${modes[@]/#/$out/}" --compare-out "$out/compare" 2>&1 | grep -v "^wrote"
