@@ -16,6 +16,9 @@ seed=${2:-0}
 shift $(( $# >= 2 ? 2 : 1 ))
 modes=(unified_fp8 bf16_train_fp8_rollout bf16)
 mkdir -p "$out"
+if ! command -v ray >/dev/null; then  # Ray importable (e.g. on PYTHONPATH) but its CLI not installed
+    ray() { python -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' "$@"; }
+fi
 export RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 ray stop --force >/dev/null 2>&1
 ray start --head --num-gpus=${#modes[@]} --include-dashboard=false --disable-usage-stats >"$out/ray_start.log" 2>&1 || {

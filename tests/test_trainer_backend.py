@@ -129,6 +129,25 @@ def test_export_weights_are_hf_named_and_fp8_exact(assets: tuple[Path, TokenBatc
     assert exported["model.embed_tokens.weight"].dtype == torch.float32
 
 
+def test_export_for_a_bf16_engine_is_plain_and_loads(assets: tuple[Path, TokenBatch]) -> None:
+    """weight_sync.mode=bf16: the trainer exports its plain tensors and a BF16 (non-FP8) engine takes them."""
+    from infir2_rl.backends.native_engine import NativeEngine
+    from infir2_rl.weight_sync.buckets import build_buckets
+
+    model, _ = assets
+    trainer = make_trainer(model, fp8=False)
+    exported = dict(trainer.export_weights(fp8=False))
+    assert set(exported) == set(trainer.model.state_dict())
+    assert all(t.dtype == torch.float32 for t in exported.values())
+    engine = NativeEngine(str(model), fp8=False, dtype="bfloat16", device="cpu")
+    for bucket in build_buckets(exported.items(), 1 << 30, version=1):
+        engine.update_weights(bucket)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    held = engine.read_weights([name])[name]
+    assert held.dtype == torch.bfloat16 and torch.equal(held, exported[name].to(torch.bfloat16))
+    assert engine.health().weight_version == 1
+
+
 def test_lr_schedules() -> None:
     cos = LrFactor(OptimizerConfig(lr=1.0, min_lr=0.1, warmup_ratio=0.2, schedule="cosine"), total_steps=10)
     factors = [cos(s) for s in range(10)]

@@ -138,11 +138,12 @@ class TrainerGroup:
         outs = self._per_rank("generate_greedy", [(list(prompts[a:b]), max_new_tokens) for a, b in bounds])
         return [row for rank_rows in outs for row in rank_rows]
 
-    def export_weights(self) -> list[tuple[str, Tensor]]:
-        """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective)."""
+    def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
+        """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective);
+        ``fp8=False`` for BF16 engines (weight_sync.mode bf16)."""
         if self.fsdp:
-            return unpack_tensors(self._all("export_weights")[0])
-        return unpack_tensors(ray.get(self.workers[0].export_weights.remote()))
+            return unpack_tensors(self._all("export_weights", fp8)[0])
+        return unpack_tensors(ray.get(self.workers[0].export_weights.remote(fp8)))
 
     def save(self, directory: Path) -> None:
         self._all("save", str(directory))

@@ -125,12 +125,12 @@ class TrainerWorker:
         result: list[list[int]] = self.backend.generate_greedy(prompts, max_new_tokens)
         return result
 
-    def export_weights(self) -> list[tuple[str, Tensor]]:
+    def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
         """HF-named weights (FP8 linears as weight + weight_scale_inv) on rank 0, [] on other ranks.
 
         Through Ray the result travels as `pack_tensors` output; call `unpack_tensors` on it.
         """
-        weights = [(name, t.cpu()) for name, t in self.backend.export_weights()]
+        weights = [(name, t.cpu()) for name, t in self.backend.export_weights(fp8)]
         return pack_tensors(weights) if self.rank == 0 else []  # type: ignore[return-value]
 
     def save(self, directory: str) -> None:

@@ -261,11 +261,12 @@ class TorchTrainer:
         self.model.train()
         return total, units
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors; FP8 decoder linears as (weight fp8, weight_scale_inv). Collective under FSDP."""
+    def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors; with ``fp8`` the decoder linears as (weight fp8, weight_scale_inv), without it
+        every tensor as the trainer holds it (a BF16 engine casts). Collective under FSDP."""
         from infir2_rl.fp8.checkpoint import fp8_state_from_model
 
-        if not self.fsdp:
+        if not self.fsdp and fp8:
             for name, tensor in fp8_state_from_model(self.model, pow2_scales=self.pow2_scales):
                 yield io.hf_name(name), tensor.detach()
             return
@@ -280,7 +281,7 @@ class TorchTrainer:
             for name, value in self.model.state_dict().items():
                 full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
                 prefix, _, leaf = io.hf_name(name).rpartition(".")
-                if leaf == "weight" and prefix.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
+                if fp8 and leaf == "weight" and prefix.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
                     w_fp8, scale_inv = quantize_weight_blockwise(full, pow2_scales=self.pow2_scales)
                     yield f"{prefix}.weight", w_fp8
                     yield f"{prefix}.weight_scale_inv", scale_inv

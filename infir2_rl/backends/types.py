@@ -106,8 +106,9 @@ class TrainerBackend(Protocol):
         """
         ...
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors; FP8 decoder linears as the exact (weight fp8, weight_scale_inv) they train with."""
+    def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors; FP8 decoder linears as the exact (weight fp8, weight_scale_inv) they train with
+        (``fp8=False``: plain tensors, for BF16 engines)."""
         ...
 
     def save(self, directory: Path) -> None: ...

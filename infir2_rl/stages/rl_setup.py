@@ -160,7 +160,7 @@ def start_rl_actors(
         pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
         colocated_gpu=colocate,
     )
-    push = actors.sync.push(trainer.export_weights(), version=state.step)
+    push = actors.sync.push(trainer.export_weights(cfg.rollout.fp8), version=state.step)
     log.info(
         "placed %d trainer worker(s) and %d engine(s) (%s, %s); first push: %.1f MB in %.2f s",
         num_workers, num_engines, "GPU" if use_gpu else "CPU", "colocated" if colocate else "separate bundles",
