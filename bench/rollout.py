@@ -1,0 +1,208 @@
+"""Decode throughput of the native rollout engine, BF16 vs FP8 W8A8, on a random Qwen2.5-1.5B-shape model.
+
+    python bench/rollout.py [--batch-sizes 16 32 64 128 256] [--repeats 3] [--profile] [--out PATH] [--tiny]
+
+What is timed: ``NativeEngine.generate`` on B requests of --prompt-len random token ids each, sampled at
+temperature 1.0 with no stop tokens, so all B rows decode exactly --new-tokens tokens in one batch.
+Tokens/s is B * new_tokens / wall time of the whole call (prefill included), between
+``torch.cuda.synchronize()`` calls; median, min and max of --repeats calls, the two engines alternating.
+The decode step time is (wall of the call - wall of the same call with new_tokens=1, i.e. prefill and the
+first sample) / (new_tokens - 1). Both engines live in this process: BF16 weights (``fp8=False``) and
+FP8 W8A8 (``fp8=True``: decoder linears swapped for ``Fp8InferenceLinear``), the same random model, which
+is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built and saved once under
+/tmp/infir2_bench by bench/train_step.py's helper.
+
+``--profile`` runs torch.profiler at --profile-batch over a call with 1 + k new tokens and one with 1,
+and subtracts the two (what remains is k decode steps): device kernels by category, the top kernels, and
+the CPU/Python gap = unprofiled wall time of the k steps - their summed device kernel time (one stream,
+so kernels do not overlap; a gap means the GPU waited for the host). ``--tiny`` runs the tiny preset on
+CPU (FP8 emulated) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from train_step import kernel_times, model_dir, print_kernels, summarize_kernels, sync
+
+# (bench/ is on sys.path when this file runs as a script: the model and profile helpers are shared.)
+GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s, at least
+
+
+def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[Any]:
+    from infir2_rl.backends.types import GenerateRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=[])
+    return [
+        GenerateRequest(
+            f"r{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), 1, params, seed=i
+        )
+        for i in range(batch)
+    ]
+
+
+def timed_generate(engine: Any, reqs: list[Any]) -> float:
+    sync(engine.device)
+    start = time.perf_counter()
+    samples = engine.generate(reqs)
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    want = reqs[0].params.max_new_tokens
+    assert all(len(s.response_ids) == want for s in samples), "a row stopped early"
+    return elapsed
+
+
+def time_batch(engines: dict[str, Any], batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Tokens/s (median, min, max), decode step and prefill time of each engine at one batch size."""
+    vocab = next(iter(engines.values())).vocab_size
+    full_reqs = requests(batch, args.prompt_len, args.new_tokens, vocab)
+    first_reqs = requests(batch, args.prompt_len, 1, vocab)
+    full: dict[str, list[float]] = {m: [] for m in engines}
+    first: dict[str, list[float]] = {m: [] for m in engines}
+    for _ in range(args.repeats):  # the engines alternate, so drifts (clocks, heat) hit both alike
+        for mode, engine in engines.items():
+            full[mode].append(timed_generate(engine, full_reqs))
+            first[mode].append(timed_generate(engine, first_reqs))
+    row: dict[str, Any] = {"batch": batch}
+    for mode in engines:
+        tps = [batch * args.new_tokens / t for t in full[mode]]
+        prefill = statistics.median(first[mode])
+        row[mode] = {
+            "tokens_per_s": {"median": statistics.median(tps), "min": min(tps), "max": max(tps)},
+            "decode_step_ms": 1e3 * (statistics.median(full[mode]) - prefill) / (args.new_tokens - 1),
+            "prefill_ms": 1e3 * prefill,
+        }
+    row["ratio_fp8_over_bf16"] = row["fp8"]["tokens_per_s"]["median"] / row["bf16"]["tokens_per_s"]["median"]
+    return row
+
+
+def profile_decode(
+    engines: dict[str, Any], batch: int, steps: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Per engine: kernels of `steps` decode steps (a 1 + steps call minus a 1-token call) and the host gap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for mode, engine in engines.items():
+        vocab = engine.vocab_size
+        short, long = (requests(batch, args.prompt_len, n, vocab) for n in (1, 1 + steps))
+        walls = {}
+        for name, reqs in (("short", short), ("long", long)):
+            timed_generate(engine, reqs)  # warm
+            walls[name] = statistics.median(timed_generate(engine, reqs) for _ in range(3))
+        kernels = {}
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if engine.device.type == "cuda" else []
+        )
+        for name, reqs in (("short", short), ("long", long)):
+            with profile(activities=activities) as prof:
+                timed_generate(engine, reqs)
+            kernels[name] = kernel_times(prof)
+        # Subtract per kernel: the long call's kernels minus the short call's (the shared prefill).
+        acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+        for sign, name in ((1, "long"), (-1, "short")):
+            for kernel, op, us, calls in kernels[name]:
+                acc[(kernel, op)][0] += sign * us
+                acc[(kernel, op)][1] += sign * calls
+        diff = [(k, op, max(us, 0.0), int(max(c, 0))) for (k, op), (us, c) in acc.items()]
+        summary = summarize_kernels(diff)
+        wall_ms = 1e3 * (walls["long"] - walls["short"])
+        summary["decode_steps"] = steps
+        summary["wall_ms"] = wall_ms
+        summary["cpu_python_gap_ms"] = wall_ms - summary["total_ms"]
+        out[mode] = summary
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--prompt-len", type=int, default=128, help="random prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens every row decodes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch size and engine")
+    parser.add_argument("--profile", action="store_true", help="profile a few decode steps per engine")
+    parser.add_argument("--profile-batch", type=int, default=128, help="batch size of --profile")
+    parser.add_argument("--profile-steps", type=int, default=16, help="decode steps of --profile")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.batch_sizes, args.prompt_len, args.new_tokens, args.repeats = [2, 4], 8, 8, 2
+        args.profile_batch, args.profile_steps = 4, 4
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("bench/rollout.py needs a CUDA GPU (Hopper for the FP8 fast path); use --tiny on CPU.")
+        return 1
+    else:
+        device = torch.device("cuda")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (the decode step time needs at least one decode step)")
+    from transformers.utils import logging as hf_logging
+
+    from infir2_rl.backends.native_engine import NativeEngine
+
+    hf_logging.disable_progress_bar()
+    start = time.perf_counter()
+    path = model_dir(args.tiny)
+    max_batch = max(args.batch_sizes + [args.profile_batch])
+    engines = {
+        mode: NativeEngine(str(path), fp8=mode == "fp8", device=device, max_batch_size=max_batch)
+        for mode in ("bf16", "fp8")
+    }
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
+    print(
+        f"# {name} | torch {torch.__version__} | {path.name} | prompt {args.prompt_len} + {args.new_tokens} "
+        f"new tokens | median of {args.repeats} | engines ready in {time.perf_counter() - start:.0f} s"
+    )
+    for engine in engines.values():  # Triton compiles, cuBLAS handles, allocator blocks for the largest batch
+        for b in (min(args.batch_sizes), max_batch):
+            timed_generate(engine, requests(b, args.prompt_len, 4, engine.vocab_size))
+    rows = []
+    print(
+        f"{'batch':>5} | {'bf16 tok/s':>10} {'min':>8} {'max':>8} | {'fp8 tok/s':>10} {'min':>8} {'max':>8} | "
+        f"{'x':>5} | {'bf16 ms/step':>12} {'fp8 ms/step':>11} | {'bf16 prefill':>12} {'fp8':>7}"
+    )
+    for batch in args.batch_sizes:
+        row = time_batch(engines, batch, args)
+        rows.append(row)
+        b, f = row["bf16"], row["fp8"]
+        print(
+            f"{batch:5d} | {b['tokens_per_s']['median']:10.0f} {b['tokens_per_s']['min']:8.0f} "
+            f"{b['tokens_per_s']['max']:8.0f} | {f['tokens_per_s']['median']:10.0f} {f['tokens_per_s']['min']:8.0f} "
+            f"{f['tokens_per_s']['max']:8.0f} | {row['ratio_fp8_over_bf16']:5.2f} | {b['decode_step_ms']:12.2f} "
+            f"{f['decode_step_ms']:11.2f} | {b['prefill_ms']:10.1f}ms {f['prefill_ms']:5.1f}ms"
+        )
+    met = [r["batch"] for r in rows if r["ratio_fp8_over_bf16"] >= GOAL]
+    print(f"goal FP8 tokens/s >= {GOAL}x BF16: met at batch sizes {met or 'none'} of {args.batch_sizes}")
+    report: dict[str, Any] = dict(device=name, torch=torch.__version__, prompt_len=args.prompt_len)
+    report |= dict(new_tokens=args.new_tokens, repeats=args.repeats, rows=rows, goal_min=GOAL)
+    if args.profile:
+        prof = profile_decode(engines, args.profile_batch, args.profile_steps, args)
+        report["profile"] = {"batch": args.profile_batch, **prof}
+        for mode, summary in prof.items():
+            steps = summary["decode_steps"]
+            print_kernels(
+                f"profile, {mode}, {steps} decode steps at batch {args.profile_batch} "
+                f"(unprofiled wall {summary['wall_ms']:.2f} ms, {summary['wall_ms'] / steps:.2f} ms/step)",
+                summary,
+                {"CPU/Python gap": summary["cpu_python_gap_ms"]},
+            )
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""One optimizer step of the torch trainer, BF16 vs blockwise FP8, on a random Qwen2.5-1.5B-shape model.
+
+    python bench/train_step.py [--batch 1 --seq 8192] [--steps 10] [--profile] [--out PATH] [--tiny]
+
+What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
+on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
+last 75% of each row, as an answer after a prompt). Wall time between ``torch.cuda.synchronize()`` calls,
+median (and min/max) of --steps steps after --warmup steps; the first mode is BF16 (``trainer.fp8=false``),
+the second FP8 (decoder linears swapped for ``Fp8Linear``), one after the other in this process. Peak
+memory is ``torch.cuda.max_memory_allocated`` from trainer construction through the timed steps: the first
+trainer is deleted and the peak reset before the second is built (the allocated memory left over is printed).
+
+Model TFLOP/s counts 6 * N * tokens + 6 * batch * seq^2 * layers * hidden (N: weights of every matmul,
+decoder linears and lm_head; hidden = heads x head_dim; the second term is causal attention, QK^T and PV, forward and backward).
+The model is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built on the GPU
+and saved once (BF16 safetensors) under /tmp/infir2_bench, since the trainer loads from a directory.
+``--profile`` runs torch.profiler over one more step per mode and groups the CUDA kernels by category.
+``--tiny`` runs the tiny preset on CPU (FP8 emulated) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN_VOCAB = 151936
+CATEGORIES = ("quantization (Triton)", "FP8 GEMM", "BF16 GEMM", "attention", "optimizer", "other")
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear"}
+GOALS = {"step_time": 0.75, "peak_memory": 0.85}  # FP8 / BF16 at most
+
+
+def model_dir(tiny: bool) -> Path:
+    """A random model directory (written once, reused by bench/rollout.py): 1.5B shape, or tiny on CPU."""
+    from transformers import Qwen2ForCausalLM
+
+    from infir2_rl.models.factory import preset_config
+    from infir2_rl.models.tokenizer import build_tokenizer
+
+    preset = "tiny" if tiny else "qwen2.5-1.5b-shape"
+    name = preset if tiny else f"{preset}-v{QWEN_VOCAB}"
+    path = Path(tempfile.gettempdir()) / "infir2_bench" / name
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = build_tokenizer()
+    config = preset_config(preset, tokenizer, **({} if tiny else {"vocab_size": QWEN_VOCAB}))
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built directly in its dtype, on the GPU: seconds, not a minute of CPU
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    torch.set_default_dtype(previous)
+    partial = path.with_name(name + ".partial")
+    model.save_pretrained(str(partial))
+    tokenizer.save_pretrained(str(partial))
+    partial.rename(path)  # a crashed write leaves only the .partial directory
+    del model
+    return path
+
+
+def kernel_times(prof: Any) -> list[tuple[str, str, float, int]]:
+    """(kernel name, name of the op that launched it, microseconds, calls) of every device kernel.
+
+    On CPU (no device kernels) each op's self time stands in for a kernel, so --tiny exercises this path.
+    """
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    ops = {e.id: e.name for e in cpu}
+    # Older torch has no linked_correlation_id on events: then name the op from its list of kernels.
+    op_of_kernel = {k.name: e.name for e in cpu for k in e.kernels}
+    out = []
+    for e in events:
+        if e.device_type == DeviceType.CUDA:  # kernels, memcpy and memset
+            op = ops.get(getattr(e, "linked_correlation_id", -1)) or op_of_kernel.get(e.name, "")
+            out.append((e.name, op, e.time_range.elapsed_us(), 1))
+    if not out:
+        out = [(e.key, e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    return out
+
+
+def category(kernel: str, op: str) -> str:
+    """Category of a kernel from its name and the op that launched it (the top-kernel list shows the result)."""
+    k, o = kernel.lower(), op.lower()
+    if "quant" in k and "dequant" not in k:  # our Triton kernels: _act_quant_kernel, _weight_quant_kernel
+        return "quantization (Triton)"
+    if "scaled_mm" in o or any(s in k for s in ("e4m3", "e5m2", "fp8", "f8f8", "qgmma")):
+        return "FP8 GEMM"
+    if any(s in k for s in ("flash", "fmha", "attention", "attn")) or "attention" in o:
+        return "attention"
+    if any(s in k for s in ("gemm", "nvjet", "cutlass", "xmma", "gmma", "cublas")) or o in GEMM_OPS:
+        return "BF16 GEMM"
+    if any(s in k for s in ("adam", "multi_tensor_apply")) or "adam" in o or "foreach" in o:
+        return "optimizer"  # AdamW, and the foreach grad-norm and clipping kernels
+    return "other"
+
+
+def summarize_kernels(times: list[tuple[str, str, float, int]], top: int = 15) -> dict[str, Any]:
+    """Milliseconds per category and the top kernels (name, category, ms, calls)."""
+    per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, op, us, calls in times:
+        acc = per_kernel[(name, category(name, op))]
+        acc[0] += us / 1e3
+        acc[1] += calls
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    for (_, cat), (ms, _) in per_kernel.items():
+        cats[cat] += ms
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "total_ms": sum(cats.values()),
+        "categories_ms": cats,
+        "top": [
+            {"kernel": n, "category": c, "ms": ms, "calls": int(calls)} for (n, c), (ms, calls) in ranked
+        ],
+    }
+
+
+def print_kernels(title: str, summary: dict[str, Any], extra: dict[str, float] | None = None) -> None:
+    """Categories (and `extra` rows) in ms and as a share of kernel time plus the extra rows, then top kernels."""
+    total = summary["total_ms"] + sum((extra or {}).values())
+    print(f"\n# {title}: device kernels {summary['total_ms']:.2f} ms")
+    for cat, ms in {**summary["categories_ms"], **(extra or {})}.items():
+        print(f"  {cat:<24} {ms:9.3f} ms {100 * ms / max(total, 1e-9):6.1f}%")
+    print(f"  top {len(summary['top'])} kernels:")
+    for row in summary["top"]:
+        print(f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['category']:<22} {row['kernel'][:90]}")
+
+
+def sft_batch(batch: int, seq: int, vocab: int) -> Any:
+    from infir2_rl.backends.types import TokenBatch
+
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.zeros(batch, seq)
+    loss_mask[:, seq // 4 :] = 1.0  # prompt (first quarter) untrained, answer trained
+    return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from infir2_rl.backends.torch_trainer import TorchTrainer
+    from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+    from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    leftover_gb = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    # A small constant lr keeps random weights finite over the run (a skipped update would be cheaper).
+    optim = OptimizerConfig(lr=1e-5, min_lr=0.0, schedule="constant", warmup_ratio=0.0)
+    trainer = TorchTrainer(
+        ModelConfig(path=str(path)),
+        TrainerConfig(fp8=fp8),
+        optim,
+        total_steps=args.warmup + args.steps + 1,
+        device=device,
+    )
+    cfg = trainer.model.config
+    batch = sft_batch(args.batch, args.seq, cfg.vocab_size)
+    units, loss_fn = num_target_tokens(batch), SftLossFn()
+    times, skipped, losses = [], 0, []
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        start = time.perf_counter()
+        stats = trainer.train_step([batch], loss_fn, units)
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        skipped += stats.skipped
+        losses.append(stats.loss)
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    n_matmul = sum(m.weight.numel() for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+    tokens = args.batch * args.seq
+    attn_width = cfg.num_attention_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    )
+    flops = 6 * n_matmul * tokens + 6 * args.batch * args.seq**2 * cfg.num_hidden_layers * attn_width
+    step_s = statistics.median(times)
+    out: dict[str, Any] = {
+        "fp8": fp8,
+        "fp8_linears": len(trainer.fp8_linears),
+        "step_ms": dict(median=1e3 * step_s, min=1e3 * min(times), max=1e3 * max(times), n=len(times)),
+        "peak_memory_gb": peak_gb,
+        "leftover_before_build_gb": leftover_gb,
+        "tflops": flops / step_s / 1e12,
+        "flops_per_step": flops,
+        "matmul_params": n_matmul,
+        "skipped_steps": skipped,
+        "loss_first_last": [losses[0], losses[-1]],
+    }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        sync(device)
+        with profile(activities=activities) as prof:
+            trainer.train_step([batch], loss_fn, units)
+            sync(device)
+        out["profile"] = summarize_kernels(kernel_times(prof))
+    del trainer
+    gc.collect()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per mode (median reported)")
+    parser.add_argument("--profile", action="store_true", help="profile one more step per mode")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.batch, args.seq, args.warmup, args.steps = 2, 64, 1, 3
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("bench/train_step.py needs a CUDA GPU (Hopper for the FP8 fast path); use --tiny on CPU.")
+        return 1
+    else:
+        device = torch.device("cuda")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    start = time.perf_counter()
+    path = model_dir(args.tiny)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
+    print(
+        f"# {name} | torch {torch.__version__} | {path.name} | {args.batch} x {args.seq} tokens | "
+        f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
+    )
+    results = {mode: run_mode(path, mode == "fp8", args, device) for mode in ("bf16", "fp8")}
+    bf16, fp8 = results["bf16"], results["fp8"]
+    ratios = {
+        "step_time": fp8["step_ms"]["median"] / bf16["step_ms"]["median"],
+        "peak_memory": fp8["peak_memory_gb"] / bf16["peak_memory_gb"] if device.type == "cuda" else None,
+    }
+    print(
+        f"\n{'mode':<5} | {'step ms':>8} {'min':>8} {'max':>8} | {'TFLOP/s':>7} | {'peak GiB':>8} | "
+        f"{'left GiB':>8} | {'loss first -> last':>18} | skipped"
+    )
+    for mode, r in results.items():
+        s = r["step_ms"]
+        print(
+            f"{mode:<5} | {s['median']:8.1f} {s['min']:8.1f} {s['max']:8.1f} | {r['tflops']:7.1f} | "
+            f"{r['peak_memory_gb'] or float('nan'):8.2f} | {r['leftover_before_build_gb']:8.2f} | "
+            f"{r['loss_first_last'][0]:8.4f} -> {r['loss_first_last'][1]:7.4f} | {r['skipped_steps']}"
+        )
+    print(
+        f"TFLOP/s counts {bf16['flops_per_step'] / 1e12:.1f} TFLOP per step: 6 * {bf16['matmul_params'] / 1e9:.3f}B "
+        f"matmul weights * {args.batch * args.seq} tokens + 6 * batch * seq^2 * layers * hidden (causal attention)"
+    )
+    for key, ratio in ratios.items():
+        verdict = "n/a on CPU" if ratio is None else "met" if ratio <= GOALS[key] else "MISSED"
+        print(f"FP8/BF16 {key:<12} {ratio or float('nan'):5.3f}  (goal <= {GOALS[key]}: {verdict})")
+    for mode, r in results.items():
+        if "profile" in r:
+            print_kernels(f"profile of one {mode} step", r["profile"])
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+    if args.out:
+        report = dict(device=name, torch=torch.__version__, batch=args.batch, seq=args.seq, results=results)
+        report |= {"ratios_fp8_over_bf16": ratios, "goals_max": GOALS}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
