@@ -7,6 +7,7 @@ weights use the global unit count, so the result does not depend on the number o
     group = TrainerGroup(cfg, total_steps=100)          # places actors, forms the process group
     stats = group.train_step(batch, loss_fn, total_units)
     logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
+    sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource)
     group.save(path); group.load(path); group.save_hf(path)
     group.shutdown()
 """
@@ -14,7 +15,7 @@ weights use the global unit count, so the result does not depend on the number o
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from infir2_rl.backends.microbatch import merge_rows, shard_micro_batches
 from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
+from infir2_rl.weight_sync.transport import IpcBucket, merge_ipc_buckets
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,19 @@ class TrainerGroup:
         if self.fsdp:
             return unpack_tensors(self._all("export_weights", fp8)[0])
         return unpack_tensors(ray.get(self.workers[0].export_weights.remote(fp8)))
+
+    def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]:
+        """weight_sync.transport=cuda_ipc: every rank keeps its export on its GPU (until `release_export`)
+        and the buckets carry each rank's CUDA IPC handles; an engine opens those of its own GPU."""
+        return merge_ipc_buckets(self._all("export_ipc_buckets", fp8, max_bytes, version))
+
+    def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
+        """CPU copies of rank 0's held export, for the weight-sync self-check."""
+        result: Mapping[str, Tensor] = ray.get(self.workers[0].read_export.remote(list(names)))
+        return result
+
+    def release_export(self) -> None:
+        self._all("release_export")
 
     def save(self, directory: Path) -> None:
         self._all("save", str(directory))

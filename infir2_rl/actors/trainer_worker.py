@@ -3,6 +3,10 @@
 `ray.remote(TrainerWorker)` is applied only in trainer_group.py, where the actors are placed; here
 the class can be built and tested in-process. Lifecycle: construct (cheap), `master_address()` on
 rank 0, then `setup(addr, port)` on every rank at once (joins the process group, loads the model).
+
+Weight export: `export_weights` returns CPU tensors (the object-store transport); `export_ipc_buckets`
+(weight_sync.transport=cuda_ipc) keeps this rank's buckets on its GPU and returns CUDA IPC handles of
+them, holding the shared buffers until `release_export` or the next export, so they outlive the push.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from infir2_rl.backends.distributed import free_port, init_process_group
 from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics import names
+from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.transport import IpcBucket, share_buckets
+from infir2_rl.weight_sync.types import TensorMap, WeightBucket
 
 if TYPE_CHECKING:
     from infir2_rl.backends.torch_trainer import TorchTrainer
@@ -75,6 +82,8 @@ class TrainerWorker:
             raise NotImplementedError(MEGATRON_MESSAGE)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         self._backend: TorchTrainer | None = None
+        # The last cuda_ipc export: views of GPU buffers engines may still read (see export_ipc_buckets).
+        self._export: list[WeightBucket] = []
 
     def master_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for the rendezvous of the process group (called on rank 0)."""
@@ -132,6 +141,30 @@ class TrainerWorker:
         """
         weights = [(name, t.cpu()) for name, t in self.backend.export_weights(fp8)]
         return pack_tensors(weights) if self.rank == 0 else []  # type: ignore[return-value]
+
+    def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]:
+        """This rank's weights as buckets kept on its GPU, returned as CUDA IPC handles; the buffers are held
+        until `release_export`. Called on every rank: under FSDP the export is collective, and each rank
+        serves the engine on its GPU."""
+        self._export = []  # free the previous export before building the next one
+        local = build_buckets(self.backend.export_weights(fp8), max_bytes, version, device=None)
+        shared, self._export = share_buckets(local)
+        return shared
+
+    def read_export(self, names: Sequence[str]) -> TensorMap:
+        """CPU copies of tensors of the held export (the bytes the engines were sent), for the self-check."""
+        wanted = set(names)
+        return TensorMap(
+            {
+                n: t.to("cpu", copy=True)
+                for b in self._export
+                for n, t in zip(b.names, b.tensors)
+                if n in wanted
+            }
+        )
+
+    def release_export(self) -> None:
+        self._export = []
 
     def save(self, directory: str) -> None:
         self.backend.save(Path(directory))

@@ -28,7 +28,9 @@ runs until its longest row ends. Shared prompt prefixes of the n samples are rec
 
 Weights. ``update_weights`` loads a bucket in place through ``weight_sync.receiver.WeightReceiver``
 (FP8 bytes + scales into ``Fp8InferenceLinear.load_fp8_``, other tensors cast into their parameters;
-versions only move forward, older buckets raise ``StaleWeightsError``).
+versions only move forward, older buckets raise ``StaleWeightsError``). With
+``weight_sync.transport: cuda_ipc`` the bucket is an ``IpcBucket`` of handles to the colocated trainer's
+GPU tensors, copied GPU to GPU (an engine on CPU refuses it and says to use ``object_store``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch import Tensor, nn
 from infir2_rl.backends.sampling import RowSampling, row_key, sample_tokens
 from infir2_rl.backends.types import EngineHealth, FinishReason, GenerateRequest, Sample
 from infir2_rl.weight_sync.receiver import WeightReceiver
+from infir2_rl.weight_sync.transport import IpcBucket
 from infir2_rl.weight_sync.types import WeightBucket
 
 logger = logging.getLogger(__name__)
@@ -261,7 +264,7 @@ class NativeEngine:
         self._abort.set()
 
     # ---- weights --------------------------------------------------------------------------------
-    def update_weights(self, bucket: WeightBucket) -> None:
+    def update_weights(self, bucket: WeightBucket | IpcBucket) -> None:
         """Copy one bucket in place (rules in ``weight_sync.receiver``); waits for a running generate."""
         with self._lock:
             self._receiver.load(bucket)

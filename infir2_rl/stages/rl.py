@@ -125,7 +125,7 @@ def rl_step(
         stats = actors.trainer.train_step(tokens, loss_fn, total_units=units)
     actors.engines_wake()
     with timer("weight_sync"):
-        push = actors.sync.push(actors.trainer.export_weights(cfg.rollout.fp8), version=step)
+        push = actors.sync.push_from(actors.trainer, cfg.rollout.fp8, version=step)
     return {
         **batch.metrics,
         **train_metrics(stats, 0, stats.step_time_s),

@@ -4,6 +4,9 @@ Placement (one Ray placement group for the stage):
   * GPU, `colocate`: one GPU bundle per trainer worker; engine i shares bundle i with worker i (the
     trainer takes 0.6 of the GPU, the engine 0.4) and frees its memory while the trainer works.
   * otherwise (CPU, or `disaggregate`): trainer bundles first, then one bundle per engine.
+
+Weights reach the engines through `WeightSyncService.push_from` (the first push here, then every step);
+`weight_sync.transport=cuda_ipc` is refused unless native engines are colocated on GPUs (`check_transport`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,16 @@ class _RlCheckpointWriter:
         (Path(directory) / ROLLOUT_STATE_FILE).write_text(json.dumps(state))
 
 
+def check_transport(cfg: RlStageConfig, colocate: bool) -> None:
+    """weight_sync.transport=cuda_ipc shares the trainer's GPU memory: native engines colocated on GPUs."""
+    if cfg.weight_sync.transport == "cuda_ipc" and not (colocate and cfg.rollout.backend == "native"):
+        here = f"placement.mode={cfg.placement.mode}, rollout.backend={cfg.rollout.backend}"
+        raise ValueError(
+            f"weight_sync.transport=cuda_ipc needs native engines colocated with the trainer on GPUs ({here}"
+            f"{'' if colocate else ', not colocated on GPUs'}): set weight_sync.transport=object_store"
+        )
+
+
 def start_rl_actors(
     cfg: RlStageConfig, data: RlData, *, total_steps: int, resume_from: Checkpoint | None, state: StageState
 ) -> RlActors:
@@ -120,6 +133,7 @@ def start_rl_actors(
             f"rollout.num_engines={num_engines}: colocate places one engine per trainer GPU, so at most"
             f" trainer.num_workers={num_workers}; lower it or use placement.mode=disaggregate"
         )
+    check_transport(cfg, colocate)
     num_bundles = num_workers if colocate else num_workers + num_engines
     plan = create_placement(num_bundles, use_gpu=use_gpu, cpus_per_bundle=cfg.placement.cpus_per_actor)
     try:
@@ -160,7 +174,7 @@ def start_rl_actors(
         pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
         colocated_gpu=colocate,
     )
-    push = actors.sync.push(trainer.export_weights(cfg.rollout.fp8), version=state.step)
+    push = actors.sync.push_from(trainer, cfg.rollout.fp8, version=state.step)
     log.info(
         "placed %d trainer worker(s) and %d engine(s) (%s, %s); first push: %.1f MB in %.2f s",
         num_workers, num_engines, "GPU" if use_gpu else "CPU", "colocated" if colocate else "separate bundles",

@@ -3,14 +3,16 @@
 Rules: tensors keep the trainer's order; a bucket closes before a tensor that would push it over
 ``max_bytes``; a tensor larger than ``max_bytes`` travels alone; an FP8 weight and its
 ``weight_scale_inv`` (consecutive in ``fp8_state_from_model``) stay in one bucket, so an engine can load
-each FP8 linear as soon as its bucket arrives. Tensors are detached, contiguous CPU tensors (a copy only
-when they were not already), which is what Ray's object store ships.
+each FP8 linear as soon as its bucket arrives. Tensors are detached and contiguous (a copy only when
+they were not already), on the CPU by default, which is what Ray's object store ships; ``device=None``
+keeps them where they are (the ``cuda_ipc`` transport hands engines the trainer's GPU tensors).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
 from infir2_rl.weight_sync.types import WeightBucket
@@ -18,11 +20,14 @@ from infir2_rl.weight_sync.types import WeightBucket
 SCALE_SUFFIX = "_scale_inv"
 
 
-def _units(named_tensors: Iterable[tuple[str, Tensor]]) -> list[list[tuple[str, Tensor]]]:
+def _units(
+    named_tensors: Iterable[tuple[str, Tensor]], device: str | torch.device | None
+) -> list[list[tuple[str, Tensor]]]:
     """Group ``X.weight`` with an immediately following ``X.weight_scale_inv``; everything else alone."""
     units: list[list[tuple[str, Tensor]]] = []
     for name, tensor in named_tensors:
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach()
+        t = (t if device is None else t.to(device)).contiguous()
         if units and name.endswith(SCALE_SUFFIX) and units[-1][-1][0] == name[: -len(SCALE_SUFFIX)]:
             units[-1].append((name, t))
         else:
@@ -35,9 +40,13 @@ def _nbytes(t: Tensor) -> int:
 
 
 def build_buckets(
-    named_tensors: Iterable[tuple[str, Tensor]], max_bytes: int, version: int
+    named_tensors: Iterable[tuple[str, Tensor]],
+    max_bytes: int,
+    version: int,
+    device: str | torch.device | None = "cpu",
 ) -> list[WeightBucket]:
-    """All tensors of one push as buckets of at most ``max_bytes`` (one oversized tensor excepted)."""
+    """All tensors of one push as buckets of at most ``max_bytes`` (one oversized tensor excepted), moved
+    to ``device`` (``None``: left where they are)."""
     if max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes}: must be >= 1 (weight_sync.bucket_size_mb sets it)")
     if version < 0:
@@ -45,7 +54,7 @@ def build_buckets(
     groups: list[list[tuple[str, Tensor]]] = []
     size = 0
     seen: set[str] = set()
-    for unit in _units(named_tensors):
+    for unit in _units(named_tensors, device):
         for name, _ in unit:
             if name in seen:
                 raise ValueError(f"{name} appears twice in the exported weights")

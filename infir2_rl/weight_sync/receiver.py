@@ -10,7 +10,8 @@ Loading (``WeightReceiver``): ``<p>.weight`` (float8_e4m3fn) and ``<p>.weight_sc
 copied with ``load_fp8_``; any other tensor is copied into the parameter or buffer of that name, cast to
 its dtype (a BF16 engine takes FP32 master weights). Unknown names, FP8 bytes for a non-FP8 tensor, a
 plain weight for an FP8 linear, or a shape change are errors: a silent skip is how peers shipped wrong
-weights (verl#7986).
+weights (verl#7986). An ``IpcBucket`` (``weight_sync.transport: cuda_ipc``) is opened on the model's GPU
+first (``transport.open_ipc_bucket``), loaded the same way, and dropped once the copies have finished.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
+from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
 from infir2_rl.weight_sync.types import StaleWeightsError, TensorMap, WeightBucket
 
 
@@ -65,7 +67,13 @@ class WeightReceiver:
         # Rebuilt per call: Module.to() replaces buffer objects, so a cached map would go stale.
         return dict(self.model.state_dict(keep_vars=True))
 
-    def load(self, bucket: WeightBucket) -> None:
+    def load(self, bucket: WeightBucket | IpcBucket) -> None:
+        if isinstance(bucket, IpcBucket):
+            device = next(iter(self._named_tensors().values())).device
+            self.load(open_ipc_bucket(bucket, device))
+            # The trainer may free or overwrite its tensors once this returns: the copies must be done.
+            torch.cuda.current_stream(device).synchronize()
+            return
         if len(bucket.names) != len(bucket.tensors):
             raise ValueError(
                 f"bucket {bucket.index}: {len(bucket.names)} names but {len(bucket.tensors)} tensors"

@@ -1,7 +1,7 @@
 """The weight-sync service: push the trainer's weights to every engine, versioned, then verify a sample.
 
 A push, given the trainer's HF-named tensors (or ``BucketRef``s the trainer actor already put in the
-object store) and a version:
+object store, or ``IpcBucket``s of CUDA IPC handles) and a version:
 
 1. The version must be above the last pushed one (the first push may be any version >= 0), so a stale
    push is refused here before any engine sees it; engines refuse older buckets on their own too.
@@ -14,15 +14,20 @@ object store) and a version:
    engine is covered. An engine that keeps a tensor in another dtype than it was sent (a BF16 engine
    sent FP32 master weights) is compared against the sent tensor cast to that dtype, a deterministic
    cast. In the same round trip every engine's ``health().weight_version`` must equal the version.
-   Any difference raises ``WeightSyncError`` naming the tensor.
+   Any difference raises ``WeightSyncError`` naming the tensor. With ``IpcBucket``s the sent bytes are
+   read back from the trainer (``sent=``: ``TrainerGroup.read_export``), which still holds them.
+
+``push_from(trainer, fp8, version)`` is what the RL stage calls: ``object_store`` brings the exported
+tensors to this process and pushes them; ``cuda_ipc`` has every trainer rank keep its export on its GPU
+and send handles (``transport.py``), then releases the export once the push and self-check are done.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -30,9 +35,11 @@ from torch import Tensor
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.rollout.remote import Call, call_all
 from infir2_rl.weight_sync.buckets import build_buckets
-from infir2_rl.weight_sync.transport import BucketRef, Transport, make_transport
+from infir2_rl.weight_sync.transport import BucketRef, IpcBucket, Transport, make_transport, share_buckets
 from infir2_rl.weight_sync.types import PushStats, WeightBucket, WeightSyncError
 
+# Names -> the bytes that were sent under them (CPU or GPU tensors), for the self-check.
+SentReader = Callable[[Sequence[str]], Mapping[str, Tensor]]
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -50,6 +57,18 @@ def same_bytes(sent: Tensor, held: Tensor) -> bool:
     a = sent.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     b = held.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return torch.equal(a, b)
+
+
+class WeightSource(Protocol):
+    """What ``push_from`` needs from a trainer (``actors.trainer_group.TrainerGroup``)."""
+
+    def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]: ...
+
+    def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]: ...
+
+    def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]: ...
+
+    def release_export(self) -> None: ...
 
 
 class WeightSyncService:
@@ -70,21 +89,47 @@ class WeightSyncService:
     def max_bucket_bytes(self) -> int:
         return self.cfg.bucket_size_mb * 1024 * 1024
 
-    def push(self, weights: Iterable[tuple[str, Tensor]] | Sequence[BucketRef], version: int) -> PushStats:
-        """Send one version to every engine and verify it; see the module docstring."""
+    def push_from(self, trainer: WeightSource, fp8: bool, version: int) -> PushStats:
+        """Export the trainer's weights (FP8 linears with ``fp8``) and push them; see the module docstring."""
+        if self.transport.name != "cuda_ipc":
+            return self.push(trainer.export_weights(fp8), version)
+        try:
+            buckets = trainer.export_ipc_buckets(fp8, self.max_bucket_bytes, version)
+            return self.push(buckets, version, sent=trainer.read_export)
+        finally:
+            trainer.release_export()  # the engines hold copies now; the trainer frees its GPU buckets
+
+    def push(
+        self,
+        weights: Iterable[tuple[str, Tensor]] | Sequence[BucketRef] | Sequence[IpcBucket],
+        version: int,
+        sent: SentReader | None = None,
+    ) -> PushStats:
+        """Send one version to every engine and verify it; see the module docstring.
+
+        ``sent`` reads back the sent bytes for the self-check when ``weights`` are ``IpcBucket``s.
+        """
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(
                 f"version={version}: pushes must increase; the last one pushed was {self.last_version}"
             )
         if version < 0:
             raise ValueError(f"version={version}: weight versions are >= 0")
-        buckets: list[WeightBucket] | list[BucketRef]
-        if isinstance(weights, Sequence) and weights and isinstance(weights[0], BucketRef):
-            buckets = list(weights)  # type: ignore[arg-type]
+        buckets: list[Any]
+        if isinstance(weights, Sequence) and weights and isinstance(weights[0], (BucketRef, IpcBucket)):
+            buckets = list(weights)
             if any(b.version != version for b in buckets):
                 raise ValueError(
-                    f"BucketRefs of versions {sorted({b.version for b in buckets})} pushed as {version}"
+                    f"buckets of versions {sorted({b.version for b in buckets})} pushed as {version}"
                 )
+            if isinstance(buckets[0], IpcBucket) and sent is None and self.cfg.self_check_layers:
+                raise ValueError(
+                    "pushing IpcBuckets needs sent= (the trainer's read_export) for the self-check"
+                )
+        elif self.transport.name == "cuda_ipc":  # tensors on this process's GPU, held here for the push
+            named: Iterable[tuple[str, Tensor]] = weights  # type: ignore[assignment]
+            buckets, held = share_buckets(build_buckets(named, self.max_bucket_bytes, version, device=None))
+            sent = sent or (lambda names: self._sent_tensors(held, set(names)))
         else:
             buckets = build_buckets(weights, self.max_bucket_bytes, version)  # type: ignore[arg-type]
         start = time.perf_counter()
@@ -107,7 +152,7 @@ class WeightSyncService:
             num_buckets=len(buckets),
             num_tensors=sum(len(b.names) for b in buckets),
         )
-        self._self_check(buckets, version, stats)
+        self._self_check(buckets, version, stats, sent)
         self.num_pushes += 1
         return stats
 
@@ -123,7 +168,11 @@ class WeightSyncService:
         return [x for x in all_names if layer_of(x) in chosen]
 
     def _self_check(
-        self, buckets: Sequence[WeightBucket | BucketRef], version: int, stats: PushStats
+        self,
+        buckets: Sequence[WeightBucket | BucketRef | IpcBucket],
+        version: int,
+        stats: PushStats,
+        sent_reader: SentReader | None,
     ) -> None:
         start = time.perf_counter()
         names = self._checked_names([n for b in buckets for n in b.names])
@@ -139,7 +188,10 @@ class WeightSyncService:
                 )
         if names:
             held: dict[str, Tensor] = results[-1]
-            sent = self._sent_tensors(buckets, set(names))
+            if sent_reader is not None:
+                sent = sent_reader(names)
+            else:
+                sent = self._sent_tensors(buckets, set(names))  # type: ignore[arg-type]
             for name in names:
                 if name not in held or not same_bytes(sent[name], held[name]):
                     raise WeightSyncError(

@@ -1,30 +1,67 @@
-"""How a bucket gets from the trainer to every engine: the ``Transport`` seam and its object-store implementation.
+"""How a bucket gets from the trainer to every engine: the ``Transport`` seam and its two implementations.
 
-``ObjectStoreTransport`` (the only one implemented): the bucket is ``ray.put`` once and every engine
-actor's ``update_weights`` receives the same ObjectRef, so Ray ships it to each node once and engines on
-one node read it from shared memory. Works for CPU and GPU engines (tensors travel as CPU bytes; the
-engine copies them onto its device). Local engine objects (no Ray) get the bucket directly.
+``ObjectStoreTransport`` (default; CPU and GPU): the bucket is ``ray.put`` once and every engine actor's
+``update_weights`` receives the same ObjectRef, so Ray ships it to each node once and engines on one node
+read it from shared memory. Tensors travel as CPU bytes; a GPU engine copies them onto its device. Local
+engine objects (no Ray) get the bucket directly. ``BucketRef`` lets the trainer actor put its buckets in
+the object store itself (``put_buckets``) and hand the driver only small descriptors.
 
-Not implemented yet, behind the same ``send`` seam: ``cuda_ipc`` (colocated GPUs: hand engines CUDA IPC
-handles of the trainer's device tensors, no host copy) and ``nccl`` (separate GPUs: broadcast each bucket
-from trainer rank 0 into the engines' process group, with a timeout). Choosing them raises a ValueError.
+``CudaIpcTransport`` (``weight_sync.transport: cuda_ipc``; trainer and engine colocated on one GPU): the
+weights never leave the GPU. The trainer keeps its buckets on its device (``build_buckets(...,
+device=None)``) and ``share_buckets`` copies each into one flat ``uint8`` GPU buffer (tensors at 256-byte
+aligned offsets) and makes an ``IpcBucket``: the buffer's ``(rebuild_fn, args)`` from
+``torch.multiprocessing.reductions.reduce_tensor`` (a CUDA IPC memory handle, a few hundred bytes) plus
+each tensor's (dtype, shape, offset). The engine maps the buffer into its process (``open_ipc_bucket``:
+``rebuild_fn(*args)``), views the tensors out of it, ``WeightReceiver`` copies them into its weights in
+place, the engine synchronizes and drops the mapping.
 
-``BucketRef`` lets the trainer actor put its buckets in the object store itself (``put_buckets``) and hand
-the driver only small descriptors, so weights never pass through the driver process.
+Why one buffer per bucket rather than a handle per tensor: every shared storage costs an IPC event and a
+ref-counter slot on the trainer side and ``cudaIpcOpenMemHandle`` + an event wait on the engine side, and
+the 1.5B shape exports 535 tensors; a bucket costs one of each. The price is one device-to-device copy of
+the push (~3 GB for the 1.5B shape, FP32 embeddings included: a few ms at HBM bandwidth, estimated;
+``bench/weight_sync.py`` measures the whole sync). It also makes FP8 a non-question: only ``uint8``
+buffers go through ``reduce_tensor`` (whether it carries float8 storages as they are is probed by
+``tests/test_weight_sync_ipc.py``).
+
+Rules that make it safe:
+
+* Lifetime: the producer holds the buffers until every engine has loaded the push
+  (``TrainerWorker.export_ipc_buckets`` keeps them until ``release_export``, which
+  ``WeightSyncService.push_from`` calls after the push and its self-check).
+* Which GPU: ``args`` name the producer's device index, which means nothing in the engine's process (Ray
+  sets ``CUDA_VISIBLE_DEVICES`` per actor: two actors colocated on one GPU both call it cuda:0, the driver
+  may call it cuda:3). So handles are keyed by the GPU's UUID and the engine swaps in its own index of that
+  GPU. An engine that sees none of the trainer's GPUs (not colocated) or runs on CPU raises a ValueError
+  saying to use ``object_store``. With several trainer ranks (one per GPU) every rank exports, and an
+  ``IpcBucket`` carries each rank's handle (``merge_ipc_buckets``); engine i opens the one of its GPU.
+* Caveats: the native engine only (SGLang engines take ``object_store``); the trainer's GPU holds the
+  buffers (one copy of the exported weights) during a push; CUDA IPC of memory from
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` needs a torch that can share such segments.
+
+Not implemented yet, behind the same ``send`` seam: ``nccl`` (separate GPUs: broadcast each bucket from
+trainer rank 0 into the engines' process group, with a timeout). Choosing it raises a ValueError.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.rollout.remote import Call, call_all, is_actor
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.types import WeightBucket
+
+# Position of the storage's device index in the args of torch's rebuild_cuda_tensor (torch 2.1 .. 2.13).
+_DEVICE_ARG = 6
+# Byte alignment of each tensor in a shared buffer (any dtype can be viewed at such an offset).
+_ALIGN = 256
+_USE_OBJECT_STORE = "set weight_sync.transport=object_store"
 
 
 @dataclass
@@ -40,6 +77,21 @@ class BucketRef:
     ref: Any
 
 
+@dataclass
+class IpcBucket:
+    """A bucket whose bytes stay on the trainer's GPU(s): a CUDA IPC handle of a flat buffer per GPU."""
+
+    version: int
+    index: int
+    num_buckets: int
+    names: list[str]
+    num_bytes: int
+    # GPU UUID -> reduce_tensor's (rebuild_fn, args) of the bucket's uint8 buffer made on that GPU.
+    handles: dict[str, tuple[Any, tuple[Any, ...]]]
+    # Per tensor: dtype name, shape, byte offset in the buffer.
+    layout: list[tuple[str, tuple[int, ...], int]]
+
+
 def put_buckets(named_tensors: Iterable[tuple[str, Tensor]], max_bytes: int, version: int) -> list[BucketRef]:
     """``build_buckets`` then ``ray.put`` each one (call inside the trainer actor that owns the weights)."""
     import ray
@@ -50,18 +102,125 @@ def put_buckets(named_tensors: Iterable[tuple[str, Tensor]], max_bytes: int, ver
     ]
 
 
+def gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def flatten(tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], list[tuple[str, tuple[int, ...], int]]]:
+    """Copy ``tensors`` into one uint8 buffer on their device: (buffer, views of it, layout)."""
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
+    layout = [(str(t.dtype), tuple(t.shape), o) for t, o in zip(tensors, offsets)]
+    views = unflatten(flat, layout)
+    for view, t in zip(views, tensors):
+        view.copy_(t)
+    return flat, views, layout
+
+
+def unflatten(flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...], int]]) -> list[Tensor]:
+    views = []
+    for dtype_name, shape, offset in layout:
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        num_bytes = math.prod(shape) * dtype.itemsize
+        views.append(flat[offset : offset + num_bytes].view(dtype).view(shape))
+    return views
+
+
+def share_buckets(buckets: Sequence[WeightBucket]) -> tuple[list[IpcBucket], list[WeightBucket]]:
+    """IPC buckets of ``buckets``' GPU tensors, and the same buckets as views of the shared buffers, which
+    the caller holds until every engine has loaded the push."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    devices = {t.device for b in buckets for t in b.tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(
+            f"weight_sync.transport=cuda_ipc: the trainer's weights are on {sorted(map(str, devices))}, CUDA IPC"
+            f" shares tensors of one GPU; {_USE_OBJECT_STORE} for CPU runs"
+        )
+    device = devices.pop()
+    uuid = gpu_uuid(device)
+    shared, held = [], []
+    for b in buckets:
+        flat, views, layout = flatten(b.tensors)
+        held.append(WeightBucket(b.version, b.index, b.num_buckets, list(b.names), views))
+        shared.append(
+            IpcBucket(
+                b.version,
+                b.index,
+                b.num_buckets,
+                list(b.names),
+                b.num_bytes,
+                {uuid: reduce_tensor(flat)},
+                layout,
+            )
+        )
+    torch.cuda.current_stream(device).synchronize()  # the buffers are written before another process reads
+    return shared, held
+
+
+def merge_ipc_buckets(per_rank: Sequence[Sequence[IpcBucket]]) -> list[IpcBucket]:
+    """One list of buckets carrying every rank's handle (each rank exported the same tensors on its GPU)."""
+    first, *others = per_rank
+    merged = [IpcBucket(**{**b.__dict__, "handles": dict(b.handles)}) for b in first]
+    for rank_buckets in others:
+        if [(b.names, b.layout) for b in rank_buckets] != [(b.names, b.layout) for b in merged]:
+            raise ValueError(
+                "trainer ranks exported different weight buckets; every rank must export the same"
+            )
+        for into, b in zip(merged, rank_buckets):
+            into.handles.update(b.handles)
+    return merged
+
+
+def rebuild_on_this_gpu(handle: tuple[Any, tuple[Any, ...]], device_index: int) -> Tensor:
+    """``rebuild_fn(*args)`` of a CUDA ``reduce_tensor`` handle, with the device index of this process."""
+    fn, args = handle
+    assert fn.__name__ == "rebuild_cuda_tensor", f"not a CUDA tensor handle: {fn!r}"
+    return fn(*args[:_DEVICE_ARG], device_index, *args[_DEVICE_ARG + 1 :])  # type: ignore[no-any-return]
+
+
+def open_ipc_bucket(bucket: IpcBucket, device: torch.device) -> WeightBucket:
+    """The engine side: map the trainer's buffer into this process and view its tensors (no copy yet)."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"weight_sync.transport=cuda_ipc sent bucket {bucket.index} to an engine on {device}: CUDA IPC"
+            f" needs the engine on the trainer's GPU; {_USE_OBJECT_STORE}"
+        )
+    local = {gpu_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
+    uuid = next((u for u in bucket.handles if u in local), None)
+    if uuid is None:
+        raise ValueError(
+            f"weight_sync.transport=cuda_ipc: the trainer's GPUs {sorted(bucket.handles)} are not visible to"
+            f" this engine (it sees {sorted(local)}); CUDA IPC needs each engine colocated with a trainer rank"
+            f" (placement.mode=colocate); {_USE_OBJECT_STORE}"
+        )
+    flat = rebuild_on_this_gpu(bucket.handles[uuid], local[uuid])
+    tensors = unflatten(flat, bucket.layout)
+    return WeightBucket(bucket.version, bucket.index, bucket.num_buckets, list(bucket.names), tensors)
+
+
 class Transport(Protocol):
     """Delivers one bucket to every engine and returns when all of them have loaded it."""
 
     name: str
 
-    def send(self, engines: Sequence[Any], bucket: WeightBucket | BucketRef, timeout_s: float) -> None: ...
+    def send(
+        self, engines: Sequence[Any], bucket: WeightBucket | BucketRef | IpcBucket, timeout_s: float
+    ) -> None: ...
 
 
 class ObjectStoreTransport:
     name = "object_store"
 
-    def send(self, engines: Sequence[Any], bucket: WeightBucket | BucketRef, timeout_s: float) -> None:
+    def send(
+        self, engines: Sequence[Any], bucket: WeightBucket | BucketRef | IpcBucket, timeout_s: float
+    ) -> None:
+        if isinstance(bucket, IpcBucket):
+            raise TypeError("an IpcBucket (CUDA IPC handles) cannot go through the object store: set"
+                            " weight_sync.transport=cuda_ipc, or push tensors")  # fmt: skip
         payload: Any = bucket.ref if isinstance(bucket, BucketRef) else bucket
         if isinstance(bucket, WeightBucket) and any(is_actor(e) for e in engines):
             import ray
@@ -70,10 +229,27 @@ class ObjectStoreTransport:
         call_all([Call(e, "update_weights", (payload,)) for e in engines], timeout_s)
 
 
+class CudaIpcTransport:
+    name = "cuda_ipc"
+
+    def send(
+        self, engines: Sequence[Any], bucket: WeightBucket | BucketRef | IpcBucket, timeout_s: float
+    ) -> None:
+        if not isinstance(bucket, IpcBucket):
+            raise TypeError(
+                f"weight_sync.transport=cuda_ipc sends IpcBuckets (see share_buckets), got a {type(bucket).__name__};"
+                f" push GPU tensors or TrainerGroup.export_ipc_buckets, or {_USE_OBJECT_STORE}"
+            )
+        # The bucket is a handle and a layout (a few KB): pickled into each call, no object-store round trip.
+        call_all([Call(e, "update_weights", (bucket,)) for e in engines], timeout_s)
+
+
 def make_transport(cfg: WeightSyncConfig) -> Transport:
     if cfg.transport == "object_store":
         return ObjectStoreTransport()
+    if cfg.transport == "cuda_ipc":
+        return CudaIpcTransport()
     raise ValueError(
-        f"weight_sync.transport={cfg.transport!r} is not implemented yet: use 'object_store' (CPU and GPU);"
-        " cuda_ipc and nccl are planned behind weight_sync.transport.Transport"
+        f"weight_sync.transport={cfg.transport!r} is not implemented yet: use 'object_store' (CPU and GPU) or"
+        " 'cuda_ipc' (trainer and engine colocated on a GPU); nccl is planned behind weight_sync.transport.Transport"
     )

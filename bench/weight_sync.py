@@ -1,0 +1,249 @@
+"""Weight sync with trainer and engine colocated on one GPU: object store vs CUDA IPC, Qwen2.5-1.5B shape.
+
+    python bench/weight_sync.py [--reps 7] [--warmup 2] [--bucket-mb 512] [--out PATH] [--tiny]
+
+What is timed. A trainer actor (``TrainerGroup``: FP32 master weights, FP8 decoder linears) and a native
+FP8 engine actor (``create_engines``: W8A8 linears, BF16 elsewhere) share one GPU bundle exactly as the RL
+stage colocates them (GPU shares 0.6 / 0.4), on the ``qwen2.5-1.5b-shape`` preset with Qwen's
+151,936-token vocabulary and random weights (written once under /tmp/infir2_bench, shared with
+bench/train_step.py). (a) cast: inside the trainer actor, ``export_weights(fp8=True)`` with the FP8 weight
+cache invalidated first (as after an optimizer step): FP32 masters -> blockwise FP8 + ``weight_scale_inv``
+for the 196 decoder linears, between ``torch.cuda.synchronize()`` calls. (b) object store and (c) CUDA IPC:
+what ``rl_step`` runs, ``WeightSyncService.push_from(trainer, fp8=True, version)`` with the self-check off
+and the cache invalidated before each push, timed on the driver: "sync" is the whole call (export with the
+cast, transfer, the engine has loaded every bucket, and for cuda_ipc the release of the trainer's buffers);
+"push" is ``PushStats.seconds``, the transport alone (first bucket sent until the engine has loaded the
+last). (d) self-check: the same pushes with ``self_check_layers=2`` (the default), its
+``PushStats.check_seconds`` (health of every engine, 2 decoder layers read back from the engine and from
+the trainer's export and compared byte for byte). Median, min and max of --reps after --warmup untimed
+pushes, both transports in one process on the same actors; ratios are against the object store. Goal:
+cast + push with cuda_ipc, i.e. its whole sync, <= 100 ms. ``--tiny``: the tiny preset on CPU, object
+store only (checks the script in a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN_VOCAB = 151936
+GOAL_MS = 100.0  # cast + push with cuda_ipc, colocated, Qwen2.5-1.5B shape
+
+
+def model_dir(tiny: bool) -> Path:
+    """A random model directory, written once (same path and contents as bench/train_step.py's)."""
+    from transformers import Qwen2ForCausalLM
+
+    from infir2_rl.models.factory import preset_config
+    from infir2_rl.models.tokenizer import build_tokenizer
+
+    preset = "tiny" if tiny else "qwen2.5-1.5b-shape"
+    name = preset if tiny else f"{preset}-v{QWEN_VOCAB}"
+    path = Path(tempfile.gettempdir()) / "infir2_bench" / name
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = build_tokenizer()
+    config = preset_config(preset, tokenizer, **({} if tiny else {"vocab_size": QWEN_VOCAB}))
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    torch.set_default_dtype(previous)
+    partial = path.with_name(name + ".partial")
+    model.save_pretrained(str(partial))
+    tokenizer.save_pretrained(str(partial))
+    partial.rename(path)  # a crashed write leaves only the .partial directory
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the GPU is for the actors
+    return path
+
+
+def _invalidate_fp8_cache(worker: Any) -> None:
+    """Runs in the trainer actor: the next export quantizes again, as after an optimizer step."""
+    for module in worker.backend.model.modules():
+        if hasattr(module, "invalidate_fp8_cache"):
+            module.invalidate_fp8_cache()
+
+
+def _time_cast(worker: Any) -> float:
+    """Runs in the trainer actor: seconds of one FP8 export (the cast), GPU work included."""
+    _invalidate_fp8_cache(worker)
+    sync = torch.cuda.synchronize if worker.backend.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    exported = list(worker.backend.export_weights(True))
+    sync()
+    del exported
+    return time.perf_counter() - start
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1e3 for s in seconds]
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from infir2_rl.actors.placement import create_placement, remove_placement
+    from infir2_rl.actors.rollout_engine import create_engines
+    from infir2_rl.actors.trainer_group import TrainerGroup
+    from infir2_rl.config.stage import RlStageConfig
+    from infir2_rl.stages.rl_setup import TRAINER_GPU_SHARE_COLOCATED, check_transport
+    from infir2_rl.weight_sync.service import WeightSyncService
+
+    gpu = not args.tiny
+    transports = ["object_store", "cuda_ipc"] if gpu else ["object_store"]
+    path = model_dir(args.tiny)
+    ray.init(
+        num_cpus=None if gpu else 2, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False
+    )
+
+    def cfg(transport: str, check_layers: int) -> RlStageConfig:
+        return RlStageConfig.model_validate(
+            {
+                "model": {"path": str(path)},
+                "rollout": {"num_engines": 1},
+                "placement": {"use_gpu": "yes" if gpu else "no", "mode": "colocate", "cpus_per_actor": 1},
+                "weight_sync": {
+                    "transport": transport,
+                    "bucket_size_mb": args.bucket_mb,
+                    "self_check_layers": check_layers,
+                },
+            }
+        )
+
+    base = cfg("object_store", 0)
+    # GPU: one bundle, trainer and engine colocated as in the RL stage. CPU: a bundle each.
+    plan = create_placement(1 if gpu else 2, use_gpu=gpu, cpus_per_bundle=1)
+    start = time.perf_counter()
+    trainer = TrainerGroup(
+        base, total_steps=1, plan=plan, bundle_indices=[0], share=TRAINER_GPU_SHARE_COLOCATED if gpu else 1.0
+    )
+    engines = create_engines(base, plan.placement_group, [0] if gpu else [1])
+    ray.get([e.health.remote() for e in engines])
+    print(f"# actors ready in {time.perf_counter() - start:.0f} s")
+    worker = trainer.workers[0]
+    results: dict[str, Any] = {}
+    try:
+        casts = [ray.get(worker.__ray_call__.remote(_time_cast)) for _ in range(args.warmup + args.reps)]
+        results["cast_ms"] = summary(casts[args.warmup :])
+        versions = itertools.count(1)
+        for transport in transports:
+            row: dict[str, Any] = {}
+            for check_layers, key in ((0, "sync"), (2, "check")):
+                c = cfg(transport, check_layers)
+                check_transport(c, colocate=gpu)
+                service = WeightSyncService(engines, c.weight_sync)
+                walls, pushes, checks = [], [], []
+                for i in range(args.warmup + args.reps):
+                    ray.get(worker.__ray_call__.remote(_invalidate_fp8_cache))
+                    t0 = time.perf_counter()
+                    stats = service.push_from(trainer, fp8=True, version=next(versions))
+                    wall = time.perf_counter() - t0
+                    if i >= args.warmup:
+                        walls.append(wall)
+                        pushes.append(stats.seconds)
+                        checks.append(stats.check_seconds)
+                if key == "sync":
+                    row |= {"sync_ms": summary(walls), "push_ms": summary(pushes)}
+                    row |= {
+                        "bytes": stats.bytes,
+                        "num_buckets": stats.num_buckets,
+                        "num_tensors": stats.num_tensors,
+                    }
+                else:
+                    row |= {"check_ms": summary(checks), "num_checked": stats.num_checked}
+            results[transport] = row
+    finally:
+        for e in engines:
+            ray.kill(e)
+        trainer.shutdown()
+        remove_placement(plan)
+        ray.shutdown()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync.bucket_size_mb")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny preset on CPU, object store only (checks the script)"
+    )
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
+    elif not torch.cuda.is_available():
+        print("bench/weight_sync.py needs a CUDA GPU (trainer and engine share it); use --tiny on CPU.")
+        return 1
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    name = torch.cuda.get_device_name() if not args.tiny else "CPU (float32; FP8 emulated)"
+    print(f"# {name} | torch {torch.__version__} | {'tiny' if args.tiny else 'qwen2.5-1.5b-shape'} | "
+          f"bucket {args.bucket_mb} MiB | median of {args.reps} after {args.warmup} warm-up")  # fmt: skip
+    start = time.perf_counter()
+    r = run(args)
+    base = r["object_store"]
+    print(
+        f"one push: {base['bytes'] / 1e9:.3f} GB, {base['num_tensors']} tensors, {base['num_buckets']} bucket(s)"
+    )
+    print(f"\n{'step':<31} {'median ms':>10} {'min':>9} {'max':>9}   vs object_store")
+    print(
+        f"{'(a) cast on the trainer':<31} {r['cast_ms']['median']:10.1f} {r['cast_ms']['min']:9.1f} {r['cast_ms']['max']:9.1f}"
+    )
+    ratios: dict[str, float] = {}
+    for transport in ("object_store", "cuda_ipc"):
+        if transport not in r:
+            print(f"{transport}: skipped (--tiny runs on CPU; CUDA IPC needs a GPU)")
+            continue
+        for key, label in (
+            ("push_ms", "push"),
+            ("sync_ms", "sync = cast + push"),
+            ("check_ms", "self-check"),
+        ):
+            s = r[transport][key]
+            ratio = s["median"] / base[key]["median"]
+            ratios[f"{transport}/{key}"] = ratio
+            print(
+                f"{transport + ' ' + label:<31} {s['median']:10.1f} {s['min']:9.1f} {s['max']:9.1f}   {ratio:6.3f}"
+            )
+    if "cuda_ipc" in r:
+        total = r["cuda_ipc"]["sync_ms"]["median"]
+        verdict = "met" if total <= GOAL_MS else "MISSED"
+        print(
+            f"\ngoal: cast + push with cuda_ipc {total:.1f} ms (median sync) <= {GOAL_MS:.0f} ms: {verdict}"
+        )
+        print(f"      (cast {r['cast_ms']['median']:.1f} ms + cuda_ipc push {r['cuda_ipc']['push_ms']['median']:.1f} ms"
+              " + export/release overhead)")  # fmt: skip
+    else:
+        print(f"\ngoal (cast + push with cuda_ipc <= {GOAL_MS:.0f} ms): n/a on CPU")
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+    if args.out:
+        report = dict(
+            device=name, torch=torch.__version__, tiny=args.tiny, bucket_mb=args.bucket_mb, reps=args.reps
+        )
+        report |= {"results": r, "ratios_vs_object_store": ratios, "goal_cast_plus_push_ms_max": GOAL_MS}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

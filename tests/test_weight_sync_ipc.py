@@ -1,0 +1,301 @@
+"""The cuda_ipc weight-sync transport: selection, loud failures on CPU (runs everywhere), and on a GPU real
+pushes of FP8 + BF16 buckets from one process into an engine in another (Ray actors), with versions,
+stale rejection, the read-back self-check, and the RL stage's trainer-group path colocated on one GPU.
+
+GPU tests: ``python -m pytest -m gpu -rxX tests/test_weight_sync_ipc.py`` on the device machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from infir2_rl.backends.native_engine import NativeEngine
+from infir2_rl.config.components import WeightSyncConfig
+from infir2_rl.config.stage import RlStageConfig
+from infir2_rl.fp8.checkpoint import fp8_state_from_model
+from infir2_rl.fp8.linear import swap_to_fp8_training
+from infir2_rl.models.factory import init_model, load_model
+from infir2_rl.stages.rl_setup import check_transport
+from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
+from infir2_rl.weight_sync.transport import (
+    CudaIpcTransport,
+    IpcBucket,
+    ObjectStoreTransport,
+    flatten,
+    make_transport,
+    merge_ipc_buckets,
+    share_buckets,
+    unflatten,
+)
+from infir2_rl.weight_sync.types import StaleWeightsError, WeightBucket
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+def _state(
+    model_dir: Path, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[tuple[str, Tensor]]:
+    """FP8 export (FP8 linears + scales, the rest in ``dtype``) of weights perturbed by ``seed``."""
+    model, _ = load_model(model_dir, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((torch.randn(p.shape, generator=gen) * 0.01).to(p))
+    swap_to_fp8_training(model)
+    return [(n, t.clone()) for n, t in fp8_state_from_model(model)]
+
+
+def _fake_ipc_bucket(version: int = 1) -> IpcBucket:
+    return IpcBucket(
+        version, 0, 1, ["lm_head.weight"], 4, {"GPU-none": (print, ())}, [("torch.float32", (1,), 0)]
+    )
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_make_transport_picks_cuda_ipc() -> None:
+    assert isinstance(make_transport(WeightSyncConfig(transport="cuda_ipc")), CudaIpcTransport)
+    assert isinstance(make_transport(WeightSyncConfig()), ObjectStoreTransport)  # the default
+    with pytest.raises(ValueError, match="nccl"):
+        make_transport(WeightSyncConfig(transport="nccl"))
+
+
+def test_build_buckets_keeps_the_device_when_asked() -> None:
+    on_meta = torch.empty(4, 4, device="meta")
+    (bucket,) = build_buckets([("a", on_meta)], max_bytes=1 << 20, version=0, device=None)
+    assert bucket.tensors[0].device.type == "meta" and bucket.num_bytes == 64
+    contiguous = torch.randn(8)
+    (kept,) = build_buckets([("a", contiguous)], max_bytes=1 << 20, version=0, device=None)
+    assert kept.tensors[0].data_ptr() == contiguous.data_ptr()  # no copy: the caller's tensor itself
+    (default,) = build_buckets([("a", torch.randn(3, 4).t())], max_bytes=1 << 20, version=0)
+    assert default.tensors[0].device.type == "cpu" and default.tensors[0].is_contiguous()
+
+
+def test_ipc_needs_gpu_tensors_and_gpu_engines(model_dir: Path) -> None:
+    cpu_buckets = build_buckets(_state(model_dir, seed=1), max_bytes=1 << 20, version=1)
+    with pytest.raises(ValueError, match="object_store"):
+        share_buckets(cpu_buckets)
+    engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
+    with pytest.raises(ValueError, match="engine on cpu.*object_store"):
+        engine.update_weights(_fake_ipc_bucket())
+    assert engine.health().weight_version == 0
+    # A cuda_ipc service handed CPU tensors (a CPU trainer) fails before any engine sees them.
+    service = WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc"))
+    with pytest.raises(ValueError, match="object_store"):
+        service.push(_state(model_dir, seed=1), version=1)
+
+
+def test_flat_buffer_round_trip_keeps_every_byte_dtype_and_shape() -> None:
+    tensors = [
+        torch.randn(3, 5).to(torch.float8_e4m3fn),
+        torch.randn(7, dtype=torch.bfloat16),
+        torch.randn(2, 3),
+        torch.tensor(1.5),  # 0-dim
+        torch.empty(0, 4),
+    ]
+    flat, views, layout = flatten(tensors)
+    assert flat.dtype == torch.uint8 and all(offset % 256 == 0 for _, _, offset in layout)
+    for back in (views, unflatten(flat, layout)):
+        assert [(t.dtype, t.shape) for t in back] == [(t.dtype, t.shape) for t in tensors]
+        assert all(same_bytes(a, b) for a, b in zip(tensors, back))
+        assert all(t.untyped_storage().data_ptr() == flat.data_ptr() for t in back)  # views, no copies
+
+
+def test_each_transport_refuses_the_other_kind_of_bucket() -> None:
+    with pytest.raises(TypeError, match="cuda_ipc sends IpcBuckets"):
+        CudaIpcTransport().send([], WeightBucket(0, 0, 1, ["a"], [torch.zeros(1)]), timeout_s=1)
+    with pytest.raises(TypeError, match="set weight_sync.transport=cuda_ipc"):
+        ObjectStoreTransport().send([], _fake_ipc_bucket(), timeout_s=1)
+
+
+def test_merge_keeps_every_ranks_handles() -> None:
+    a, b = _fake_ipc_bucket(), _fake_ipc_bucket()
+    b.handles = {"GPU-other": (print, (1,))}
+    (merged,) = merge_ipc_buckets([[a], [b]])
+    assert sorted(merged.handles) == ["GPU-none", "GPU-other"] and list(a.handles) == ["GPU-none"]
+    b.names = ["other"]
+    with pytest.raises(ValueError, match="different weight buckets"):
+        merge_ipc_buckets([[a], [b]])
+
+
+class FakeTrainer:
+    """A WeightSource in this process: exports ``state`` as tensors, or fake IPC buckets (CPU: no handles)."""
+
+    def __init__(self, state: list[tuple[str, Tensor]]) -> None:
+        self.state, self.released = state, 0
+
+    def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
+        return self.state
+
+    def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]:
+        return [_fake_ipc_bucket(version)]
+
+    def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
+        return dict(self.state)
+
+    def release_export(self) -> None:
+        self.released += 1
+
+
+def test_push_from_exports_and_always_releases(model_dir: Path) -> None:
+    engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
+    trainer = FakeTrainer(_state(model_dir, seed=1))
+    stats = WeightSyncService([engine], WeightSyncConfig()).push_from(trainer, fp8=True, version=1)
+    assert stats.num_tensors == len(trainer.state) and engine.health().weight_version == 1
+    ipc = WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc"))
+    with pytest.raises(ValueError, match="object_store"):  # the CPU engine refuses the handles...
+        ipc.push_from(trainer, fp8=True, version=2)
+    assert trainer.released == 1  # ...and the trainer's GPU buckets are released all the same
+
+
+def test_cuda_ipc_is_refused_unless_native_engines_are_colocated_on_gpus() -> None:
+    ipc = RlStageConfig.model_validate({"weight_sync": {"transport": "cuda_ipc"}})
+    check_transport(ipc, colocate=True)
+    check_transport(RlStageConfig.model_validate({}), colocate=False)
+    with pytest.raises(ValueError, match="set weight_sync.transport=object_store"):
+        check_transport(ipc, colocate=False)
+    sglang = RlStageConfig.model_validate(
+        {"weight_sync": {"transport": "cuda_ipc"}, "rollout": {"backend": "sglang"}}
+    )
+    with pytest.raises(ValueError, match="rollout.backend=sglang"):
+        check_transport(sglang, colocate=True)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture(scope="module")
+def ray_gpu() -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _engine_actor(ray: Any, model_dir: Path) -> Any:
+    """A native FP8 engine (BF16 elsewhere) in its own process, on a share of the same GPU."""
+    return (
+        ray.remote(NativeEngine)
+        .options(num_gpus=0.4, num_cpus=0)
+        .remote(str(model_dir), fp8=True, device="cuda")
+    )
+
+
+def _assert_engine_holds(ray: Any, engine: Any, sent: Mapping[str, Tensor]) -> None:
+    held = ray.get(engine.read_weights.remote(list(sent)))
+    bad = [n for n, t in sent.items() if not same_bytes(t, held[n])]
+    assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+@gpu
+def test_ipc_push_from_this_process_into_an_engine_actor(ray_gpu: Any, model_dir: Path) -> None:
+    ray = ray_gpu
+    engine = _engine_actor(ray, model_dir)
+    state = _state(model_dir, seed=1, device="cuda", dtype=torch.bfloat16)  # FP8 linears + BF16 rest
+    assert {t.dtype for _, t in state} >= {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    service = WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc", self_check_layers=4))
+    stats = service.push(state, version=1)
+    assert stats.num_tensors == len(state) and stats.num_checked > 0
+    assert ray.get(engine.health.remote()).weight_version == 1
+    _assert_engine_holds(ray, engine, dict(state))
+
+    # Precomputed buckets (as a trainer actor makes them), several per push, FP8 pairs kept together.
+    state2 = _state(model_dir, seed=2, device="cuda", dtype=torch.bfloat16)
+    local = build_buckets(state2, max_bytes=64 * 1024, version=2, device=None)
+    assert len(local) > 3 and all(t.is_cuda for b in local for t in b.tensors)
+    shared, held = share_buckets(local)
+    sent = {n: t for b in held for n, t in zip(b.names, b.tensors)}
+    stats2 = service.push(shared, version=2, sent=lambda names: sent)
+    assert stats2.num_buckets == len(local) and ray.get(engine.health.remote()).weight_version == 2
+    _assert_engine_holds(ray, engine, dict(state2))
+
+    # A driver that lost track cannot roll the engine back: its buckets are refused, nothing changes.
+    with pytest.raises(StaleWeightsError):
+        WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc")).push(state, version=1)
+    assert ray.get(engine.health.remote()).weight_version == 2
+    _assert_engine_holds(ray, engine, dict(state2))
+    ray.kill(engine)
+
+
+@gpu
+def test_float8_tensors_through_reduce_tensor_directly(ray_gpu: Any) -> None:
+    """Answers whether torch's CUDA IPC carries a float8 tensor as it is (share_buckets does not rely on it:
+    it shares uint8 buffers). xfail, with torch's error, where it does not."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from infir2_rl.weight_sync.transport import gpu_uuid, rebuild_on_this_gpu
+
+    ray = ray_gpu
+    w_fp8 = torch.randn(256, 384, device="cuda").to(torch.float8_e4m3fn)
+    torch.cuda.synchronize()
+
+    def open_elsewhere(handle: Any, uuid: str) -> tuple[str, Tensor]:  # local: Ray ships it by value
+        index = [i for i in range(torch.cuda.device_count()) if gpu_uuid(torch.device("cuda", i)) == uuid][0]
+        t = rebuild_on_this_gpu(handle, index)
+        return str(t.dtype), t.view(torch.uint8).cpu()
+
+    task = ray.remote(num_gpus=0.1, num_cpus=0)(open_elsewhere)
+    try:
+        dtype, got = ray.get(task.remote(reduce_tensor(w_fp8), gpu_uuid(w_fp8.device)))
+    except Exception as exc:  # noqa: BLE001 - the probe reports whatever torch raised
+        pytest.xfail(f"float8 through reduce_tensor fails in torch {torch.__version__}: {exc!r}"[:500])
+    assert dtype == "torch.float8_e4m3fn" and torch.equal(got, w_fp8.view(torch.uint8).cpu())
+
+
+@gpu
+def test_rl_stage_path_trainer_group_to_colocated_engine(ray_gpu: Any, model_dir: Path) -> None:
+    """What start_rl_actors and rl_step do with weight_sync.transport=cuda_ipc: a trainer worker and an
+    engine in one GPU bundle, push_from every step, bytes compared in full against the trainer's export."""
+    from infir2_rl.actors.placement import create_placement, remove_placement
+    from infir2_rl.actors.rollout_engine import create_engines
+    from infir2_rl.actors.trainer_group import TrainerGroup
+    from infir2_rl.stages.rl_setup import TRAINER_GPU_SHARE_COLOCATED
+
+    ray = ray_gpu
+    cfg = RlStageConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "rollout": {"num_engines": 1},
+            "placement": {"use_gpu": "yes", "mode": "colocate"},
+            "weight_sync": {"transport": "cuda_ipc", "bucket_size_mb": 1, "self_check_layers": 2},
+        }
+    )
+    check_transport(cfg, colocate=True)
+    plan = create_placement(1, use_gpu=True, cpus_per_bundle=1)
+    trainer = TrainerGroup(
+        cfg, total_steps=4, plan=plan, bundle_indices=[0], share=TRAINER_GPU_SHARE_COLOCATED
+    )
+    engines = create_engines(cfg, plan.placement_group, [0])
+    try:
+        service = WeightSyncService(engines, cfg.weight_sync)
+        buckets = trainer.export_ipc_buckets(True, service.max_bucket_bytes, version=0)
+        assert buckets and all(len(b.handles) == 1 for b in buckets)  # one rank: one GPU buffer each
+        names = [n for b in buckets for n in b.names]
+        stats = service.push(buckets, version=0, sent=trainer.read_export)
+        assert stats.num_checked > 0
+        _assert_engine_holds(ray, engines[0], trainer.read_export(names))  # every tensor, not a sample
+        trainer.release_export()
+        for version in (1, 2):  # as rl_step does after every optimizer step
+            stats = service.push_from(trainer, fp8=True, version=version)
+            assert stats.version == version and stats.num_checked > 0
+        assert ray.get(engines[0].health.remote()).weight_version == 2
+    finally:
+        for e in engines:
+            ray.kill(e)
+        trainer.shutdown()
+        remove_placement(plan)
