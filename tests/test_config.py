@@ -88,7 +88,9 @@ def test_global_batch_divisible_by_micro_batch_times_dp() -> None:
 def test_rl_global_batch_follows_rollout() -> None:
     cfg = parse_stage_config({"kind": "rl", "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4}})
     assert cfg.trainer.global_batch_size == 16
-    assert "must equal rollout.prompts_per_step" in _err({"kind": "rl", "trainer": {"global_batch_size": 32}})
+    assert "must divide rollout.prompts_per_step" in _err(
+        {"kind": "rl", "trainer": {"global_batch_size": 48}}
+    )
 
 
 def test_precision_follows_weight_sync_mode() -> None:
@@ -202,3 +204,14 @@ def test_kind_prefixed_overrides_reach_only_that_kind() -> None:
             assert (cfg.seed, cfg.trainer.max_steps) == (5, 7)
         elif cfg is not None:
             assert (cfg.seed, cfg.rollout.num_steps) == (5, 2)
+
+
+def test_rl_global_batch_must_divide_the_rollout_batch() -> None:
+    from infir2_rl.config import load_stage_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "demo" / "rl_stage1.yaml"
+    cfg = load_stage_config(path, ["trainer.global_batch_size=64"])
+    assert cfg.updates_per_rollout == 4  # type: ignore[union-attr]
+    assert load_stage_config(path).updates_per_rollout == 1  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="must divide"):
+        load_stage_config(path, ["trainer.global_batch_size=100"])

@@ -108,3 +108,40 @@ def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, r
         else:
             assert m[names.MISMATCH_K3] > 1e-7, m
         assert names.MISMATCH_DENSE_K3 not in m  # only measured when the trainer runs FP8
+
+
+def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(
+    tmp_path: Path, ray_cluster: object
+) -> None:
+    model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
+    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
+    cfg = load_stage_config(
+        REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml",
+        [
+            f"model.path={model}",
+            f"data.train_path={data.rl_train}",
+            "data.test_path=null",
+            f"run_dir={tmp_path / 'mb'}",
+            # An untrained model never solves a problem; "the label appears in the response" gives groups
+            # with reward spread, so the policy gradient is not zero.
+            "rollout.reward=operator:contains",
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.over_sampling_prompts=4",
+            "rollout.max_response_len=32",
+            "rollout.num_steps=2",
+            "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=4",
+            "optimizer.lr=1e-2",
+            "metrics.progress_bar=false",
+            "metrics.dense_trainer_mismatch=false",
+            "placement.cpus_per_actor=1",
+        ],
+    )
+    assert cfg.updates_per_rollout == 2  # type: ignore[union-attr]
+    run_rl_stage(cfg)  # type: ignore[arg-type]
+    steps = _steps(tmp_path / "mb")
+    assert [steps[s]["train/updates_per_rollout"] for s in (1, 2)] == [2.0, 2.0]
+    # The second mini-batch is trained after the first update: its ratio to the old policy is off 1, which
+    # the first (on-policy) one never is; with lr 1e-2 the PPO clip engages on some tokens.
+    assert max(steps[s]["train/pg_clip_frac"] for s in (1, 2)) > 0

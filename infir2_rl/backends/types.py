@@ -43,6 +43,13 @@ class TokenBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def rows(self, start: int, stop: int) -> TokenBatch:
+        """Sequences ``start:stop`` (views; per-sequence and per-token fields alike)."""
+        return replace(
+            self,
+            **{name: v[start:stop] for name, v in self.__dict__.items() if isinstance(v, Tensor)},
+        )
+
     def to(self, device: torch.device | str) -> TokenBatch:
         moved = {
             name: (value.to(device) if isinstance(value, Tensor) else value)

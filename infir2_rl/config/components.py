@@ -90,7 +90,8 @@ class TrainerConfig(_Config):
     fp8_pow2_scales: bool = False
     # Trainer actors (data-parallel ranks); one per GPU on GPU machines.
     num_workers: int = Field(default=1, ge=1)
-    # Sequences per optimizer step, summed over all workers.
+    # Sequences per optimizer step, summed over all workers (RL: a divisor of the rollout batch; the
+    # default, the whole batch, is one on-policy step per rollout, a smaller one gives PPO-style mini-batches).
     global_batch_size: int = Field(default=32, ge=1)
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)

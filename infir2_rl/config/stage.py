@@ -85,6 +85,16 @@ class RlStageConfig(_StageBase):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
 
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps per rollout batch: samples / trainer.global_batch_size (PPO-style mini-batches;
+        the first is on-policy, later ones see the clipped, importance-weighted ratio to the old policy)."""
+        return (
+            self.rollout.prompts_per_step
+            * self.rollout.n_samples_per_prompt
+            // self.trainer.global_batch_size
+        )
+
     def _check_kind(self) -> None:
         r = self.rollout
         if r.n_samples_per_prompt < 2:
@@ -105,10 +115,10 @@ class RlStageConfig(_StageBase):
         samples = r.prompts_per_step * r.n_samples_per_prompt
         if "global_batch_size" not in self.trainer.model_fields_set:
             object.__setattr__(self.trainer, "global_batch_size", samples)  # one step per rollout batch
-        if samples != self.trainer.global_batch_size:
+        if samples % self.trainer.global_batch_size:
             raise ValueError(
-                f"trainer.global_batch_size={self.trainer.global_batch_size}: must equal rollout.prompts_per_step"
-                f" x rollout.n_samples_per_prompt = {samples} (one optimizer step per rollout batch)"
+                f"trainer.global_batch_size={self.trainer.global_batch_size}: must divide rollout.prompts_per_step"
+                f" x rollout.n_samples_per_prompt = {samples} (each rollout batch is split into optimizer steps)"
             )
         # weight_sync.mode is the one precision switch of an RL stage: trainer.fp8 and rollout.fp8 follow
         # it unless set explicitly, and an explicit contradiction is an error.

@@ -20,6 +20,7 @@ import torch
 from infir2_rl.algo.advantages import grpo_advantages
 from infir2_rl.algo.loss_fns import GrpoLoss
 from infir2_rl.algo.mismatch import mismatch_metrics
+from infir2_rl.backends.types import TokenBatch, TrainStats
 from infir2_rl.checkpoint import CheckpointManager, save_checkpoint
 from infir2_rl.config import RlStageConfig, validate_paths
 from infir2_rl.metrics import MetricsLogger, PhaseTimer, names, progress
@@ -54,7 +55,9 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
             )
             final = final_from_checkpoint(resumed, run_dir)
             return StageResult(final, run_dir, steps_run=0, last_step=state.step, nothing_to_do=True)
-        actors = start_rl_actors(cfg, data, total_steps=last_step, resume_from=resumed, state=state)
+        actors = start_rl_actors(
+            cfg, data, total_steps=last_step * cfg.updates_per_rollout, resume_from=resumed, state=state
+        )
         loss_fn = GrpoLoss.from_config(cfg.algorithm, cfg.rollout.temperature)
         timer, summary, first = PhaseTimer(), dict[str, float](), state.step + 1
         m = cfg.metrics
@@ -100,7 +103,7 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
 def rl_step(
     cfg: RlStageConfig, actors: RlActors, batch: RolloutBatch, loss_fn: GrpoLoss, step: int, timer: PhaseTimer
 ) -> dict[str, float]:
-    """Advantages, old log-probs and mismatch, one optimizer step, weight push: the step's metrics."""
+    """Advantages, old log-probs and mismatch, the optimizer step(s), weight push: the step's metrics."""
     advantages = grpo_advantages(batch.rewards_tensor(), batch.group_size, cfg.algorithm.normalize_std)
     (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
     actors.engines_sleep()
@@ -120,16 +123,17 @@ def rl_step(
             names.MISMATCH_DENSE_ABS_LOGP_DIFF_MAX: dmm.abs_logp_diff_max,
             names.MISMATCH_DENSE_K3: dmm.k3,
         }
-    units = int(mask.sum().item()) if cfg.algorithm.loss_reduction == "token_mean" else batch.num_samples
     with timer("train"):
-        stats = actors.trainer.train_step(tokens, loss_fn, total_units=units)
+        all_stats = _train_on(cfg, actors, tokens, loss_fn)
+    stats = _mean_stats(all_stats)
     actors.engines_wake()
     with timer("weight_sync"):
         push = actors.sync.push_from(actors.trainer, cfg.rollout.fp8, version=step)
     return {
         **batch.metrics,
         **train_metrics(stats, 0, stats.step_time_s),
-        "train/skipped": float(stats.skipped),
+        "train/skipped": float(sum(s.skipped for s in all_stats)),
+        "train/updates_per_rollout": float(len(all_stats)),
         names.MISMATCH_ABS_LOGP_DIFF_MEAN: mm.abs_logp_diff_mean,
         names.MISMATCH_ABS_LOGP_DIFF_MAX: mm.abs_logp_diff_max,
         names.MISMATCH_K3: mm.k3,
@@ -141,6 +145,38 @@ def rl_step(
         "rollout/advantage_abs_mean": float(torch.as_tensor(advantages).abs().mean()),
         **dense,
     }
+
+
+def _train_on(
+    cfg: RlStageConfig, actors: RlActors, tokens: TokenBatch, loss_fn: GrpoLoss
+) -> list[TrainStats]:
+    """``cfg.updates_per_rollout`` optimizer steps on consecutive row slices of the rollout batch (groups stay
+    whole when the global batch is a multiple of the group size); old log-probs are the pre-update ones."""
+    size = cfg.trainer.global_batch_size
+    all_stats = []
+    for start in range(0, tokens.num_sequences, size):
+        part = tokens.rows(start, start + size)
+        units = part.num_loss_tokens if cfg.algorithm.loss_reduction == "token_mean" else part.num_sequences
+        all_stats.append(actors.trainer.train_step(part, loss_fn, total_units=units))
+    return all_stats
+
+
+def _mean_stats(all_stats: list[TrainStats]) -> TrainStats:
+    """One TrainStats for the step: the last update's step and lr, means of loss, grad norm and metrics,
+    totals of tokens, sequences and time."""
+    last = all_stats[-1]
+    n = len(all_stats)
+    return TrainStats(
+        step=last.step,
+        loss=sum(s.loss for s in all_stats) / n,
+        grad_norm=sum(s.grad_norm for s in all_stats) / n,
+        lr=last.lr,
+        num_tokens=sum(s.num_tokens for s in all_stats),
+        num_sequences=sum(s.num_sequences for s in all_stats),
+        skipped=any(s.skipped for s in all_stats),
+        step_time_s=sum(s.step_time_s for s in all_stats),
+        metrics={k: sum(s.metrics.get(k, 0.0) for s in all_stats) / n for k in last.metrics},
+    )
 
 
 def _brief(metrics: dict[str, float]) -> str:
