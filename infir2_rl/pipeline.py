@@ -123,10 +123,13 @@ def run_pipeline(
     fp8_dir: Path | None = None
     for name, cfg in resolved:
         if name in state.finished:
-            previous = Path(state.finished[name])
-            fp8_dir = previous if cfg is None else fp8_dir
-            log.info("stage %s already finished -> %s (skipping)", name, previous)
-            outputs[name] = previous
+            done = Path(state.finished[name])
+            if cfg is None:
+                fp8_dir = done  # a cast hands its output to the engines, not to the next trainer
+            else:
+                previous = done
+            log.info("stage %s already finished -> %s (skipping)", name, done)
+            outputs[name] = done
             continue
         t0 = time.perf_counter()
         if cfg is None:

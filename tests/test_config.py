@@ -215,3 +215,34 @@ def test_rl_global_batch_must_divide_the_rollout_batch() -> None:
     assert load_stage_config(path).updates_per_rollout == 1  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="must divide"):
         load_stage_config(path, ["trainer.global_batch_size=100"])
+
+
+def test_pipeline_resumed_after_the_cast_starts_rl_from_the_sft_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cast's output goes to the engines (rollout.fp8_checkpoint); the trainer starts from SFT 2's final."""
+    import json
+
+    from infir2_rl import pipeline
+    from infir2_rl.data.synthetic import make_data
+
+    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=8, num_test=8)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    done = {"sft_stage1": run_dir / "s1", "sft_stage2": run_dir / "s2", "cast_fp8": run_dir / "cast" / "fp8"}
+    (run_dir / "pipeline_state.json").write_text(
+        json.dumps({"finished": {k: str(v) for k, v in done.items()}})
+    )
+    seen: dict[str, tuple[str, str | None]] = {}
+
+    def fake_run_stage(cfg):  # type: ignore[no-untyped-def]
+        seen[cfg.name] = (cfg.model.path, getattr(cfg.rollout, "fp8_checkpoint", None))
+        return run_dir / cfg.name / "final"
+
+    def relocate(cfg) -> None:  # type: ignore[no-untyped-def]
+        cfg.data.train_path, cfg.data.test_path = str(data.rl_train), str(data.rl_test)
+
+    monkeypatch.setattr(pipeline, "run_stage", fake_run_stage)
+    pipeline.run_pipeline(pipeline.DEMO_PIPELINE, overrides=[f"run_dir={run_dir}"], adjust=relocate)
+    assert seen["rl_stage1"] == (str(done["sft_stage2"]), str(done["cast_fp8"]))
+    assert seen["rl_stage2"] == (str(run_dir / "rl_stage1" / "final"), None)
