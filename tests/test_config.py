@@ -179,10 +179,7 @@ def test_demo_precision_switch_sets_every_stage(precision: str) -> None:
             assert cfg.weight_sync.mode == precision
             assert cfg.trainer.fp8 is (precision == "unified_fp8")
             assert cfg.rollout.fp8 is (precision != "bf16")
-            assert (
-                cfg.trainer.global_batch_size
-                == cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-            )
+            assert cfg.updates_per_rollout == 2  # the demo's 256 samples in two optimizer steps
 
 
 def test_unknown_precision_is_refused() -> None:
@@ -212,7 +209,7 @@ def test_rl_global_batch_must_divide_the_rollout_batch() -> None:
     path = Path(__file__).resolve().parents[1] / "configs" / "demo" / "rl_stage1.yaml"
     cfg = load_stage_config(path, ["trainer.global_batch_size=64"])
     assert cfg.updates_per_rollout == 4  # type: ignore[union-attr]
-    assert load_stage_config(path).updates_per_rollout == 1  # type: ignore[union-attr]
+    assert load_stage_config(path).updates_per_rollout == 2  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="must divide"):
         load_stage_config(path, ["trainer.global_batch_size=100"])
 
