@@ -40,7 +40,7 @@ GOALS = {"step_time": 0.75, "peak_memory": 0.85}  # FP8 / BF16 at most
 
 
 def model_dir(tiny: bool) -> Path:
-    """A random model directory (written once, reused by bench/rollout.py): 1.5B shape, or tiny on CPU."""
+    """A random model directory (written once, reused by bench/rollout.py and bench/weight_sync.py): 1.5B shape, or tiny on CPU."""
     from transformers import Qwen2ForCausalLM
 
     from infir2_rl.models.factory import preset_config
@@ -65,6 +65,8 @@ def model_dir(tiny: bool) -> Path:
     tokenizer.save_pretrained(str(partial))
     partial.rename(path)  # a crashed write leaves only the .partial directory
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave the GPU to what is benchmarked (bench/weight_sync.py's actors)
     return path
 
 

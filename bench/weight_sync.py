@@ -28,46 +28,14 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from train_step import model_dir  # bench/ is on sys.path when run as a script
 
-QWEN_VOCAB = 151936
 GOAL_MS = 100.0  # cast + push with cuda_ipc, colocated, Qwen2.5-1.5B shape
-
-
-def model_dir(tiny: bool) -> Path:
-    """A random model directory, written once (same path and contents as bench/train_step.py's)."""
-    from transformers import Qwen2ForCausalLM
-
-    from infir2_rl.models.factory import preset_config
-    from infir2_rl.models.tokenizer import build_tokenizer
-
-    preset = "tiny" if tiny else "qwen2.5-1.5b-shape"
-    name = preset if tiny else f"{preset}-v{QWEN_VOCAB}"
-    path = Path(tempfile.gettempdir()) / "infir2_bench" / name
-    if (path / "config.json").is_file():
-        return path
-    tokenizer = build_tokenizer()
-    config = preset_config(preset, tokenizer, **({} if tiny else {"vocab_size": QWEN_VOCAB}))
-    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    torch.set_default_dtype(previous)
-    partial = path.with_name(name + ".partial")
-    model.save_pretrained(str(partial))
-    tokenizer.save_pretrained(str(partial))
-    partial.rename(path)  # a crashed write leaves only the .partial directory
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the GPU is for the actors
-    return path
 
 
 def _invalidate_fp8_cache(worker: Any) -> None:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -177,25 +178,31 @@ def make_report(run_dir: str | Path) -> list[Path]:
             plt.close(fig)
             log.info("report: no data for %s (%s); skipped", spec.file_name, ", ".join(spec.keys))
             continue
-        for stage, offset in zip(stages, offsets):
-            if len(stages) > 1:
-                ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
-                ax.text(
-                    offset, 1.0, f" {stage.name}", transform=ax.get_xaxis_transform(), fontsize=8, va="top"
-                )
-        if spec.log_scale:
-            ax.set_yscale("log")
-        ax.set_title(spec.title)
-        ax.set_xlabel("global step" if len(stages) > 1 else "step")
-        ax.set_ylabel(spec.ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = out_dir / spec.file_name
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_finish_plot(fig, ax, spec, stages if len(stages) > 1 else [], out_dir, legend_size=7))
     return written
+
+
+def _finish_plot(
+    fig: Any, ax: Any, spec: PlotSpec, stages: list[StageMetrics], out_dir: Path, legend_size: int
+) -> Path:
+    """Dashed stage starts (none when `stages` is empty), scale, labels, legend; save and close the figure."""
+    import matplotlib.pyplot as plt
+
+    for stage, offset in zip(stages, stage_offsets(stages)):
+        ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
+        ax.text(offset, 1.0, f" {stage.name}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
+    if spec.log_scale:
+        ax.set_yscale("log")
+    ax.set_title(spec.title)
+    ax.set_xlabel("global step" if stages else "step")
+    ax.set_ylabel(spec.ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend_size, loc="best")
+    fig.tight_layout()
+    path = out_dir / spec.file_name
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 COMPARE_PLOTS = (
@@ -254,22 +261,7 @@ def make_comparison(run_dirs: list[Path], out_dir: Path, labels: list[str] | Non
             plt.close(fig)
             log.info("comparison: no data for %s; skipped", spec.file_name)
             continue
-        first = runs[0]
-        for stage, offset in zip(first, stage_offsets(first)):
-            ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
-            ax.text(offset, 1.0, f" {stage.name}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
-        if spec.log_scale:
-            ax.set_yscale("log")
-        ax.set_title(spec.title)
-        ax.set_xlabel("global step")
-        ax.set_ylabel(spec.ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-        fig.tight_layout()
-        path = out_dir / spec.file_name
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_finish_plot(fig, ax, spec, runs[0], out_dir, legend_size=8))
     return written
 
 
