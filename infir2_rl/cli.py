@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "overrides",
         nargs="*",
-        help="dotted overrides applied to every stage (optimizer.lr=1e-4), or to the stages of one kind"
-        " with a kind prefix (sft:trainer.max_steps=50, rl:rollout.num_steps=3)",
+        help="dotted overrides applied to every stage (optimizer.lr=1e-4), to the stages of one kind with a"
+        " kind prefix (sft:trainer.max_steps=50, rl:rollout.num_steps=3), or to one stage with its name as"
+        " prefix (rl_stage1:rollout.num_steps=80)",
     )
 
     for name, help in (

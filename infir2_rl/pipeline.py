@@ -55,8 +55,25 @@ def ensure_ray() -> None:
     else:
         dashboard = os.environ.get("INFIR2_RAY_DASHBOARD", "1") == "1"
         env = {k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}
-        ray.init(include_dashboard=dashboard, log_to_driver=True, runtime_env={"env_vars": env})
+        ray.init(
+            num_cpus=_affinity_cpus(),
+            include_dashboard=dashboard,
+            log_to_driver=True,
+            runtime_env={"env_vars": env},
+        )
     log.info("Ray resources: %s", ray.cluster_resources())
+
+
+def _affinity_cpus() -> int | None:
+    """The CPUs this process may run on when that is fewer than the machine's (``taskset``), else None
+    (Ray's own count, which honours cgroup quotas). Ray counts every core of the machine even when the
+    process is pinned, and then starts as many idle workers and admits as many actors as there are cores:
+    eight pinned 2-core pipelines on a 16-core machine each started 16 workers and stalled."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is None:
+        return None
+    n = len(affinity(0))
+    return n if n < (os.cpu_count() or n) else None
 
 
 def run_stage(cfg: SftStageConfig | RlStageConfig) -> Path:
@@ -158,11 +175,25 @@ def resolve_stages(
     kind_overrides: Mapping[str, Sequence[str]] | None = None,
     adjust: Callable[[SftStageConfig | RlStageConfig], None] | None = None,
 ) -> list[tuple[str, SftStageConfig | RlStageConfig | None]]:
-    """Each stage of a loaded pipeline as (name, config with overrides applied); None for a cast."""
+    """Each stage of a loaded pipeline as (name, config with overrides applied); None for a cast.
+
+    `kind_overrides` is keyed by stage kind (``sft``, ``rl``) or stage name; a kind's come before a name's,
+    so the more specific wins."""
     stages = load_pipeline_stages(pipeline, path)
+    scoped = kind_overrides or {}
+    unknown = set(scoped) - {"sft", "rl"} - {name for name, cfg in stages if cfg is not None}
+    if unknown:
+        trainable = ", ".join(name for name, cfg in stages if cfg is not None)
+        raise ConfigError(
+            f"override scope(s) {', '.join(sorted(unknown))}: use a stage kind (sft, rl) or a stage name of"
+            f" {path} ({trainable})"
+        )
     resolved: list[tuple[str, SftStageConfig | RlStageConfig | None]] = []
     for name, cfg in stages:
-        extra = [*stage_overrides, *((kind_overrides or {}).get(cfg.kind, ()) if cfg is not None else ())]
+        extra = [
+            *stage_overrides,
+            *((*scoped.get(cfg.kind, ()), *scoped.get(name, ())) if cfg is not None else ()),
+        ]
         if cfg is not None and extra:
             # Only what the YAML set: values a validator derived (an RL stage's trainer.fp8 from
             # weight_sync.mode) are derived again, so an override of the mode takes them along.
@@ -205,16 +236,18 @@ def precision_overrides(precision: str) -> dict[str, list[str]]:
 
 
 def split_kind_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """Split ``sft:a.b=1`` / ``rl:a.b=1`` overrides (one stage kind) from plain ones (every stage)."""
+    """Split scoped overrides from plain ones (every stage): ``sft:a.b=1`` / ``rl:a.b=1`` reach the stages
+    of one kind, ``rl_stage1:a.b=1`` the stage of that name (checked against the pipeline in
+    `resolve_stages`). A scope is the text before the first ``:`` when it is a bare name (no ``=`` or ``.``)."""
     common: list[str] = []
-    by_kind: dict[str, list[str]] = {}
+    by_scope: dict[str, list[str]] = {}
     for item in overrides:
-        kind, sep, rest = item.partition(":")
-        if sep and kind in ("sft", "rl") and "=" not in kind:
-            by_kind.setdefault(kind, []).append(rest)
+        scope, sep, rest = item.partition(":")
+        if sep and scope.isidentifier():
+            by_scope.setdefault(scope, []).append(rest)
         else:
             common.append(item)
-    return common, by_kind
+    return common, by_scope
 
 
 def run_demo(

@@ -203,6 +203,25 @@ def test_kind_prefixed_overrides_reach_only_that_kind() -> None:
             assert (cfg.seed, cfg.rollout.num_steps) == (5, 2)
 
 
+def test_stage_name_prefixed_overrides_reach_only_that_stage() -> None:
+    from infir2_rl.config import load_pipeline_config
+    from infir2_rl.pipeline import DEMO_PIPELINE, resolve_stages, split_kind_overrides
+
+    common, scoped = split_kind_overrides(
+        ["rl:rollout.num_steps=2", "rl_stage1:rollout.num_steps=9", "x=a:b"]
+    )
+    assert common == ["x=a:b"] and scoped == {
+        "rl": ["rollout.num_steps=2"],
+        "rl_stage1": ["rollout.num_steps=9"],
+    }
+    stages = dict(resolve_stages(DEMO_PIPELINE, load_pipeline_config(DEMO_PIPELINE), (), scoped))
+    # The stage's own scope wins over its kind's; the other RL stage keeps the kind's value.
+    assert stages["rl_stage1"].rollout.num_steps == 9  # type: ignore[union-attr]
+    assert stages["rl_stage2"].rollout.num_steps == 2  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="rl_stage3"):
+        resolve_stages(DEMO_PIPELINE, load_pipeline_config(DEMO_PIPELINE), (), {"rl_stage3": ["seed=1"]})
+
+
 def test_rl_global_batch_must_divide_the_rollout_batch() -> None:
     from infir2_rl.config import load_stage_config
 

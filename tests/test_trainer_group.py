@@ -119,3 +119,32 @@ def test_bad_trainer_settings_fail_before_actors_start(assets: tuple[Path, list[
     cfg.placement.use_gpu = "yes"
     with pytest.raises(ValueError, match="no GPUs"):
         TrainerGroup(cfg, total_steps=1)
+
+
+def test_trainer_threads_set_the_worker_torch_threads(assets: tuple[Path, list[TokenBatch]]) -> None:
+    """placement.trainer_threads reaches the worker (the demo's RL trainer computes on both cores)."""
+    from infir2_rl.actors.trainer_worker import TrainerSpec, TrainerWorker
+
+    model, _ = assets
+    cfg = stage_cfg(model, 1)
+    cfg.placement.trainer_threads = 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spec = TrainerSpec(
+            cfg.model, cfg.trainer, cfg.optimizer, total_steps=1, torch_threads=cfg.placement.trainer_threads
+        )
+        TrainerWorker(spec, rank=0, world_size=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ray_counts_only_the_cpus_a_pinned_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infir2_rl import pipeline
+
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 16)
+    assert pipeline._affinity_cpus() == 2  # taskset -c 0,1 on a 16-core machine
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 2)
+    assert pipeline._affinity_cpus() is None  # not pinned: Ray's own count (cgroup quotas included)

@@ -78,6 +78,7 @@ class TrainerGroup:
             total_steps=total_steps,
             seed=cfg.seed,
             fsdp=fsdp,
+            torch_threads=cfg.placement.trainer_threads,
         )
         remote_cls = ray.remote(TrainerWorker)
         self.workers: list[Any] = [

@@ -72,6 +72,8 @@ class TrainerSpec:
     seed: int = 0
     # None: FSDP2 on GPUs with several ranks, gradient all-reduce otherwise; True/False force it.
     fsdp: bool | None = None
+    # torch intra-op threads of the worker process (placement.trainer_threads; 0: Ray's setting).
+    torch_threads: int = 0
 
 
 class TrainerWorker:
@@ -81,6 +83,8 @@ class TrainerWorker:
         if spec.trainer.backend == "megatron":
             raise NotImplementedError(MEGATRON_MESSAGE)
         self.spec, self.rank, self.world_size = spec, rank, world_size
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
         self._backend: TorchTrainer | None = None
         # The last cuda_ipc export: views of GPU buffers engines may still read (see export_ipc_buckets).
         self._export: list[WeightBucket] = []

@@ -6,8 +6,9 @@ Each step the engines sample `n_samples_per_prompt` answers for `prompts_per_ste
 FP8 weights they were last sent (dynamic sampling drops groups with no reward spread and samples more).
 The trainer recomputes the log-probs of those tokens at the rollout temperature (the "old" policy, in
 its own precision flow); their gap to the engine's log-probs is the train/rollout mismatch, logged every
-step and corrected by TIS in the loss. One optimizer step per rollout batch, then the new weights go to
-every engine (version = step) and a few layers are read back and compared.
+step and corrected by TIS in the loss. The trainer then takes ``updates_per_rollout`` optimizer steps on
+consecutive slices of the rollout batch (one when `trainer.global_batch_size` is the whole batch), the
+new weights go to every engine (version = step) and a few layers are read back and compared.
 """
 
 from __future__ import annotations
