@@ -82,14 +82,15 @@ def test_summary_numbers(pipeline_dir: Path) -> None:
     sft, rl = summarize(pipeline_dir)
     assert (sft.stage, sft.steps) == ("sft_stage1", 4)
     assert sft.first_reward is None and sft.last_reward is None
-    assert sft.last_eval_accuracy == 0.3
+    assert (sft.first_eval_accuracy, sft.last_eval_accuracy) == (0.2, 0.3)
     assert sft.mismatch_mean is None and sft.k3_mean is None
     assert sft.wall_time_s == pytest.approx(3.5)
     assert sft.phase_times_s == {"train": pytest.approx(2.0)}
 
     assert (rl.stage, rl.steps) == ("rl_stage1", 5)
     assert (rl.first_reward, rl.last_reward) == (0.1, 0.5)
-    assert rl.last_eval_accuracy == 0.45
+    # No step-0 eval in RL: it started from SFT's final checkpoint, which SFT evaluated last (0.3).
+    assert (rl.first_eval_accuracy, rl.last_eval_accuracy) == (0.3, 0.45)
     assert rl.mismatch_mean == pytest.approx((0.01 + 0.02 + 0.03 + 0.04 + 0.05) / 5)
     assert rl.k3_mean == pytest.approx((1e-4 + 0.0 + 3e-4 + 5e-4) / 4)
     assert rl.wall_time_s == pytest.approx(120.0)

@@ -2,7 +2,7 @@
 
 What must survive the stop: trainer weights and optimizer state, the prompt order position, the engines'
 request counter (it seeds sampling), and the weight version pushed to the engines. Metrics are compared
-exactly (CPU, one thread per actor, fixed seeds).
+exactly (CPU, fixed thread counts and seeds).
 """
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from infir2_rl.config import load_stage_config
+from infir2_rl.config import RlStageConfig, load_stage_config
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.metrics import names
 from infir2_rl.models.factory import init_model
@@ -35,6 +35,26 @@ def ray_cluster() -> object:
     ray.shutdown()
 
 
+def _rl_config(model: Path, train_path: Path, run_dir: Path, *overrides: str) -> RlStageConfig:
+    """The demo's RL stage 1 shrunk to seconds: 2 prompts x 4 samples, no held-out eval, no progress bar."""
+    cfg = load_stage_config(
+        REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml",
+        [
+            f"model.path={model}",
+            f"data.train_path={train_path}",
+            "data.test_path=null",
+            f"run_dir={run_dir}",
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=4",
+            "metrics.progress_bar=false",
+            "placement.cpus_per_actor=1",
+            *overrides,
+        ],
+    )
+    assert isinstance(cfg, RlStageConfig)
+    return cfg
+
+
 def _steps(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {r["step"]: r for r in rows if r["step"] > 0}
@@ -44,29 +64,18 @@ def test_rl_resume_is_exact(tmp_path: Path, ray_cluster: object) -> None:
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=64, num_test=8)
     common = [
-        f"model.path={model}",
-        f"data.train_path={data.rl_train}",
-        "data.test_path=null",
-        "rollout.prompts_per_step=2",
-        "rollout.n_samples_per_prompt=4",
         "rollout.over_sampling_prompts=3",
         "rollout.max_response_len=16",
         "trainer.global_batch_size=8",
         "trainer.micro_batch_size=8",
         "optimizer.lr=1e-3",
         "checkpoint.save_every=1",
-        "metrics.progress_bar=false",
-        "placement.cpus_per_actor=1",
     ]
-    config = REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml"
-    straight = load_stage_config(config, [*common, f"run_dir={tmp_path / 'straight'}", "rollout.num_steps=3"])
-    run_rl_stage(straight)  # type: ignore[arg-type]
+    run_rl_stage(_rl_config(model, data.rl_train, tmp_path / "straight", *common, "rollout.num_steps=3"))
 
     resumed_dir = tmp_path / "resumed"
-    first = load_stage_config(config, [*common, f"run_dir={resumed_dir}", "rollout.num_steps=2"])
-    run_rl_stage(first)  # type: ignore[arg-type]
-    second = load_stage_config(config, [*common, f"run_dir={resumed_dir}", "rollout.num_steps=3"])
-    result = run_rl_stage(second)  # type: ignore[arg-type]
+    run_rl_stage(_rl_config(model, data.rl_train, resumed_dir, *common, "rollout.num_steps=2"))
+    result = run_rl_stage(_rl_config(model, data.rl_train, resumed_dir, *common, "rollout.num_steps=3"))
     assert result.steps_run == 1 and result.last_step == 3
 
     a, b = _steps(tmp_path / "straight"), _steps(resumed_dir)
@@ -80,27 +89,19 @@ def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, r
     """The comparison modes run end to end on Ray (bf16 once failed its first push: FP8 bytes to a BF16 engine)."""
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
-    cfg = load_stage_config(
-        REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml",
-        [
-            f"model.path={model}",
-            f"data.train_path={data.rl_train}",
-            "data.test_path=null",
-            f"run_dir={tmp_path / mode}",
-            f"weight_sync.mode={mode}",
-            "rollout.prompts_per_step=2",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.over_sampling_prompts=2",
-            "rollout.max_response_len=12",
-            "rollout.num_steps=2",
-            "trainer.global_batch_size=8",
-            "trainer.micro_batch_size=8",
-            "metrics.progress_bar=false",
-            "placement.cpus_per_actor=1",
-        ],
+    cfg = _rl_config(
+        model,
+        data.rl_train,
+        tmp_path / mode,
+        f"weight_sync.mode={mode}",
+        "rollout.over_sampling_prompts=2",
+        "rollout.max_response_len=12",
+        "rollout.num_steps=2",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=8",
     )
-    assert cfg.trainer.fp8 is False and cfg.rollout.fp8 is (mode != "bf16")  # type: ignore[union-attr]
-    result = run_rl_stage(cfg)  # type: ignore[arg-type]
+    assert cfg.trainer.fp8 is False and cfg.rollout.fp8 is (mode != "bf16")
+    result = run_rl_stage(cfg)
     assert result.last_step == 2
     steps = _steps(tmp_path / mode)
     for m in steps.values():
@@ -117,31 +118,23 @@ def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(
 ) -> None:
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
-    cfg = load_stage_config(
-        REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml",
-        [
-            f"model.path={model}",
-            f"data.train_path={data.rl_train}",
-            "data.test_path=null",
-            f"run_dir={tmp_path / 'mb'}",
-            # An untrained model never solves a problem; "the label appears in the response" gives groups
-            # with reward spread, so the policy gradient is not zero.
-            "rollout.reward=operator:contains",
-            "rollout.prompts_per_step=2",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.over_sampling_prompts=4",
-            "rollout.max_response_len=32",
-            "rollout.num_steps=2",
-            "trainer.global_batch_size=4",
-            "trainer.micro_batch_size=4",
-            "optimizer.lr=1e-2",
-            "metrics.progress_bar=false",
-            "metrics.dense_trainer_mismatch=false",
-            "placement.cpus_per_actor=1",
-        ],
+    cfg = _rl_config(
+        model,
+        data.rl_train,
+        tmp_path / "mb",
+        # An untrained model never solves a problem; "the label appears in the response" gives groups
+        # with reward spread, so the policy gradient is not zero.
+        "rollout.reward=operator:contains",
+        "rollout.over_sampling_prompts=4",
+        "rollout.max_response_len=32",
+        "rollout.num_steps=2",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=4",
+        "optimizer.lr=1e-2",
+        "metrics.dense_trainer_mismatch=false",
     )
-    assert cfg.updates_per_rollout == 2  # type: ignore[union-attr]
-    run_rl_stage(cfg)  # type: ignore[arg-type]
+    assert cfg.updates_per_rollout == 2
+    run_rl_stage(cfg)
     steps = _steps(tmp_path / "mb")
     assert [steps[s]["train/updates_per_rollout"] for s in (1, 2)] == [2.0, 2.0]
     # The second mini-batch is trained after the first update: its ratio to the old policy is off 1, which

@@ -82,6 +82,15 @@ def test_sft_stage_writes_what_the_next_stage_and_the_user_need(
     assert result.summary[names.EVAL_LOSS] == rows[-1][names.EVAL_LOSS]
 
 
+@pytest.mark.usefixtures("ray_local")
+def test_eval_at_start_off_evaluates_only_the_trained_model(
+    assets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_sft_stage(stage(assets, tmp_path / "run", trainer={"max_steps": 1, "eval_at_start": False}))
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1] and names.EVAL_ACCURACY in rows[0]
+
+
 class Killed(Exception):
     pass
 

@@ -103,6 +103,10 @@ class TrainerConfig(_Config):
     max_steps: int | None = Field(default=None, ge=1)
     # Evaluate (held-out loss and accuracy) every N optimizer steps; 0 = only at the end.
     eval_every: int = Field(default=0, ge=0)
+    # SFT: also evaluate the starting model (step 0). Off where that measures nothing new: an untrained
+    # model, or a checkpoint the previous stage of a pipeline evaluated at its end (the report then takes
+    # that stage's last accuracy as this one's first).
+    eval_at_start: bool = True
     # Megatron only: tensor-parallel size.
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Megatron only: context-parallel size (long RL sequences).

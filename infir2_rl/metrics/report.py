@@ -295,10 +295,14 @@ def _mean(values: list[float]) -> float | None:
 
 def summarize(run_dir: str | Path) -> list[StageSummary]:
     """One `StageSummary` per stage of the run, in the order the stages ran."""
-    rows = []
+    rows: list[StageSummary] = []
     for stage in load_run(run_dir):
         _, rewards = stage.series(names.ROLLOUT_REWARD_MEAN)
-        _, accuracies = stage.series(names.EVAL_ACCURACY)
+        steps, accuracies = stage.series(names.EVAL_ACCURACY)
+        if steps and steps[0] > 0 and rows and rows[-1].last_eval_accuracy is not None:
+            # No step-0 eval (SFT's trainer.eval_at_start=false): the stage started from the previous
+            # stage's final checkpoint, which that stage evaluated last.
+            accuracies = [rows[-1].last_eval_accuracy, *accuracies]
         phases: dict[str, float] = {}
         for record in stage.records:
             for key, value in record.items():

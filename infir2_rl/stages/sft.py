@@ -67,7 +67,7 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
                 group.load(resumed.path)
             with metrics_logger(cfg, run_dir) as logger, progress_bar(cfg, last_step) as bar:
                 bar.update(state.step)
-                if eval_set is not None and state.step == 0:  # the starting point, for comparison
+                if eval_set is not None and state.step == 0 and t.eval_at_start:  # the starting point
                     logger.log(0, evaluate(group, eval_set, tokenizer))
                 for step in range(first, last_step + 1):
                     indices, state.cursor = next_batch(
