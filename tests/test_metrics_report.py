@@ -82,7 +82,8 @@ def test_summary_numbers(pipeline_dir: Path) -> None:
     sft, rl = summarize(pipeline_dir)
     assert (sft.stage, sft.steps) == ("sft_stage1", 4)
     assert sft.first_reward is None and sft.last_reward is None
-    assert (sft.first_eval_accuracy, sft.last_eval_accuracy) == (0.2, 0.3)
+    # Its first eval is at step 2, not 0, and no stage ran before it: no starting accuracy.
+    assert (sft.first_eval_accuracy, sft.last_eval_accuracy) == (None, 0.3)
     assert sft.mismatch_mean is None and sft.k3_mean is None
     assert sft.wall_time_s == pytest.approx(3.5)
     assert sft.phase_times_s == {"train": pytest.approx(2.0)}

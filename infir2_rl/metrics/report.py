@@ -299,10 +299,11 @@ def summarize(run_dir: str | Path) -> list[StageSummary]:
     for stage in load_run(run_dir):
         _, rewards = stage.series(names.ROLLOUT_REWARD_MEAN)
         steps, accuracies = stage.series(names.EVAL_ACCURACY)
-        if steps and steps[0] > 0 and rows and rows[-1].last_eval_accuracy is not None:
+        first_accuracy = accuracies[0] if steps and steps[0] == 0 else None
+        if steps and steps[0] > 0 and rows:
             # No step-0 eval (SFT's trainer.eval_at_start=false): the stage started from the previous
-            # stage's final checkpoint, which that stage evaluated last.
-            accuracies = [rows[-1].last_eval_accuracy, *accuracies]
+            # stage's final checkpoint, which that stage evaluated last. The first stage shows none.
+            first_accuracy = rows[-1].last_eval_accuracy
         phases: dict[str, float] = {}
         for record in stage.records:
             for key, value in record.items():
@@ -315,7 +316,7 @@ def summarize(run_dir: str | Path) -> list[StageSummary]:
                 steps=sum(1 for step in stage.steps if step > 0),
                 first_reward=rewards[0] if rewards else None,
                 last_reward=rewards[-1] if rewards else None,
-                first_eval_accuracy=accuracies[0] if accuracies else None,
+                first_eval_accuracy=first_accuracy,
                 last_eval_accuracy=accuracies[-1] if accuracies else None,
                 mismatch_mean=_mean(stage.series(names.MISMATCH_ABS_LOGP_DIFF_MEAN)[1]),
                 k3_mean=_mean(stage.series(names.MISMATCH_K3)[1]),
