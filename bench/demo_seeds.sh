@@ -9,7 +9,7 @@
 # OUT_DIR/s<seed>.log. CORE_OFFSET (default 0) is the first core used, JOBS (default cores/2) the number
 # of runs at a time, LIMIT_S (default none) cuts each run (SIGINT) after that many seconds: running the
 # same command again resumes every run where its checkpoints stopped. GPUs are hidden: this is the CPU demo.
-# Ends with each run's held-out accuracy after every stage (from `infir2-rl report`'s summary).
+# Ends with each run's held-out accuracy curve per stage (step:accuracy, from the stages' metrics.jsonl).
 set -u
 out=${1:?usage: bash bench/demo_seeds.sh OUT_DIR "SEEDS" [demo args...]}
 seeds=${2:?usage: bash bench/demo_seeds.sh OUT_DIR "SEEDS" [demo args...]}

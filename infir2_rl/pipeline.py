@@ -119,13 +119,13 @@ def run_pipeline(
     overrides: Sequence[str] = (),
     stage_overrides: Sequence[str] = (),
     adjust: Callable[[SftStageConfig | RlStageConfig], None] | None = None,
-    kind_overrides: Mapping[str, Sequence[str]] | None = None,
+    scoped_overrides: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Path]:
-    """Run a pipeline YAML. `stage_overrides` apply to every stage (e.g. `seed=1`), `kind_overrides` to
-    the stages of one kind (``{"rl": ["weight_sync.mode=bf16"]}``); `adjust` edits each resolved stage
+    """Run a pipeline YAML. `stage_overrides` apply to every stage (e.g. `seed=1`), `scoped_overrides` to
+    the stages of one kind or one stage name (``{"rl": ["weight_sync.mode=bf16"]}``); `adjust` edits each resolved stage
     config in place (the demo uses it to point data paths at the assets it built)."""
     pipeline = load_pipeline_config(path, overrides)
-    resolved = resolve_stages(path, pipeline, stage_overrides, kind_overrides, adjust)
+    resolved = resolve_stages(path, pipeline, stage_overrides, scoped_overrides, adjust)
     run_dir = Path(pipeline.run_dir)
     state = PipelineState.load(run_dir / "pipeline_state.json")
     # Check the inputs of every stage still to run before the first one starts (a typo in stage 4 should
@@ -172,15 +172,15 @@ def resolve_stages(
     path: str | Path,
     pipeline: PipelineConfig,
     stage_overrides: Sequence[str] = (),
-    kind_overrides: Mapping[str, Sequence[str]] | None = None,
+    scoped_overrides: Mapping[str, Sequence[str]] | None = None,
     adjust: Callable[[SftStageConfig | RlStageConfig], None] | None = None,
 ) -> list[tuple[str, SftStageConfig | RlStageConfig | None]]:
     """Each stage of a loaded pipeline as (name, config with overrides applied); None for a cast.
 
-    `kind_overrides` is keyed by stage kind (``sft``, ``rl``) or stage name; a kind's come before a name's,
+    `scoped_overrides` is keyed by stage kind (``sft``, ``rl``) or stage name; a kind's come before a name's,
     so the more specific wins."""
     stages = load_pipeline_stages(pipeline, path)
-    scoped = kind_overrides or {}
+    scoped = scoped_overrides or {}
     unknown = set(scoped) - {"sft", "rl"} - {name for name, cfg in stages if cfg is not None}
     if unknown:
         trainable = ", ".join(name for name, cfg in stages if cfg is not None)
@@ -235,7 +235,7 @@ def precision_overrides(precision: str) -> dict[str, list[str]]:
     }
 
 
-def split_kind_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
+def split_scoped_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
     """Split scoped overrides from plain ones (every stage): ``sft:a.b=1`` / ``rl:a.b=1`` reach the stages
     of one kind, ``rl_stage1:a.b=1`` the stage of that name (checked against the pipeline in
     `resolve_stages`). A scope is the text before the first ``:`` when it is a bare name (no ``=`` or ``.``)."""
@@ -270,9 +270,9 @@ def run_demo(
         raise FileNotFoundError(
             f"{pipeline} not found: run the demo from a source checkout installed with `pip install -e .`"
         )
-    common, kind_overrides = split_kind_overrides(overrides)
+    common, scoped_overrides = split_scoped_overrides(overrides)
     for kind, items in (precision_overrides(precision) if precision is not None else {}).items():
-        kind_overrides[kind] = [*items, *kind_overrides.get(kind, [])]  # explicit ones win
+        scoped_overrides[kind] = [*items, *scoped_overrides.get(kind, [])]  # explicit ones win
     assets = out / "assets"
     model_dir, data_dir = assets / f"{preset}-model", assets / "data"
     if not (model_dir / "config.json").exists():
@@ -285,7 +285,7 @@ def run_demo(
         overrides=[f"run_dir={out}"],
         stage_overrides=[f"seed={seed}", f"model.path={model_dir}", *common],
         adjust=lambda cfg: _relocate_data(cfg, data_dir),
-        kind_overrides=kind_overrides,
+        scoped_overrides=scoped_overrides,
     )
     log.info("demo pipeline finished in %.1f s", time.perf_counter() - t0)
     print_summary(summarize(out))

@@ -191,9 +191,9 @@ def test_unknown_precision_is_refused() -> None:
 
 def test_kind_prefixed_overrides_reach_only_that_kind() -> None:
     from infir2_rl.config import load_pipeline_config
-    from infir2_rl.pipeline import DEMO_PIPELINE, resolve_stages, split_kind_overrides
+    from infir2_rl.pipeline import DEMO_PIPELINE, resolve_stages, split_scoped_overrides
 
-    common, by_kind = split_kind_overrides(["seed=5", "sft:trainer.max_steps=7", "rl:rollout.num_steps=2"])
+    common, by_kind = split_scoped_overrides(["seed=5", "sft:trainer.max_steps=7", "rl:rollout.num_steps=2"])
     assert common == ["seed=5"] and by_kind == {"sft": ["trainer.max_steps=7"], "rl": ["rollout.num_steps=2"]}
     stages = resolve_stages(DEMO_PIPELINE, load_pipeline_config(DEMO_PIPELINE), common, by_kind)
     for _, cfg in stages:
@@ -205,9 +205,9 @@ def test_kind_prefixed_overrides_reach_only_that_kind() -> None:
 
 def test_stage_name_prefixed_overrides_reach_only_that_stage() -> None:
     from infir2_rl.config import load_pipeline_config
-    from infir2_rl.pipeline import DEMO_PIPELINE, resolve_stages, split_kind_overrides
+    from infir2_rl.pipeline import DEMO_PIPELINE, resolve_stages, split_scoped_overrides
 
-    common, scoped = split_kind_overrides(
+    common, scoped = split_scoped_overrides(
         ["rl:rollout.num_steps=2", "rl_stage1:rollout.num_steps=9", "x=a:b"]
     )
     assert common == ["x=a:b"] and scoped == {
