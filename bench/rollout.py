@@ -22,7 +22,6 @@ CPU (FP8 emulated) to check the script.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from train_step import kernel_times, model_dir, print_kernels, summarize_kernels, sync
+from train_step import kernel_times, model_dir, print_kernels, summarize_kernels, sync, write_report
 
 # (bench/ is on sys.path when this file runs as a script: the model and profile helpers are shared.)
 GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s, at least
@@ -197,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 {"CPU/Python gap": summary["cpu_python_gap_ms"]},
             )
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"\nwrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

@@ -148,6 +148,15 @@ def sft_batch(batch: int, seq: int, vocab: int) -> Any:
     return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask)
 
 
+def write_report(out: Path | None, report: dict[str, Any]) -> None:
+    """Write a bench's results as JSON to `out` (the --out option), if given."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out}")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -278,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         report = dict(device=name, torch=torch.__version__, batch=args.batch, seq=args.seq, results=results)
         report |= {"ratios_fp8_over_bf16": ratios, "goals_max": GOALS}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"\nwrote {args.out}")
+        write_report(args.out, report)
     return 0
 
 

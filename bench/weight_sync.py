@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from train_step import model_dir  # bench/ is on sys.path when run as a script
+from train_step import model_dir, write_report  # bench/ is on sys.path when run as a script
 
 GOAL_MS = 100.0  # cast + push with cuda_ipc, colocated, Qwen2.5-1.5B shape
 
@@ -207,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             device=name, torch=torch.__version__, tiny=args.tiny, bucket_mb=args.bucket_mb, reps=args.reps
         )
         report |= {"results": r, "ratios_vs_object_store": ratios, "goal_cast_plus_push_ms_max": GOAL_MS}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+        write_report(args.out, report)
     return 0
 
 
