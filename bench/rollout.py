@@ -37,7 +37,7 @@ GOAL = 1.3  # FP8 tokens/s over BF16 tokens/s, at least
 
 
 def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[Any]:
-    from infir2_rl.backends.types import GenerateRequest, SamplingParams
+    from infir2_rl.types import GenerateRequest, SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=[])
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--new-tokens must be >= 2 (the decode step time needs at least one decode step)")
     from transformers.utils import logging as hf_logging
 
-    from infir2_rl.backends.native_engine import NativeEngine
+    from infir2_rl.engines.native.engine import NativeEngine
 
     hf_logging.disable_progress_bar()
     start = time.perf_counter()

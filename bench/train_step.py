@@ -140,7 +140,7 @@ def print_kernels(title: str, summary: dict[str, Any], extra: dict[str, float] |
 
 
 def sft_batch(batch: int, seq: int, vocab: int) -> Any:
-    from infir2_rl.backends.types import TokenBatch
+    from infir2_rl.types import TokenBatch
 
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.zeros(batch, seq)
@@ -163,9 +163,9 @@ def sync(device: torch.device) -> None:
 
 
 def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from infir2_rl.backends.torch_trainer import TorchTrainer
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+    from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     gc.collect()
     if device.type == "cuda":

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from infir2_rl.algo.logprobs import token_logprobs
-from infir2_rl.backends.native_engine import NativeEngine
-from infir2_rl.backends.types import GenerateRequest, Sample, SamplingParams
+from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.fp8.checkpoint import fp8_state_from_model
 from infir2_rl.fp8.linear import Fp8InferenceLinear, swap_to_fp8_training
 from infir2_rl.models.factory import init_model, load_model
-from infir2_rl.weight_sync.types import StaleWeightsError, WeightBucket
+from infir2_rl.types import GenerateRequest, Sample, SamplingParams, StaleWeightsError, WeightBucket
 
 # CPU float32 on both sides: the engine and the trainer run the same float32 ops (FP8 mode: the same
 # quantizer and the same dequantize-then-matmul emulation) and differ only in batch shape (left padding,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from infir2_rl.backends import sampling
-from infir2_rl.backends.sampling import RowSampling, row_key, sample_tokens, uniforms
+from infir2_rl.engines import sampling
+from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens, uniforms
 
 
 def _params(

@@ -5,16 +5,15 @@ import importlib.util
 import pytest
 import torch
 
-from infir2_rl.backends.sampling import row_key
-from infir2_rl.backends.sglang_engine import (
+from infir2_rl.engines.sampling import row_key
+from infir2_rl.engines.sglang.engine import (
     SglangEngine,
     generate_payload,
     launch_command,
     parse_generate_response,
     update_tensor_payload,
 )
-from infir2_rl.backends.types import GenerateRequest, SamplingParams
-from infir2_rl.weight_sync.types import WeightBucket
+from infir2_rl.types import GenerateRequest, SamplingParams, WeightBucket
 
 
 def _request(**params: object) -> GenerateRequest:

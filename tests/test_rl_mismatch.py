@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from infir2_rl.algo.mismatch import MismatchStats, mismatch_metrics
-from infir2_rl.backends.native_engine import NativeEngine
-from infir2_rl.backends.torch_trainer import TorchTrainer
-from infir2_rl.backends.types import GenerateRequest, SamplingParams, TokenBatch
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.models.factory import init_model
 from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
+from infir2_rl.trainers.torch.trainer import TorchTrainer
+from infir2_rl.types import GenerateRequest, SamplingParams, TokenBatch
 from infir2_rl.weight_sync.buckets import build_buckets
 
 K3_UNIFIED_MAX = 1e-5

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from infir2_rl.backends.types import GenerateRequest, Sample
 from infir2_rl.config.components import RolloutConfig
 from infir2_rl.rollout import manager as mgr
 from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
 from infir2_rl.rollout.manager import RolloutManager
 from infir2_rl.rollout.prompts import PromptSource
+from infir2_rl.types import GenerateRequest, Sample
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from infir2_rl.backends.microbatch import (
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.data.datasets import load_sft_examples
+from infir2_rl.data.synthetic import make_data
+from infir2_rl.models.factory import init_model
+from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.microbatch import (
     merge_rows,
     micro_batches,
     row_lengths,
     shard_bounds,
     shard_micro_batches,
 )
-from infir2_rl.backends.optim import LrFactor
-from infir2_rl.backends.torch_trainer import TorchTrainer
-from infir2_rl.backends.types import LossOutput, TokenBatch
-from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
-from infir2_rl.data.datasets import load_sft_examples
-from infir2_rl.data.synthetic import make_data
-from infir2_rl.models.factory import init_model
-from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.optim import LrFactor
+from infir2_rl.trainers.torch.trainer import TorchTrainer
+from infir2_rl.types import LossOutput, TokenBatch
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_export_weights_are_hf_named_and_fp8_exact(assets: tuple[Path, TokenBatc
 
 def test_export_for_a_bf16_engine_is_plain_and_loads(assets: tuple[Path, TokenBatch]) -> None:
     """weight_sync.mode=bf16: the trainer exports its plain tensors and a BF16 (non-FP8) engine takes them."""
-    from infir2_rl.backends.native_engine import NativeEngine
+    from infir2_rl.engines.native.engine import NativeEngine
     from infir2_rl.weight_sync.buckets import build_buckets
 
     model, _ = assets

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from infir2_rl.backends.microbatch import micro_batches
-from infir2_rl.backends.torch_trainer import TorchTrainer
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.microbatch import micro_batches
+from infir2_rl.trainers.torch.trainer import TorchTrainer
 
 pytestmark = pytest.mark.gpu
 

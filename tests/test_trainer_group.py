@@ -13,13 +13,13 @@ import torch
 from ray import cloudpickle
 
 from infir2_rl.actors.trainer_group import TrainerGroup
-from infir2_rl.backends.microbatch import select_rows
-from infir2_rl.backends.types import LossOutput, TokenBatch
 from infir2_rl.config import SftStageConfig
 from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.microbatch import select_rows
+from infir2_rl.types import LossOutput, TokenBatch
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +141,10 @@ def test_trainer_threads_set_the_worker_torch_threads(assets: tuple[Path, list[T
 
 
 def test_ray_counts_only_the_cpus_a_pinned_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from infir2_rl import pipeline
+    from infir2_rl.actors import ray_runtime
 
-    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 16)
-    assert pipeline._affinity_cpus() == 2  # taskset -c 0,1 on a 16-core machine
-    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: 2)
-    assert pipeline._affinity_cpus() is None  # not pinned: Ray's own count (cgroup quotas included)
+    monkeypatch.setattr(ray_runtime.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(ray_runtime.os, "cpu_count", lambda: 16)
+    assert ray_runtime._affinity_cpus() == 2  # taskset -c 0,1 on a 16-core machine
+    monkeypatch.setattr(ray_runtime.os, "cpu_count", lambda: 2)
+    assert ray_runtime._affinity_cpus() is None  # not pinned: Ray's own count (cgroup quotas included)

@@ -16,13 +16,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from infir2_rl.backends.native_engine import NativeEngine
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.config.stage import RlStageConfig
+from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.fp8.checkpoint import fp8_state_from_model
 from infir2_rl.fp8.linear import swap_to_fp8_training
 from infir2_rl.models.factory import init_model, load_model
 from infir2_rl.stages.rl_setup import check_transport
+from infir2_rl.types import StaleWeightsError, WeightBucket
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
 from infir2_rl.weight_sync.transport import (
@@ -35,7 +36,6 @@ from infir2_rl.weight_sync.transport import (
     share_buckets,
     unflatten,
 )
-from infir2_rl.weight_sync.types import StaleWeightsError, WeightBucket
 
 gpu = pytest.mark.gpu
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from infir2_rl.backends.native_engine import NativeEngine
 from infir2_rl.config.components import WeightSyncConfig
+from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.fp8.checkpoint import fp8_state_from_model
 from infir2_rl.fp8.linear import swap_to_fp8_training
 from infir2_rl.models.factory import init_model, load_model
+from infir2_rl.types import StaleWeightsError, WeightBucket, WeightSyncError
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
-from infir2_rl.weight_sync.types import StaleWeightsError, WeightBucket, WeightSyncError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,7 +142,7 @@ def test_unimplemented_transports_fail_at_construction(model_dir: Path) -> None:
 def test_fp8_tensors_survive_pickling_inside_buckets_and_tensor_maps() -> None:
     import pickle
 
-    from infir2_rl.weight_sync.types import TensorMap
+    from infir2_rl.types import TensorMap
 
     w = torch.randn(3, 5).to(torch.float8_e4m3fn)
     bucket = pickle.loads(pickle.dumps(WeightBucket(2, 0, 1, ["w", "s"], [w, torch.ones(1)])))

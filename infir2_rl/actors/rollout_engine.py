@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from infir2_rl.backends.types import EngineBackend, EngineHealth, GenerateRequest, Sample
 from infir2_rl.config.components import RolloutConfig
-from infir2_rl.weight_sync.types import WeightBucket
+from infir2_rl.types import EngineBackend, EngineHealth, GenerateRequest, Sample, WeightBucket
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -49,7 +48,7 @@ def make_engine_backend(
     """The backend ``rollout.backend`` names, loading ``rollout.fp8_checkpoint`` when FP8 and set, else ``model_path``."""
     fp8_checkpoint = rollout.fp8_checkpoint if rollout.fp8 else None
     if rollout.backend == "native":
-        from infir2_rl.backends.native_engine import NativeEngine
+        from infir2_rl.engines.native.engine import NativeEngine
 
         return NativeEngine(
             model_path,
@@ -61,7 +60,7 @@ def make_engine_backend(
             pow2_scales=pow2_scales,
         )
     if rollout.backend == "sglang":
-        from infir2_rl.backends.sglang_engine import SglangEngine
+        from infir2_rl.engines.sglang.engine import SglangEngine
 
         return SglangEngine(
             fp8_checkpoint or model_path, fp8=rollout.fp8, tensor_parallel_size=rollout.tensor_parallel_size

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from infir2_rl.actors.placement import PlacementPlan, create_placement, remove_placement, resolve_use_gpu
 from infir2_rl.actors.trainer_worker import MEGATRON_MESSAGE, TrainerSpec, TrainerWorker, unpack_tensors
-from infir2_rl.backends.microbatch import merge_rows, shard_micro_batches
-from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
+from infir2_rl.trainers.microbatch import merge_rows, shard_micro_batches
+from infir2_rl.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.weight_sync.transport import IpcBucket, merge_ipc_buckets
 
 log = logging.getLogger(__name__)

@@ -20,16 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from infir2_rl.backends.distributed import free_port, init_process_group
-from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics import names
+from infir2_rl.trainers.torch.distributed import free_port, init_process_group
+from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.transport import IpcBucket, share_buckets
-from infir2_rl.weight_sync.types import TensorMap, WeightBucket
 
 if TYPE_CHECKING:
-    from infir2_rl.backends.torch_trainer import TorchTrainer
+    from infir2_rl.trainers.torch.trainer import TorchTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -97,7 +96,7 @@ class TrainerWorker:
 
     def setup(self, master_addr: str = "127.0.0.1", master_port: int = 0) -> str:
         """Join the process group (several ranks) and build the backend; returns the device name."""
-        from infir2_rl.backends.torch_trainer import TorchTrainer
+        from infir2_rl.trainers.torch.trainer import TorchTrainer
 
         if self.world_size > 1:
             init_process_group(master_addr, master_port, self.rank, self.world_size)

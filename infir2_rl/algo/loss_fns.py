@@ -12,8 +12,8 @@ from torch import Tensor
 
 from infir2_rl.algo.logprobs import token_logprobs
 from infir2_rl.algo.losses import PolicyLossConfig, policy_loss
-from infir2_rl.backends.types import LossOutput, TokenBatch
 from infir2_rl.config import AlgorithmConfig
+from infir2_rl.types import LossOutput, TokenBatch
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Layout: groups are contiguous. ``samples[g * group_size + i]`` is sample i of prompt g, ``rewards`` and
 advantages follow the same order (the layout ``algo.advantages.grpo_advantages`` expects).
 
-Token alignment (``backends.types.TokenBatch``): the value at position t belongs to token t. A sequence
+Token alignment (``infir2_rl.types.TokenBatch``): the value at position t belongs to token t. A sequence
 is ``prompt + response`` right-padded; ``loss_mask[t] = 1`` exactly on response tokens, and
 ``rollout_logprobs[t]`` holds the engine's log-prob of response token t (0 elsewhere).
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from infir2_rl.backends.types import Sample, TokenBatch
+from infir2_rl.types import Sample, TokenBatch
 
 
 @dataclass

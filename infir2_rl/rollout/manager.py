@@ -34,13 +34,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from infir2_rl.backends.types import GenerateRequest, Sample, SamplingParams
+from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.config.components import RolloutConfig
 from infir2_rl.metrics import names
 from infir2_rl.reward.protocol import RewardFn, score_batch
 from infir2_rl.rollout.batch import RolloutBatch
 from infir2_rl.rollout.prompts import PromptLike, PromptSource
-from infir2_rl.rollout.remote import Call, call_all
+from infir2_rl.types import GenerateRequest, Sample, SamplingParams
 
 # Metric names of this module beyond those in metrics/names.py.
 RESPONSE_LEN_MAX = "rollout/response_len_max"

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from infir2_rl.backends.types import TrainStats
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, DataCursor, StageState
 from infir2_rl.config import RlStageConfig, SftStageConfig, dump_config
 from infir2_rl.metrics import MetricsLogger, names, progress
+from infir2_rl.types import TrainStats
 
 log = logging.getLogger(__name__)
 

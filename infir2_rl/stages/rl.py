@@ -18,10 +18,10 @@ import sys
 
 import torch
 
+from infir2_rl.actors.ray_runtime import ensure_ray
 from infir2_rl.algo.advantages import grpo_advantages
 from infir2_rl.algo.loss_fns import GrpoLoss
 from infir2_rl.algo.mismatch import mismatch_metrics
-from infir2_rl.backends.types import TokenBatch, TrainStats
 from infir2_rl.checkpoint import CheckpointManager, save_checkpoint
 from infir2_rl.config import RlStageConfig, validate_paths
 from infir2_rl.metrics import MetricsLogger, PhaseTimer, names, progress
@@ -37,6 +37,7 @@ from infir2_rl.stages.common import (
     train_metrics,
 )
 from infir2_rl.stages.rl_setup import RlActors, load_rl_data, start_rl_actors
+from infir2_rl.types import TokenBatch, TrainStats
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,6 @@ def _brief(metrics: dict[str, float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from infir2_rl.config import load_stage_config
-    from infir2_rl.pipeline import ensure_ray
 
     args = sys.argv[1:] if argv is None else argv
     if not args:

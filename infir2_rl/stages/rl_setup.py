@@ -20,6 +20,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from infir2_rl.actors.placement import PlacementPlan, create_placement, remove_placement, resolve_use_gpu
+from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.actors.rollout_engine import create_engines
 from infir2_rl.actors.trainer_group import TrainerGroup
 from infir2_rl.checkpoint import Checkpoint, StageState
@@ -29,7 +30,6 @@ from infir2_rl.metrics import names
 from infir2_rl.reward.protocol import load_reward_fn
 from infir2_rl.rollout.manager import RolloutManager
 from infir2_rl.rollout.prompts import PromptSource
-from infir2_rl.rollout.remote import Call, call_all
 from infir2_rl.weight_sync.service import WeightSyncService
 
 log = logging.getLogger(__name__)

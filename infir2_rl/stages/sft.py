@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infir2_rl.actors.ray_runtime import ensure_ray
 from infir2_rl.actors.trainer_group import TrainerGroup
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, save_checkpoint
 from infir2_rl.config import SftStageConfig, validate_paths
@@ -58,7 +59,7 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
         state, resumed = resume_state(ckpts, cfg.checkpoint.resume, len(train))
         if last_step == 0 or state.step >= last_step:
             return _nothing_to_do(cfg, last_step, len(train), state.step, resumed)
-        _ensure_ray()
+        ensure_ray()
         group = TrainerGroup(cfg, total_steps=last_step)
         summary: dict[str, float] = {}
         first = state.step + 1
@@ -118,15 +119,6 @@ def _show_progress(bar: Any, step: int, last_step: int, metrics: dict[str, float
     if step == last_step or step % max(1, last_step // 20) == 0 or names.EVAL_LOSS in metrics:
         shown = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != names.PERF_PEAK_MEMORY_GB)
         log.info("step %d/%d %s", step, last_step, shown)
-
-
-def _ensure_ray() -> None:
-    import ray
-
-    if not ray.is_initialized():
-        from infir2_rl.pipeline import ensure_ray
-
-        ensure_ray()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,13 +17,13 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from infir2_rl.algo.sft_loss import sft_loss
-from infir2_rl.backends.types import LossOutput, TokenBatch
 from infir2_rl.config import DataConfig
 from infir2_rl.data.batching import collate_sft
 from infir2_rl.data.datasets import SftExample, load_sft_examples
 from infir2_rl.data.readers import read_records
 from infir2_rl.metrics import names
 from infir2_rl.reward import extract_final_answer, math_reward
+from infir2_rl.types import LossOutput, TokenBatch
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from infir2_rl.weight_sync.types import WeightBucket
+from infir2_rl.types import WeightBucket
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
+from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
 from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
-from infir2_rl.weight_sync.types import StaleWeightsError, TensorMap, WeightBucket
 
 
 class VersionGate:

@@ -32,11 +32,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.config.components import WeightSyncConfig
-from infir2_rl.rollout.remote import Call, call_all
+from infir2_rl.types import PushStats, WeightBucket, WeightSyncError
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.transport import BucketRef, IpcBucket, Transport, make_transport, share_buckets
-from infir2_rl.weight_sync.types import PushStats, WeightBucket, WeightSyncError
 
 # Names -> the bytes that were sent under them (CPU or GPU tensors), for the self-check.
 SentReader = Callable[[Sequence[str]], Mapping[str, Tensor]]

@@ -52,10 +52,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from infir2_rl.actors.remote import Call, call_all, is_actor
 from infir2_rl.config.components import WeightSyncConfig
-from infir2_rl.rollout.remote import Call, call_all, is_actor
+from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.buckets import build_buckets
-from infir2_rl.weight_sync.types import WeightBucket
 
 # Position of the storage's device index in the args of torch's rebuild_cuda_tensor (torch 2.1 .. 2.13).
 _DEVICE_ARG = 6

@@ -47,10 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from infir2_rl.backends.sampling import row_key
-from infir2_rl.backends.types import EngineHealth, FinishReason, GenerateRequest, Sample
+from infir2_rl.engines.sampling import row_key
+from infir2_rl.types import EngineHealth, FinishReason, GenerateRequest, Sample, TensorMap, WeightBucket
 from infir2_rl.weight_sync.receiver import VersionGate
-from infir2_rl.weight_sync.types import TensorMap, WeightBucket
 
 
 def launch_command(model_path: str, tensor_parallel_size: int, port: int, memory_saver: bool) -> list[str]:

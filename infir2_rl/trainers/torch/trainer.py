@@ -34,13 +34,13 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from transformers import PreTrainedModel
 
 from infir2_rl.algo.logprobs import token_logprobs
-from infir2_rl.backends import distributed as D
-from infir2_rl.backends import torch_trainer_io as io
-from infir2_rl.backends.optim import build_optimizer, build_scheduler
-from infir2_rl.backends.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
+from infir2_rl.trainers.optim import build_optimizer, build_scheduler
+from infir2_rl.trainers.torch import checkpoint_io as io
+from infir2_rl.trainers.torch import distributed as D
+from infir2_rl.types import LossFn, TokenBatch, TrainStats
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 log = logging.getLogger(__name__)
@@ -113,13 +113,13 @@ class TorchTrainer:
         self.num_skipped = 0
 
     # ------------------------------------------------------------------ forward helpers
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def _logits(self, batch: TokenBatch) -> Tensor:
-        with self._autocast():
+        with self.autocast():
             out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         return out.logits
 
@@ -134,7 +134,7 @@ class TorchTrainer:
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2))
 
-    def _invalidate_fp8(self) -> None:
+    def invalidate_fp8_cache(self) -> None:
         # FSDP may refill unsharded parameters in place without a version bump: never trust the cache
         # across a step boundary.
         for m in self.model.modules():
@@ -149,7 +149,7 @@ class TorchTrainer:
             )
         start = time.perf_counter()
         self.model.train()
-        self._invalidate_fp8()
+        self.invalidate_fp8_cache()
         # Loss weight of FSDP2's averaging reduce-scatter: undo its division by world size.
         grad_scale = float(self.world_size) if self.fsdp else 1.0
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -227,7 +227,7 @@ class TorchTrainer:
         self, batches: Sequence[TokenBatch], temperature: float = 1.0, fp8: bool = True
     ) -> list[Tensor]:
         self.model.eval()
-        self._invalidate_fp8()
+        self.invalidate_fp8_cache()
         with contextlib.nullcontext() if fp8 else fp8_disabled(self.model):
             out = self._forward_logprobs(batches, temperature)
         self.model.train()
@@ -249,7 +249,7 @@ class TorchTrainer:
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
         """(sum over micro-batches of loss x units, units) on this rank, without gradients."""
         self.model.eval()
-        self._invalidate_fp8()
+        self.invalidate_fp8_cache()
         total, units = 0.0, 0
         for batch in self._padded(batches):
             if batch is None:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from infir2_rl.backends.types import TokenBatch
 from infir2_rl.data.batching import batch_by_token_budget
+from infir2_rl.types import TokenBatch
 
 
 def row_lengths(batch: TokenBatch) -> list[int]:

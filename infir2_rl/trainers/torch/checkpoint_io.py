@@ -1,4 +1,4 @@
-"""Save, load and greedy generation for `TorchTrainer` (split out to keep each file one concern).
+"""Save, load and greedy generation for `TrainerRank` (split out to keep each file one concern).
 
 A trainer checkpoint directory:
 
@@ -14,17 +14,35 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from infir2_rl.backends import distributed as D
+from infir2_rl.trainers.torch import distributed as D
 
-if TYPE_CHECKING:
-    from infir2_rl.backends.torch_trainer import TorchTrainer
+
+class TrainerRank(Protocol):
+    """What these functions read and restore of a trainer rank (``trainer.TorchTrainer`` implements it)."""
+
+    model: Any
+    tokenizer: Any
+    optimizer: Any
+    scheduler: Any
+    device: torch.device
+    fsdp: bool
+    rank: int
+    world_size: int
+    step: int
+    num_skipped: int
+
+    def autocast(self) -> AbstractContextManager[Any]: ...
+
+    def invalidate_fp8_cache(self) -> None: ...
+
 
 HF_DIR = "hf"
 TRAIN_STATE_DIR = "train_state"
@@ -58,7 +76,7 @@ def hf_name(name: str) -> str:
     return name
 
 
-def full_state_dict(trainer: TorchTrainer) -> dict[str, Tensor]:
+def full_state_dict(trainer: TrainerRank) -> dict[str, Tensor]:
     """HF-named full FP32 state dict on CPU (collective under FSDP; meaningful on rank 0)."""
     if trainer.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -71,7 +89,7 @@ def full_state_dict(trainer: TorchTrainer) -> dict[str, Tensor]:
     return {hf_name(k): v.detach().cpu() for k, v in sd.items()}
 
 
-def save_hf(trainer: TorchTrainer, directory: Path, dtype: torch.dtype) -> None:
+def save_hf(trainer: TrainerRank, directory: Path, dtype: torch.dtype) -> None:
     state = full_state_dict(trainer)
     if trainer.rank != 0:
         return
@@ -87,7 +105,7 @@ def save_hf(trainer: TorchTrainer, directory: Path, dtype: torch.dtype) -> None:
     trainer.tokenizer.save_pretrained(str(directory))
 
 
-def _optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
+def _optimizer_state(trainer: TrainerRank) -> dict[str, Any]:
     if trainer.fsdp:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -95,7 +113,7 @@ def _optimizer_state(trainer: TorchTrainer) -> dict[str, Any]:
     return trainer.optimizer.state_dict()
 
 
-def save_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
+def save_checkpoint(trainer: TrainerRank, directory: Path) -> None:
     save_hf(trainer, directory / HF_DIR, torch.float32)
     state_dir = directory / TRAIN_STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +142,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, Tensor]:
     return state
 
 
-def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
+def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
     state_file = directory / TRAIN_STATE_DIR / f"rank_{trainer.rank}.pt"
     if not state_file.is_file():
         raise ValueError(f"{state_file}: missing; the checkpoint is incomplete or was written by fewer ranks")
@@ -165,7 +183,7 @@ def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
 
 @torch.no_grad()
 def generate_greedy(
-    trainer: TorchTrainer, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    trainer: TrainerRank, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Greedy completions, batched with left padding; under FSDP all ranks must call (synced_gpus)."""
     from transformers import GenerationConfig
@@ -182,7 +200,7 @@ def generate_greedy(
     if trainer.fsdp:  # every rank runs as many generate() calls as the busiest one
         chunks += [[[tok.pad_token_id]]] * (D.all_reduce_max_int(len(chunks), trainer.device) - len(chunks))
     trainer.model.eval()
-    trainer._invalidate_fp8()
+    trainer.invalidate_fp8_cache()
     results: list[list[int]] = []
     for chunk in chunks:
         width = max(len(p) for p in chunk)
@@ -191,7 +209,7 @@ def generate_greedy(
         for row, prompt in enumerate(chunk):
             ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
             mask[row, width - len(prompt) :] = 1
-        with trainer._autocast():
+        with trainer.autocast():
             out = trainer.model.generate(  # type: ignore[operator]
                 input_ids=ids.to(trainer.device),
                 attention_mask=mask.to(trainer.device),

@@ -45,11 +45,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from infir2_rl.backends.sampling import RowSampling, row_key, sample_tokens
-from infir2_rl.backends.types import EngineHealth, FinishReason, GenerateRequest, Sample
+from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens
+from infir2_rl.types import EngineHealth, FinishReason, GenerateRequest, Sample, WeightBucket
 from infir2_rl.weight_sync.receiver import WeightReceiver
 from infir2_rl.weight_sync.transport import IpcBucket
-from infir2_rl.weight_sync.types import WeightBucket
 
 logger = logging.getLogger(__name__)
 

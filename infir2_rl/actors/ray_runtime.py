@@ -1,0 +1,48 @@
+"""Connecting to Ray: the cluster in RAY_ADDRESS (set by `ray job submit`) or a local instance started here."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+# glibc malloc settings for the actors of a local Ray instance: CPU training allocates and frees tensors
+# of a few MB per op, which by default glibc maps and unmaps from the OS each time (a page fault per 4 KB
+# page on every reuse). Keeping them on the heap made a tiny-model FP8 CPU train step 14% faster (936 ->
+# 802 ms, 2 cores). Values already in the environment win.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def ensure_ray() -> None:
+    """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`) or start a local Ray instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        dashboard = os.environ.get("INFIR2_RAY_DASHBOARD", "1") == "1"
+        env = {k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}
+        ray.init(
+            num_cpus=_affinity_cpus(),
+            include_dashboard=dashboard,
+            log_to_driver=True,
+            runtime_env={"env_vars": env},
+        )
+    log.info("Ray resources: %s", ray.cluster_resources())
+
+
+def _affinity_cpus() -> int | None:
+    """The CPUs this process may run on when that is fewer than the machine's (``taskset``), else None
+    (Ray's own count, which honours cgroup quotas). Ray counts every core of the machine even when the
+    process is pinned, and then starts as many idle workers and admits as many actors as there are cores:
+    eight pinned 2-core pipelines on a 16-core machine each started 16 workers and stalled."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is None:
+        return None
+    n = len(affinity(0))
+    return n if n < (os.cpu_count() or n) else None
