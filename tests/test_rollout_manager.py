@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infir2_rl.config.components import RolloutConfig
-from infir2_rl.rollout import manager as mgr
+from infir2_rl.metrics import names
 from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
 from infir2_rl.rollout.manager import RolloutManager
 from infir2_rl.rollout.prompts import PromptSource
@@ -91,12 +91,20 @@ def test_dynamic_sampling_keeps_groups_with_spread_and_counts_everything() -> No
     assert [s.index for s in batch.samples] == [0, 1, 2, 3] * 2
     assert len({s.request_id for s in batch.samples[:4]}) == 1
     m = batch.metrics
-    assert m[mgr.ROUNDS] == 2 and m[mgr.KEPT_GROUPS] == 2 and m[mgr.DROPPED_GROUPS] == 3
-    assert m[mgr.SURPLUS_GROUPS] == 1 and m[mgr.FILLED_GROUPS] == 0 and batch.num_filled_groups == 0
-    assert m["rollout/response_len_mean"] == 3.5 and m[mgr.RESPONSE_LEN_MAX] == 5
-    assert m["rollout/truncated_frac"] == 0.5 and m[mgr.ABORTED_FRAC] == 0
+    assert (
+        m[names.ROLLOUT_ROUNDS] == 2
+        and m[names.ROLLOUT_KEPT_GROUPS] == 2
+        and m[names.ROLLOUT_DROPPED_GROUPS] == 3
+    )
+    assert (
+        m[names.ROLLOUT_SURPLUS_GROUPS] == 1
+        and m[names.ROLLOUT_FILLED_GROUPS] == 0
+        and batch.num_filled_groups == 0
+    )
+    assert m["rollout/response_len_mean"] == 3.5 and m[names.ROLLOUT_RESPONSE_LEN_MAX] == 5
+    assert m["rollout/truncated_frac"] == 0.5 and m[names.ROLLOUT_ABORTED_FRAC] == 0
     assert m["rollout/reward_mean"] == 3 / 8
-    assert m[mgr.REWARD_MEAN_ALL] == (0 + 4 + 2 + 4 + 1 + 3) / 24
+    assert m[names.ROLLOUT_REWARD_MEAN_ALL] == (0 + 4 + 2 + 4 + 1 + 3) / 24
 
 
 def test_shortfall_is_filled_with_dropped_groups_and_reported() -> None:
@@ -107,13 +115,13 @@ def test_shortfall_is_filled_with_dropped_groups_and_reported() -> None:
     # One group with spread (2 correct); the first dropped group (0 correct) fills the second slot.
     assert batch.num_groups == 2 and batch.num_filled_groups == 1
     assert batch.rewards == [1.0, 1.0, 0.0, 0.0] + [0.0] * 4
-    assert batch.metrics[mgr.FILLED_GROUPS] == 1 and batch.metrics[mgr.KEPT_GROUPS] == 1
+    assert batch.metrics[names.ROLLOUT_FILLED_GROUPS] == 1 and batch.metrics[names.ROLLOUT_KEPT_GROUPS] == 1
 
 
 def test_without_dynamic_sampling_exactly_prompts_per_step_are_drawn() -> None:
     source = PromptSource([_prompt(0), _prompt(4), _prompt(2)], seed=0, shuffle=False)
     batch = _manager([ScriptedEngine()], _cfg(dynamic_sampling=False)).generate(source)
-    assert batch.rewards == [0.0] * 4 + [1.0] * 4 and batch.metrics[mgr.ROUNDS] == 1
+    assert batch.rewards == [0.0] * 4 + [1.0] * 4 and batch.metrics[names.ROLLOUT_ROUNDS] == 1
     assert source.cursor == 2
 
 

@@ -44,6 +44,10 @@ class MismatchStats:
     tis_clip_frac: float
     num_tokens: int
 
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/<statistic>`` for every statistic (``metrics.names.MISMATCH`` or ``MISMATCH_DENSE``)."""
+        return {f"{prefix}/{k}": float(v) for k, v in self.__dict__.items() if k != "num_tokens"}
+
 
 @torch.no_grad()
 def mismatch_metrics(

@@ -13,6 +13,15 @@ TRAIN_LR = "train/lr"
 TRAIN_SKIPPED_STEPS = "train/skipped_steps"
 # Mean per-token entropy of the policy on the trained tokens.
 TRAIN_ENTROPY = "train/entropy"
+# RL: KL estimate of the policy against the frozen reference model (algorithm.kl_coef > 0).
+TRAIN_KL = "train/kl"
+# RL policy loss parts: clipped surrogate, fraction of tokens the PPO clip bound, mean importance ratio
+# to the old policy, mean TIS weight; optimizer steps taken per rollout batch.
+TRAIN_PG_LOSS = "train/pg_loss"
+TRAIN_PG_CLIP_FRAC = "train/pg_clip_frac"
+TRAIN_RATIO_MEAN = "train/ratio_mean"
+TRAIN_TIS_WEIGHT_MEAN = "train/tis_weight_mean"
+TRAIN_UPDATES_PER_ROLLOUT = "train/updates_per_rollout"
 
 # Speed and memory of the trainer.
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
@@ -25,31 +34,53 @@ ROLLOUT_REWARD_STD = "rollout/reward_std"
 ROLLOUT_RESPONSE_LEN_MEAN = "rollout/response_len_mean"
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
 ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
+# Longest response, fraction of samples aborted, reward over every sampled group (before dynamic sampling),
+# groups kept / dropped (no reward spread) / filled (kept anyway to complete the batch) / left over, sampling
+# rounds, and the seconds spent generating and scoring.
+ROLLOUT_RESPONSE_LEN_MAX = "rollout/response_len_max"
+ROLLOUT_ABORTED_FRAC = "rollout/aborted_frac"
+ROLLOUT_REWARD_MEAN_ALL = "rollout/reward_mean_all"
+ROLLOUT_KEPT_GROUPS = "rollout/kept_groups"
+ROLLOUT_DROPPED_GROUPS = "rollout/dropped_groups"
+ROLLOUT_FILLED_GROUPS = "rollout/filled_groups"
+ROLLOUT_SURPLUS_GROUPS = "rollout/surplus_groups"
+ROLLOUT_ROUNDS = "rollout/rounds"
+ROLLOUT_GEN_TIME_S = "rollout/gen_time_s"
+ROLLOUT_SCORE_TIME_S = "rollout/score_time_s"
+# Mean |advantage| of the batch (0 when every group's rewards are equal).
+ROLLOUT_ADVANTAGE_ABS_MEAN = "rollout/advantage_abs_mean"
 # Reward answers killed at the math-verify deadline during the step.
 REWARD_TIMEOUTS = "reward/timeouts"
 
-# Train/rollout mismatch of the same tokens: |logp_train - logp_rollout| mean and max, K3 estimate of
+# Train/rollout mismatch of the same tokens (``algo.mismatch.MismatchStats.as_metrics(MISMATCH)``): |logp_train - logp_rollout| mean and max, K3 estimate of
 # KL(rollout || train), min/max of the importance ratio, fraction of tokens where TIS clipped the
 # ratio, fraction of tokens (or sequences) MIS masked out.
-MISMATCH_ABS_LOGP_DIFF_MEAN = "mismatch/abs_logp_diff_mean"
-MISMATCH_ABS_LOGP_DIFF_MAX = "mismatch/abs_logp_diff_max"
-MISMATCH_K3 = "mismatch/k3"
-MISMATCH_IS_RATIO_MIN = "mismatch/is_ratio_min"
-MISMATCH_IS_RATIO_MAX = "mismatch/is_ratio_max"
-MISMATCH_TIS_CLIP_FRAC = "mismatch/tis_clip_frac"
-MISMATCH_MIS_MASK_FRAC = "mismatch/mis_mask_frac"
+MISMATCH = "mismatch"
+MISMATCH_ABS_LOGP_DIFF_MEAN = f"{MISMATCH}/abs_logp_diff_mean"
+MISMATCH_ABS_LOGP_DIFF_MAX = f"{MISMATCH}/abs_logp_diff_max"
+MISMATCH_K3 = f"{MISMATCH}/k3"
+MISMATCH_IS_RATIO_MIN = f"{MISMATCH}/is_ratio_min"
+MISMATCH_IS_RATIO_MAX = f"{MISMATCH}/is_ratio_max"
+MISMATCH_IS_RATIO_MEAN = f"{MISMATCH}/is_ratio_mean"
+MISMATCH_TIS_CLIP_FRAC = f"{MISMATCH}/tis_clip_frac"
+MISMATCH_MIS_MASK_FRAC = f"{MISMATCH}/mis_mask_frac"
 # The same samples scored by the trainer with its FP8 linears off (metrics.dense_trainer_mismatch): the
 # mismatch a bf16_train_fp8_rollout trainer would see against the same FP8 engine, measured in the same run.
-MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN = "mismatch_dense_trainer/abs_logp_diff_mean"
-MISMATCH_DENSE_ABS_LOGP_DIFF_MAX = "mismatch_dense_trainer/abs_logp_diff_max"
-MISMATCH_DENSE_K3 = "mismatch_dense_trainer/k3"
+MISMATCH_DENSE = "mismatch_dense_trainer"
+MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN = f"{MISMATCH_DENSE}/abs_logp_diff_mean"
+MISMATCH_DENSE_ABS_LOGP_DIFF_MAX = f"{MISMATCH_DENSE}/abs_logp_diff_max"
+MISMATCH_DENSE_K3 = f"{MISMATCH_DENSE}/k3"
 
 # Held-out evaluation: answer accuracy (math reward on greedy answers) and loss.
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_LOSS = "eval/loss"
+# Mean length of the greedy held-out answers (RL evaluation), tokens.
+EVAL_RESPONSE_LEN_MEAN = "eval/response_len_mean"
 
 # Seconds to push the trainer's weights to every engine (including the read-back check).
 WEIGHT_SYNC_PUSH_S = "weight_sync/push_s"
+# Bytes one push sent (each engine receives all of them).
+WEIGHT_SYNC_BYTES = "weight_sync/bytes"
 
 # Phase times from `PhaseTimer.as_metrics()`: `time/<phase>_s`, e.g. `time/rollout_s`.
 TIME_PREFIX = "time/"

@@ -42,18 +42,6 @@ from infir2_rl.rollout.batch import RolloutBatch
 from infir2_rl.rollout.prompts import PromptLike, PromptSource
 from infir2_rl.types import GenerateRequest, Sample, SamplingParams
 
-# Metric names of this module beyond those in metrics/names.py.
-RESPONSE_LEN_MAX = "rollout/response_len_max"
-ABORTED_FRAC = "rollout/aborted_frac"
-REWARD_MEAN_ALL = "rollout/reward_mean_all"
-KEPT_GROUPS = "rollout/kept_groups"
-DROPPED_GROUPS = "rollout/dropped_groups"
-FILLED_GROUPS = "rollout/filled_groups"
-SURPLUS_GROUPS = "rollout/surplus_groups"
-ROUNDS = "rollout/rounds"
-GEN_TIME_S = "rollout/gen_time_s"
-SCORE_TIME_S = "rollout/score_time_s"
-
 
 @dataclass
 class Group:
@@ -213,20 +201,20 @@ class RolloutManager:
         all_rewards = [r for g in everything for r in g.rewards]
         metrics = {
             names.ROLLOUT_RESPONSE_LEN_MEAN: statistics.fmean(lengths),
-            RESPONSE_LEN_MAX: float(max(lengths)),
+            names.ROLLOUT_RESPONSE_LEN_MAX: float(max(lengths)),
             names.ROLLOUT_TRUNCATED_FRAC: sum(s.finish_reason == "length" for s in samples) / len(samples),
-            ABORTED_FRAC: sum(s.finish_reason == "abort" for s in samples) / len(samples),
+            names.ROLLOUT_ABORTED_FRAC: sum(s.finish_reason == "abort" for s in samples) / len(samples),
             names.ROLLOUT_REWARD_MEAN: statistics.fmean(rewards),
             names.ROLLOUT_REWARD_STD: statistics.pstdev(rewards),
-            REWARD_MEAN_ALL: statistics.fmean(all_rewards),
-            KEPT_GROUPS: float(len(groups) - num_filled),
-            DROPPED_GROUPS: float(num_dropped),
-            FILLED_GROUPS: float(num_filled),
-            SURPLUS_GROUPS: float(num_surplus),
-            ROUNDS: float(rounds),
+            names.ROLLOUT_REWARD_MEAN_ALL: statistics.fmean(all_rewards),
+            names.ROLLOUT_KEPT_GROUPS: float(len(groups) - num_filled),
+            names.ROLLOUT_DROPPED_GROUPS: float(num_dropped),
+            names.ROLLOUT_FILLED_GROUPS: float(num_filled),
+            names.ROLLOUT_SURPLUS_GROUPS: float(num_surplus),
+            names.ROLLOUT_ROUNDS: float(rounds),
             names.ROLLOUT_TOKENS_PER_S: generated / gen_time if gen_time > 0 else 0.0,
-            GEN_TIME_S: gen_time,
-            SCORE_TIME_S: score_time,
+            names.ROLLOUT_GEN_TIME_S: gen_time,
+            names.ROLLOUT_SCORE_TIME_S: score_time,
         }
         return RolloutBatch(
             samples=samples,

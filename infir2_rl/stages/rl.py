@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +38,7 @@ from infir2_rl.stages.common import (
     train_metrics,
 )
 from infir2_rl.stages.rl_setup import RlActors, load_rl_data, start_rl_actors
-from infir2_rl.types import TokenBatch, TrainStats
+from infir2_rl.types import PushStats, TokenBatch, TrainStats
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,9 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
                     timer.reset()
                     with timer("rollout"):
                         batch = actors.manager.generate(actors.prompts)
-                    metrics = rl_step(cfg, actors, batch, loss_fn, step, timer)
-                    state.step, state.skipped_steps = (
-                        step,
-                        state.skipped_steps + int(metrics.pop("train/skipped")),
-                    )
+                    result = rl_step(cfg, actors, batch, loss_fn, step, timer)
+                    metrics = result.metrics
+                    state.step, state.skipped_steps = step, state.skipped_steps + result.num_skipped_updates
                     state.cursor.epoch, state.cursor.position = actors.prompts.epoch, actors.prompts.cursor
                     metrics[names.TRAIN_SKIPPED_STEPS] = float(state.skipped_steps)
                     if is_due(step, cfg.rollout.eval_every, last_step):
@@ -102,10 +101,21 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
     return StageResult(final, run_dir, steps_run=last_step - first + 1, last_step=last_step, summary=summary)
 
 
+@dataclass
+class RlStepResult:
+    """What one RL step did (phase times are in the caller's ``PhaseTimer``)."""
+
+    # Every metric of the step (names.py keys): rollout batch, trainer, mismatch, weight sync.
+    metrics: dict[str, float]
+    # Optimizer updates of this step skipped for a non-finite gradient norm.
+    num_skipped_updates: int
+    push: PushStats
+
+
 def rl_step(
     cfg: RlStageConfig, actors: RlActors, batch: RolloutBatch, loss_fn: GrpoLoss, step: int, timer: PhaseTimer
-) -> dict[str, float]:
-    """Advantages, old log-probs and mismatch, the optimizer step(s), weight push: the step's metrics."""
+) -> RlStepResult:
+    """Advantages, old log-probs and mismatch, the optimizer step(s), weight push."""
     advantages = grpo_advantages(batch.rewards_tensor(), batch.group_size, cfg.algorithm.normalize_std)
     (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
     actors.engines_sleep()
@@ -114,39 +124,30 @@ def rl_step(
     assert tokens.rollout_logprobs is not None
     mask, rollout_logp = tokens.loss_mask[:, 1:], tokens.rollout_logprobs[:, 1:]
     tis = (cfg.algorithm.tis_low, cfg.algorithm.tis_high)
-    mm = mismatch_metrics(tokens.old_logprobs[:, 1:], rollout_logp, mask, *tis)
-    dense: dict[str, float] = {}
+    mismatch = mismatch_metrics(tokens.old_logprobs[:, 1:], rollout_logp, mask, *tis).as_metrics(
+        names.MISMATCH
+    )
     if cfg.metrics.dense_trainer_mismatch and cfg.trainer.fp8:
         with timer("dense_logprobs"):
             dense_logp = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature, fp8=False)
-        dmm = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis)
-        dense = {
-            names.MISMATCH_DENSE_ABS_LOGP_DIFF_MEAN: dmm.abs_logp_diff_mean,
-            names.MISMATCH_DENSE_ABS_LOGP_DIFF_MAX: dmm.abs_logp_diff_max,
-            names.MISMATCH_DENSE_K3: dmm.k3,
-        }
+        dense = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis)
+        mismatch |= dense.as_metrics(names.MISMATCH_DENSE)
     with timer("train"):
         all_stats = _train_on(cfg, actors, tokens, loss_fn)
     stats = _mean_stats(all_stats)
     actors.engines_wake()
     with timer("weight_sync"):
         push = actors.sync.push_from(actors.trainer, cfg.rollout.fp8, version=step)
-    return {
+    metrics = {
         **batch.metrics,
         **train_metrics(stats, 0, stats.step_time_s),
-        "train/skipped": float(sum(s.skipped for s in all_stats)),
-        "train/updates_per_rollout": float(len(all_stats)),
-        names.MISMATCH_ABS_LOGP_DIFF_MEAN: mm.abs_logp_diff_mean,
-        names.MISMATCH_ABS_LOGP_DIFF_MAX: mm.abs_logp_diff_max,
-        names.MISMATCH_K3: mm.k3,
-        names.MISMATCH_IS_RATIO_MIN: mm.is_ratio_min,
-        names.MISMATCH_IS_RATIO_MAX: mm.is_ratio_max,
-        names.MISMATCH_TIS_CLIP_FRAC: mm.tis_clip_frac,
+        **mismatch,
+        names.TRAIN_UPDATES_PER_ROLLOUT: float(len(all_stats)),
         names.WEIGHT_SYNC_PUSH_S: push.seconds,
-        "weight_sync/bytes": float(push.bytes),
-        "rollout/advantage_abs_mean": float(torch.as_tensor(advantages).abs().mean()),
-        **dense,
+        names.WEIGHT_SYNC_BYTES: float(push.bytes),
+        names.ROLLOUT_ADVANTAGE_ABS_MEAN: float(torch.as_tensor(advantages).abs().mean()),
     }
+    return RlStepResult(metrics, num_skipped_updates=sum(s.skipped for s in all_stats), push=push)
 
 
 def _train_on(
