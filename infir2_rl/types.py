@@ -38,6 +38,8 @@ class TokenBatch:
     rollout_logprobs: Tensor | None = None
     # RL: B x L log-prob of token t under the trainer's weights before this step (recomputed).
     old_logprobs: Tensor | None = None
+    # RL with algorithm.kl_coef > 0: B x L log-prob of token t under the frozen reference model.
+    ref_logprobs: Tensor | None = None
     # RL: B advantages (one per sequence).
     advantages: Tensor | None = None
 

@@ -1,13 +1,14 @@
-"""policy_loss against hand-computed values: PPO clip, TIS, MIS, veto, KL, entropy, reductions, gradients."""
+"""policy_loss against hand-computed values: PPO clip, TIS, MIS, KL, entropy, reductions, gradients."""
 
 import math
 
 import pytest
 import torch
 
-from infir2_rl.algo.losses import PolicyLossConfig, kl_estimate, policy_loss
+from infir2_rl.algo.config import AlgorithmConfig
+from infir2_rl.algo.losses import kl_estimate, policy_loss
 
-NO_TIS = PolicyLossConfig(tis=False)  # plain clipped surrogate (configs are never mutated)
+NO_TIS = AlgorithmConfig(tis=False)  # plain clipped surrogate (configs are never mutated)
 
 
 def _ln(values: list[float]) -> torch.Tensor:
@@ -67,7 +68,7 @@ def test_tis_weight_clamped_at_2_and_detached() -> None:
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0, 1.0], is_ratios=[3.0, 1.0, 0.5])
     logp_old.requires_grad_(True)
     logp_rollout.requires_grad_(True)
-    loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0]), mask, PolicyLossConfig())
+    loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0]), mask, AlgorithmConfig())
     assert loss.item() == pytest.approx(-(2 + 1 + 0.5) / 3, abs=1e-6)
     assert stats.tis_weight_mean == pytest.approx(3.5 / 3, abs=1e-6)
     assert stats.tis_clip_frac == pytest.approx(1 / 3)
@@ -80,7 +81,7 @@ def test_tis_weight_clamped_at_2_and_detached() -> None:
 
 def test_tis_lower_bound() -> None:
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0, 1.0], is_ratios=[3.0, 1.0, 0.5])
-    cfg = PolicyLossConfig(tis_low=0.6)
+    cfg = AlgorithmConfig(tis_low=0.6)
     loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0]), mask, cfg)
     assert loss.item() == pytest.approx(-(2 + 1 + 0.6) / 3, abs=1e-6)
     assert stats.tis_clip_frac == pytest.approx(2 / 3)
@@ -90,7 +91,7 @@ def test_clip_and_tis_together_gradient() -> None:
     # ratios [1.5, 1.1, .7], A = +1, TIS weights [2, 1, .5]:
     # loss = (-1.28 * 2 - 1.1 * 1 - .7 * .5) / 3; grads = -A r w / 3 where unclipped, 0 where clipped.
     logp, logp_old, logp_rollout, mask = _case([1.5, 1.1, 0.7], is_ratios=[3.0, 1.0, 0.5])
-    loss, _ = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0]), mask, PolicyLossConfig())
+    loss, _ = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0]), mask, AlgorithmConfig())
     assert loss.item() == pytest.approx(-4.01 / 3, abs=1e-6)
     loss.backward()
     assert logp.grad is not None
@@ -119,7 +120,7 @@ def _mis_batch() -> tuple[torch.Tensor, ...]:
 def test_mis_levels(level: str, expected_loss: float, expected_mask_frac: float) -> None:
     logp, logp_old, logp_rollout, mask = _mis_batch()
     adv = torch.tensor([1.0, 2.0, 3.0])
-    cfg = PolicyLossConfig(tis=False, mis=level)  # type: ignore[arg-type]
+    cfg = AlgorithmConfig(tis=False, mis=level)  # type: ignore[arg-type]
     loss, stats = policy_loss(logp, logp_old, logp_rollout, adv, mask, cfg)
     assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
     assert stats.mis_mask_frac == pytest.approx(expected_mask_frac)
@@ -129,23 +130,13 @@ def test_mis_levels(level: str, expected_loss: float, expected_mask_frac: float)
 def test_mis_token_with_tis_weights_surviving_tokens() -> None:
     # Same batch, token level, TIS on: survivors are seq0 (1.5, 1.5), seq1 2nd (.6), seq2 2nd (1.8).
     logp, logp_old, logp_rollout, mask = _mis_batch()
-    cfg = PolicyLossConfig(mis="token")
+    cfg = AlgorithmConfig(mis="token")
     loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0, 2.0, 3.0]), mask, cfg)
     expected = (-1 * 1.5 + (-2 * 0.6) / 2 + (-3 * 1.8) / 2) / 3
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     # The TIS statistic is over all valid tokens: weights [1.5, 1.5, 2 (clamped 3), .6, 2 (clamped 4), 1.8].
     assert stats.tis_weight_mean == pytest.approx((1.5 + 1.5 + 2 + 0.6 + 2 + 1.8) / 6, abs=1e-6)
     assert stats.tis_clip_frac == pytest.approx(2 / 6)
-
-
-def test_veto_drops_whole_sequence() -> None:
-    logp_old = torch.full((2, 2), -1.0)
-    logp_rollout = logp_old - torch.log(torch.tensor([[1.0, 1e-5], [1.0, 1.0]]))
-    logp = logp_old.clone().requires_grad_(True)
-    cfg = PolicyLossConfig(tis=False, mis_veto=1e-4)
-    loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0, 1.0]), torch.ones(2, 2), cfg)
-    assert loss.item() == pytest.approx((0.0 - 1.0) / 2, abs=1e-6)
-    assert stats.mis_mask_frac == pytest.approx(0.5)
 
 
 def test_padding_with_nan_and_inf_and_both_reductions() -> None:
@@ -157,7 +148,7 @@ def test_padding_with_nan_and_inf_and_both_reductions() -> None:
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     adv = torch.tensor([[1.0, 1.0, 1.0], [3.0, nan, inf]])
     for reduction, expected in [("sample_token_mean", (-1 - 3) / 2), ("token_mean", (-1 * 3 - 3) / 4)]:
-        cfg = PolicyLossConfig(loss_reduction=reduction)  # type: ignore[arg-type]
+        cfg = AlgorithmConfig(loss_reduction=reduction)  # type: ignore[arg-type]
         loss, stats = policy_loss(logp, logp_old, logp_rollout, adv, mask, cfg)
         assert loss.item() == pytest.approx(expected, abs=1e-6), reduction
         assert stats.num_tokens == 4 and stats.ratio_mean == pytest.approx(1.0)
@@ -175,7 +166,7 @@ def test_denominator_makes_micro_batches_add_up(reduction: str) -> None:
     logp_rollout = logp_old + 0.5 * torch.randn(4, 5)
     adv = torch.randn(4)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
-    cfg = PolicyLossConfig(loss_reduction=reduction)  # type: ignore[arg-type]
+    cfg = AlgorithmConfig(loss_reduction=reduction)  # type: ignore[arg-type]
     full, _ = policy_loss(logp, logp_old, logp_rollout, adv, mask, cfg)
     denom = 4.0 if reduction == "sample_token_mean" else float(mask.sum())
     parts = [
@@ -190,7 +181,7 @@ def test_kl_k3_value_gradient_and_stat() -> None:
     # k3 = e^-d - 1 + d = [e^-.5 - .5, e^.5 - 1.5, 0]; dk3/dd = 1 - e^-d.
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0, 1.0])
     logp_ref = logp.detach() - torch.tensor([[0.5, -0.5, 0.0]])
-    cfg = PolicyLossConfig(kl_coef=0.1)
+    cfg = AlgorithmConfig(kl_coef=0.1)
     loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([0.0]), mask, cfg, logp_ref=logp_ref)
     k3 = [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]
     assert stats.kl == pytest.approx(sum(k3) / 3, abs=1e-6)
@@ -205,19 +196,28 @@ def test_kl_estimators_and_coefficient_zero() -> None:
     d = torch.tensor([0.5, -0.5, 0.0])
     torch.testing.assert_close(kl_estimate(d, torch.zeros(3), "k1"), d)
     torch.testing.assert_close(kl_estimate(d, torch.zeros(3), "k2"), torch.tensor([0.125, 0.125, 0.0]))
+    k3 = torch.tensor([math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0])
+    torch.testing.assert_close(kl_estimate(d, torch.zeros(3), "k3"), k3)
+    torch.testing.assert_close(kl_estimate(d, torch.zeros(3), "low_var_kl"), k3)
+    # low_var_kl clamps: d = -30 -> d clamped to -20, k3 = e^20 - 21 clamped to 10; d = 30 -> 20 - 1 + e^-20 -> 10.
+    far = torch.tensor([-30.0, 30.0, -2.0])
+    torch.testing.assert_close(
+        kl_estimate(far, torch.zeros(3), "low_var_kl"), torch.tensor([10.0, 10.0, math.exp(2.0) - 3.0])
+    )
+    assert kl_estimate(far, torch.zeros(3), "k3")[0].item() > 1e12  # plain k3 is unbounded
     # With kl_coef = 0 a given reference is only reported, never added to the loss.
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0, 1.0])
-    cfg = PolicyLossConfig(kl_type="k2")
+    cfg = AlgorithmConfig(kl_type="k2")
     loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([0.0]), mask, cfg, logp_ref=logp - d)
     assert loss.item() == 0.0 and stats.kl == pytest.approx(0.25 / 3, abs=1e-7)
     with pytest.raises(ValueError, match="logp_ref is None"):
-        policy_loss(logp, logp_old, logp_rollout, torch.tensor([0.0]), mask, PolicyLossConfig(kl_coef=0.1))
+        policy_loss(logp, logp_old, logp_rollout, torch.tensor([0.0]), mask, AlgorithmConfig(kl_coef=0.1))
 
 
 def test_entropy_bonus() -> None:
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0, 1.0])
     entropy = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
-    cfg = PolicyLossConfig(entropy_coef=0.01)
+    cfg = AlgorithmConfig(entropy_coef=0.01)
     loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([0.0]), mask, cfg, entropy=entropy)
     assert loss.item() == pytest.approx(-0.02, abs=1e-7) and stats.entropy == pytest.approx(2.0)
     loss.backward()
@@ -231,23 +231,25 @@ def test_user_errors() -> None:
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0])
     adv = torch.tensor([1.0])
     with pytest.raises(ValueError, match="no valid token"):
-        policy_loss(logp, logp_old, logp_rollout, adv, torch.zeros(1, 2), PolicyLossConfig())
+        policy_loss(logp, logp_old, logp_rollout, adv, torch.zeros(1, 2), AlgorithmConfig())
     with pytest.raises(ValueError, match="logp_rollout is None"):
-        policy_loss(logp, logp_old, None, adv, mask, PolicyLossConfig())
+        policy_loss(logp, logp_old, None, adv, mask, AlgorithmConfig())
     assert policy_loss(logp, logp_old, None, adv, mask, NO_TIS)[1].num_tokens == 2
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, logp_old, logp_rollout, torch.ones(3), mask, PolicyLossConfig())
+        policy_loss(logp, logp_old, logp_rollout, torch.ones(3), mask, AlgorithmConfig())
     with pytest.raises(TypeError):
-        PolicyLossConfig(0.2)  # type: ignore[misc]
-    for bad in (
-        {"tis_high": 0.0},
-        {"mis": "bogus"},
-        {"eps_clip_low": 1.0},
-        {"mis_low": 3.0},
-        {"kl_coef": -1.0},
+        AlgorithmConfig(0.2)  # type: ignore[misc]
+    for bad, field in (
+        ({"tis_high": 0.0}, "tis_high"),
+        ({"mis": "bogus"}, "mis"),
+        ({"eps_clip_low": 1.0}, "eps_clip_low"),
+        ({"mis": "token", "mis_low": 3.0}, "mis_low"),
+        ({"kl_coef": -1.0}, "kl_coef"),
+        ({"kl_type": "k4"}, "kl_type"),
+        ({"mis_veto": 1e-4}, "mis_veto"),  # removed knob: unknown keys are errors, not silent no-ops
     ):
-        with pytest.raises(ValueError, match="policy_loss"):
-            PolicyLossConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=field):
+            AlgorithmConfig(**bad)  # type: ignore[arg-type]
 
 
 def test_bf16_inputs_are_computed_in_float32() -> None:
@@ -275,7 +277,7 @@ def test_mis_lower_bound(level: str, expected_loss: float, expected_mask_frac: f
     logp_old = torch.full((2, 2), -2.0)
     logp_rollout = logp_old - torch.log(torch.tensor([[0.3, 1.0], [0.6, 0.6]]))
     logp = logp_old.clone().requires_grad_(True)
-    cfg = PolicyLossConfig(tis=False, mis=level)  # type: ignore[arg-type]
+    cfg = AlgorithmConfig(tis=False, mis=level)  # type: ignore[arg-type]
     loss, stats = policy_loss(logp, logp_old, logp_rollout, torch.tensor([1.0, 2.0]), torch.ones(2, 2), cfg)
     assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
     assert stats.mis_mask_frac == pytest.approx(expected_mask_frac)

@@ -10,58 +10,56 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from infir2_rl.algo.logprobs import token_logprobs
-from infir2_rl.algo.losses import PolicyLossConfig, policy_loss
-from infir2_rl.config import AlgorithmConfig
+from infir2_rl.algo.config import AlgorithmConfig
+from infir2_rl.algo.logprobs import entropy_from_logits, token_logprobs
+from infir2_rl.algo.losses import policy_loss
+from infir2_rl.metrics import names
 from infir2_rl.types import LossOutput, TokenBatch
 
 
 @dataclass
 class GrpoLoss:
-    """Clipped GRPO surrogate with TIS/MIS against the engine's log-probs, scored at the rollout temperature."""
+    """Clipped GRPO surrogate with TIS/MIS against the engine's log-probs, KL to the reference model and an
+    entropy bonus when their coefficients are > 0, all scored at the rollout temperature."""
 
-    cfg: PolicyLossConfig
+    cfg: AlgorithmConfig
     # The rollout temperature: both sides must score the same (tempered) distribution.
     temperature: float
-
-    @classmethod
-    def from_config(cls, algo: AlgorithmConfig, temperature: float) -> GrpoLoss:
-        cfg = PolicyLossConfig(
-            eps_clip_low=algo.eps_clip_low,
-            eps_clip_high=algo.eps_clip_high,
-            tis=algo.tis,
-            tis_low=algo.tis_low,
-            tis_high=algo.tis_high,
-            mis=algo.mis,
-            mis_low=algo.mis_low,
-            mis_high=algo.mis_high,
-            kl_coef=algo.kl_coef,
-            kl_type=algo.kl_type,
-            entropy_coef=algo.entropy_coef,
-            loss_reduction=algo.loss_reduction,
-        )
-        return cls(cfg=cfg, temperature=temperature)
 
     def __call__(self, logits_BLV: Tensor, batch: TokenBatch) -> LossOutput:
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("GrpoLoss needs batch.old_logprobs and batch.advantages (RL batches only)")
-        if self.cfg.kl_coef > 0:
-            raise NotImplementedError("algorithm.kl_coef > 0 needs a reference model, which is not built yet")
-        logp = token_logprobs(logits_BLV[:, :-1], batch.input_ids[:, 1:], self.temperature)
+        if self.cfg.needs_reference and batch.ref_logprobs is None:
+            raise ValueError(
+                f"algorithm.kl_coef={self.cfg.kl_coef} but the batch has no ref_logprobs: the stage must"
+                " score the batch with the reference model (TrainerGroup.forward_ref_logprobs) first"
+            )
+        logits_BTV = logits_BLV[:, :-1]
+        logp = token_logprobs(logits_BTV, batch.input_ids[:, 1:], self.temperature)
+        entropy = entropy_from_logits(logits_BTV, self.temperature) if self.cfg.needs_entropy else None
         mask = batch.loss_mask[:, 1:]
         rollout = batch.rollout_logprobs[:, 1:] if batch.rollout_logprobs is not None else None
+        ref = batch.ref_logprobs[:, 1:].to(logp) if batch.ref_logprobs is not None else None
         loss, stats = policy_loss(
-            logp, batch.old_logprobs[:, 1:].to(logp), rollout, batch.advantages.to(logp), mask, self.cfg
+            logp,
+            batch.old_logprobs[:, 1:].to(logp),
+            rollout,
+            batch.advantages.to(logp),
+            mask,
+            self.cfg,
+            logp_ref=ref,
+            entropy=entropy,
         )
         by_tokens = self.cfg.loss_reduction == "token_mean"
         units = int(mask.sum().item()) if by_tokens else batch.num_sequences
-        return LossOutput(
-            loss=loss,
-            num_units=units,
-            metrics={
-                "train/pg_loss": stats.pg_loss,
-                "train/pg_clip_frac": stats.pg_clip_frac,
-                "train/ratio_mean": stats.ratio_mean,
-                "train/tis_weight_mean": stats.tis_weight_mean,
-            },
-        )
+        metrics = {
+            names.TRAIN_PG_LOSS: stats.pg_loss,
+            names.TRAIN_PG_CLIP_FRAC: stats.pg_clip_frac,
+            names.TRAIN_RATIO_MEAN: stats.ratio_mean,
+            names.TRAIN_TIS_WEIGHT_MEAN: stats.tis_weight_mean,
+        }
+        if stats.kl is not None:
+            metrics[names.TRAIN_KL] = stats.kl
+        if stats.entropy is not None:
+            metrics[names.TRAIN_ENTROPY] = stats.entropy
+        return LossOutput(loss=loss, num_units=units, metrics=metrics)

@@ -20,17 +20,22 @@ precision (FP8 vs BF16 kernels) even with identical weights. The correction is a
                          "token":     exp(logp_old - logp_rollout) of that token,
                          "sequence":  exp(sum of the sequence's token log-ratios)   (product of ratios),
                          "geometric": exp(mean of the sequence's token log-ratios)  (geometric mean).
-    veto (optional):     a whole sequence gets weight 0 if any token's ratio is below mis_veto.
 The two compose: ``tis`` decides whether surviving tokens carry the clamped per-token weight, ``mis``
 decides which tokens survive. With mis="token" and mis_high <= tis_high this is slime's "mask" mode;
 with tis=False it is pure rejection. Rejected tokens contribute 0 but stay in the denominators below,
 so rejecting 999 tokens of a sequence does not scale the last one by 1000.
 
-KL vs reference, with d = logp - logp_ref and samples from the policy (Schulman's estimators):
-    k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d  (>= 0, unbiased, low variance; GRPO's choice)
-Added as kl_coef * k only when kl_coef > 0 (InfiR2 uses 0: no reference model is built); reported as a
-statistic whenever logp_ref is given. The entropy bonus subtracts entropy_coef * entropy.
-KL and entropy terms are not importance-weighted or MIS-masked.
+KL vs reference (``kl_estimate``), with d = logp - logp_ref and tokens sampled from the policy
+(Schulman, "Approximating KL divergence", 2020):
+    k1 = d                      unbiased, high variance, can be negative per token
+    k2 = d^2 / 2                biased, low variance; its gradient is that of the true KL's
+    k3 = exp(-d) - 1 + d        >= 0, unbiased, low variance (GRPO's choice)
+    low_var_kl = k3 computed on d clamped to [-20, 20] and clamped to [-10, 10] after (verl's and
+                 slime's name for k3 with guards against the exp blowing up when the policy drifts far)
+Added as kl_coef * KL only when kl_coef > 0 (InfiR2 uses 0: no reference model is built); reported as a
+statistic whenever logp_ref is given. Entropy (``entropy_BT``, nats of the tempered distribution at each
+response token, from the caller) is subtracted as entropy_coef * entropy when entropy_coef > 0.
+KL and entropy terms are not importance-weighted or MIS-masked, and are reduced like pg below.
 
 Reduction over tokens (the same for every term):
     "sample_token_mean": mean over each sequence's valid tokens, then mean over sequences (slime's
@@ -45,73 +50,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from infir2_rl.algo.config import AlgorithmConfig, KlType, LossReduction, MisLevel
 from infir2_rl.algo.masked import as_float_mask, masked_mean, per_sample_mean, zero_masked
-
-MisLevel = Literal["off", "token", "sequence", "geometric"]
-KlType = Literal["k1", "k2", "k3"]
-LossReduction = Literal["sample_token_mean", "token_mean"]
-
-
-@dataclass(kw_only=True)
-class PolicyLossConfig:
-    """Knobs of the policy loss; defaults are InfiR2's RL stages (clip 0.2 / 0.28, TIS cap 2, no KL)."""
-
-    # PPO clip: r is clipped to [1 - eps_clip_low, 1 + eps_clip_high].
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.28
-    # Multiply pg by the clamped, detached train/rollout ratio exp(logp_old - logp_rollout).
-    tis: bool = True
-    # Clamp bounds of the TIS weight (slime's production scripts use tis_low=0.5).
-    tis_low: float = 0.0
-    tis_high: float = 2.0
-    # Masked IS: "off", or the level ("token" / "sequence" / "geometric") at which out-of-range ratios are masked.
-    mis: MisLevel = "off"
-    # Keep tokens whose MIS ratio lies in [mis_low, mis_high].
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    # Drop a whole sequence if any token's train/rollout ratio is below this (e.g. 1e-4); None disables.
-    mis_veto: float | None = None
-    # Coefficient of the KL(pi || pi_ref) loss; 0 means no reference model is needed.
-    kl_coef: float = 0.0
-    # KL estimator, see the module docstring.
-    kl_type: KlType = "k3"
-    # Coefficient of the entropy bonus (subtracted from the loss).
-    entropy_coef: float = 0.0
-    # How token losses become one number, see the module docstring.
-    loss_reduction: LossReduction = "sample_token_mean"
-
-    def __post_init__(self) -> None:
-        for name in ("eps_clip_low", "eps_clip_high", "tis_low", "mis_low", "kl_coef", "entropy_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"policy_loss.{name}={getattr(self, name)}: must be >= 0.")
-        if self.eps_clip_low >= 1:
-            raise ValueError(
-                f"policy_loss.eps_clip_low={self.eps_clip_low}: must be < 1 so that 1 - eps > 0."
-            )
-        if not self.tis_high > self.tis_low:
-            raise ValueError(f"policy_loss.tis_high={self.tis_high}: must be > tis_low={self.tis_low}.")
-        if not self.mis_high > self.mis_low:
-            raise ValueError(f"policy_loss.mis_high={self.mis_high}: must be > mis_low={self.mis_low}.")
-        if self.mis not in ("off", "token", "sequence", "geometric"):
-            raise ValueError(f"policy_loss.mis={self.mis!r}: use 'off', 'token', 'sequence' or 'geometric'.")
-        if self.mis_veto is not None and not self.mis_veto > 0:
-            raise ValueError(f"policy_loss.mis_veto={self.mis_veto}: must be > 0 (e.g. 1e-4) or None.")
-        if self.kl_type not in ("k1", "k2", "k3"):
-            raise ValueError(f"policy_loss.kl_type={self.kl_type!r}: use 'k1', 'k2' or 'k3'.")
-        if self.loss_reduction not in ("sample_token_mean", "token_mean"):
-            raise ValueError(
-                f"policy_loss.loss_reduction={self.loss_reduction!r}: use 'sample_token_mean' or 'token_mean'."
-            )
-
-    @property
-    def needs_rollout_logp(self) -> bool:
-        """Whether policy_loss reads logp_rollout with this config."""
-        return self.tis or self.mis != "off" or self.mis_veto is not None
 
 
 @dataclass(kw_only=True)
@@ -124,23 +68,26 @@ class PolicyLossStats:
     ratio_mean: float  # mean of exp(logp - logp_old)
     tis_weight_mean: float  # mean importance weight applied (1.0 with tis off)
     tis_clip_frac: float  # tokens where the clamp changed the TIS weight
-    mis_mask_frac: float  # tokens rejected by MIS or the veto
+    mis_mask_frac: float  # tokens rejected by MIS
     kl: float | None  # mean KL estimate vs the reference, when logp_ref is given
     entropy: float | None  # mean entropy, when entropy is given
     num_tokens: int  # valid tokens in this call
     num_samples: int  # sequences in this call
 
 
-def kl_estimate(logp: Tensor, logp_ref: Tensor, kl_type: KlType) -> Tensor:
+def kl_estimate(logp_BT: Tensor, ref_logp_BT: Tensor, kl_type: KlType) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi (see the module docstring)."""
-    d = logp - logp_ref
+    d = logp_BT - ref_logp_BT
     if kl_type == "k1":
         return d
     if kl_type == "k2":
         return 0.5 * d * d
     if kl_type == "k3":
         return torch.expm1(-d) + d  # expm1 keeps precision for the tiny |d| typical of a few steps
-    raise ValueError(f"kl_type={kl_type!r}: use 'k1', 'k2' or 'k3'.")
+    if kl_type == "low_var_kl":
+        d = d.clamp(-20.0, 20.0)
+        return (torch.expm1(-d) + d).clamp(-10.0, 10.0)
+    raise ValueError(f"kl_type={kl_type!r}: use 'k1', 'k2', 'k3' or 'low_var_kl'.")
 
 
 def mis_log_ratio(log_ratio_BT: Tensor, mask_BT: Tensor, level: MisLevel) -> Tensor:
@@ -173,7 +120,7 @@ def _check_inputs(
     logp: Tensor,
     others: dict[str, Tensor | None],
     advantages: Tensor,
-    cfg: PolicyLossConfig,
+    cfg: AlgorithmConfig,
     denominator: float | None,
 ) -> None:
     if logp.dim() != 2:
@@ -187,7 +134,7 @@ def _check_inputs(
         )
     if cfg.needs_rollout_logp and others["logp_rollout"] is None:
         raise ValueError(
-            "logp_rollout is None but tis/mis/mis_veto is on: pass the engine's log-probs or turn them off."
+            "logp_rollout is None but tis or mis is on: pass the engine's log-probs or turn them off."
         )
     if cfg.kl_coef > 0 and others["logp_ref"] is None:
         raise ValueError(
@@ -202,7 +149,7 @@ def _check_inputs(
 
 
 def _rollout_correction(
-    logp_old: Tensor, logp_rollout: Tensor | None, M: Tensor, cfg: PolicyLossConfig
+    logp_old: Tensor, logp_rollout: Tensor | None, M: Tensor, cfg: AlgorithmConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(TIS weight, keep mask, tis_clipped), all (B, T) and detached; see the module docstring."""
     valid = M > 0
@@ -221,9 +168,6 @@ def _rollout_correction(
         level = mis_log_ratio(is_log, M, cfg.mis)
         inside = (level >= _log_bound(cfg.mis_low)) & (level <= _log_bound(cfg.mis_high))
         keep = keep * inside.to(M.dtype)
-    if cfg.mis_veto is not None:
-        vetoed = ((is_log < math.log(cfg.mis_veto)) & valid).any(dim=-1)
-        keep = keep * (~vetoed).to(M.dtype)[:, None]
     return weight, keep, tis_clipped
 
 
@@ -233,7 +177,7 @@ def policy_loss(
     logp_rollout: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
-    cfg: PolicyLossConfig,
+    cfg: AlgorithmConfig,
     logp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
     *,
@@ -241,7 +185,7 @@ def policy_loss(
 ) -> tuple[Tensor, PolicyLossStats]:
     """Scalar loss to minimise and its statistics; see the module docstring for every formula.
 
-    ``logp_rollout`` may be None only when tis, mis and mis_veto are all off. ``denominator``: see the
+    ``logp_rollout`` may be None only when tis and mis are both off. ``denominator``: see the
     module docstring (gradient accumulation). Raises ValueError when ``mask`` has no valid token.
     """
     others = {"logp_old": logp_old, "logp_rollout": logp_rollout, "logp_ref": logp_ref, "entropy": entropy}

@@ -1,7 +1,7 @@
 """Typed configs: one class per component, stage and pipeline configs, YAML loading with overrides."""
 
+from infir2_rl.algo.config import AlgorithmConfig
 from infir2_rl.config.components import (
-    AlgorithmConfig,
     CheckpointConfig,
     DataConfig,
     MetricsConfig,

@@ -160,46 +160,6 @@ class RolloutConfig(_Config):
     fp8_checkpoint: str | None = None
 
 
-class AlgorithmConfig(_Config):
-    # Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style mean-centring only.
-    normalize_std: bool = True
-    # Lower clip of the importance ratio (1 - eps_clip_low).
-    eps_clip_low: float = Field(default=0.2, ge=0)
-    # Upper clip of the importance ratio (1 + eps_clip_high), "clip-higher".
-    eps_clip_high: float = Field(default=0.28, ge=0)
-    # Truncated importance sampling against the rollout engine's log-probs.
-    tis: bool = True
-    # TIS weight floor (slime uses 0.5 in production scripts; InfiR2 caps only).
-    tis_low: float = Field(default=0.0, ge=0)
-    # TIS weight cap C.
-    tis_high: float = Field(default=2.0, gt=0)
-    # Masked importance sampling instead of clipping: "off", "token", "sequence" or "geometric".
-    mis: Literal["off", "token", "sequence", "geometric"] = "off"
-    # MIS keeps tokens/sequences whose ratio lies in [mis_low, mis_high].
-    mis_low: float = Field(default=0.5, ge=0)
-    mis_high: float = Field(default=2.0, gt=0)
-    # KL penalty against the initial policy; 0 builds and runs no reference model.
-    kl_coef: float = Field(default=0.0, ge=0)
-    # KL estimator used when kl_coef > 0.
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
-    # Entropy bonus coefficient.
-    entropy_coef: float = Field(default=0.0, ge=0)
-    # Loss reduction: mean over each sample's tokens then over samples, or over all tokens.
-    loss_reduction: Literal["sample_token_mean", "token_mean"] = "sample_token_mean"
-
-    @model_validator(mode="after")
-    def _check(self) -> AlgorithmConfig:
-        if self.tis and self.tis_low >= self.tis_high:
-            raise ValueError(
-                f"algorithm.tis_low={self.tis_low}: must be below algorithm.tis_high={self.tis_high}"
-            )
-        if self.mis != "off" and self.mis_low >= self.mis_high:
-            raise ValueError(
-                f"algorithm.mis_low={self.mis_low}: must be below algorithm.mis_high={self.mis_high}"
-            )
-        return self
-
-
 class WeightSyncConfig(_Config):
     # "unified_fp8": the trainer trains in FP8 and engines get the exact FP8 bytes it trains with.
     # "bf16_train_fp8_rollout": trainer in BF16, weights cast to FP8 at sync (the setup Jet-RL shows

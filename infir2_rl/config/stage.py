@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from infir2_rl.algo.config import AlgorithmConfig
 from infir2_rl.config.components import (
-    AlgorithmConfig,
     CheckpointConfig,
     DataConfig,
     MetricsConfig,

@@ -61,7 +61,7 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
         actors = start_rl_actors(
             cfg, data, total_steps=last_step * cfg.updates_per_rollout, resume_from=resumed, state=state
         )
-        loss_fn = GrpoLoss.from_config(cfg.algorithm, cfg.rollout.temperature)
+        loss_fn = GrpoLoss(cfg.algorithm, cfg.rollout.temperature)
         timer, summary, first = PhaseTimer(), dict[str, float](), state.step + 1
         m = cfg.metrics
         try:
