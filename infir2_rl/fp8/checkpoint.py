@@ -6,6 +6,12 @@ Output format (what SGLang, vLLM and transformers' FineGrainedFP8 read): each de
 bit for bit; ``config.json`` gains ``quantization_config``. The cast streams one shard at a time (peak
 memory about one shard), writes into a temporary directory beside the output and renames it at the end,
 so a failure leaves no partial output.
+
+What the cast refuses (ValueError naming the file or tensor, so ``infir2-rl cast-fp8`` exits 2): a NaN or
+infinity in any floating tensor (quantizing would hide it: see ``quant.py``), an index that disagrees
+with its shards (a tensor the index names but its shard lacks, a tensor in a shard the index does not
+name or maps to another shard, a shard it names that is absent), and a shard whose bytes do not match
+its header (truncated or corrupt), named by file.
 """
 
 from __future__ import annotations
@@ -26,10 +32,16 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from infir2_rl.fp8.cast_checks import (
+    INDEX_NAME,
+    check_finite,
+    check_index,
+    shard_keys,
+    weight_map_of,
+)
 from infir2_rl.fp8.linear import DECODER_LINEAR_NAMES, Fp8InferenceLinear, Fp8Linear
 from infir2_rl.fp8.quant import quantize_weight_blockwise
 
-INDEX_NAME = "model.safetensors.index.json"
 _DECODER_WEIGHT = re.compile(r"^(?:.*\.)?(?:" + "|".join(DECODER_LINEAR_NAMES) + r")\.weight$")
 # Files that hold weights in another format: copying them would ship stale unquantized duplicates.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
@@ -53,9 +65,8 @@ def is_decoder_linear_weight(name: str) -> bool:
 
 
 def _shard_files(model_dir: Path) -> list[str]:
-    index = model_dir / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = weight_map_of(model_dir)
+    if weight_map is not None:
         return sorted(set(weight_map.values()))
     return sorted(p.name for p in model_dir.glob("*.safetensors"))
 
@@ -76,15 +87,16 @@ def _check_input(input_dir: Path) -> tuple[dict, list[str]]:
         raise ValueError(
             f"input_dir={input_dir}: no *.safetensors weights found; save the model with safetensors"
         )
-    for shard in shards:  # header-only scan, so a quantized input is refused before any work
-        with safe_open(str(input_dir / shard), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open objects are not iterable
-                dtype = f.get_slice(key).get_dtype()
-                if dtype.startswith("F8") or key.endswith("weight_scale_inv"):
-                    raise ValueError(
-                        f"input_dir={input_dir}: tensor {key} ({dtype}) in {shard} is already FP8-quantized; "
-                        "cast a BF16/FP32 checkpoint instead"
-                    )
+    # Header-only scan, so a quantized, truncated or mis-indexed input is refused before any work.
+    keys_by_shard = {shard: shard_keys(input_dir / shard) for shard in shards}
+    for shard, keys in keys_by_shard.items():
+        for key, dtype in keys.items():
+            if dtype.startswith("F8") or key.endswith("weight_scale_inv"):
+                raise ValueError(
+                    f"input_dir={input_dir}: tensor {key} ({dtype}) in {shard} is already FP8-quantized; "
+                    "cast a BF16/FP32 checkpoint instead"
+                )
+    check_index(input_dir, keys_by_shard)
     return config, shards
 
 
@@ -98,6 +110,7 @@ def _cast_shard(
         metadata = f.metadata() or {}
         for key in f.keys():  # noqa: SIM118
             t = f.get_tensor(key)
+            check_finite(t, key, src)
             if is_decoder_linear_weight(key) and t.dim() == 2 and t.is_floating_point():
                 q, s = quantize_weight_blockwise(t.to(device), block_size=block_size, pow2_scales=pow2_scales)
                 out[key] = q.cpu()
@@ -123,7 +136,8 @@ def cast_checkpoint(
     """Write an FP8 copy of the HF checkpoint ``input_dir`` to the new directory ``output_dir``.
 
     ``device`` runs the quantizer there (default: CUDA when present, else CPU; both give the same bytes).
-    Raises ValueError for an existing output, an input without config.json or already quantized.
+    Raises ValueError for an existing output, an input without config.json or already quantized, a
+    non-finite tensor, an index that disagrees with the shards, or an unreadable shard (module docstring).
     """
     start = time.perf_counter()
     input_dir, output_dir = Path(input_dir), Path(output_dir)

@@ -18,6 +18,15 @@ The format (DeepSeek-V3, SGLang, vLLM, Transformer Engine's Float8BlockScaling, 
   exact exponent shift, at the cost of up to 1 bit of dynamic range per block.
 * An all-zero block gets scale 1 (never 0, which would give 0/0 = NaN). Edge blocks (N or K not a
   multiple of 128) are padded with zeros, which never raise the amax, so the padding changes nothing.
+* A block holding a NaN or an infinity gets scale NaN, so the whole block dequantizes to NaN. Why
+  propagate rather than raise: these quantizers run inside every FP8 forward and backward, where a
+  raise would need a device-to-host sync per tensor; a NaN instead flows into the loss and the gradient
+  norm, where the trainer's non-finite guard skips the step and counts it (and N such steps in a row
+  stop the stage). Why not scale 1, the all-zero rule: NaN compares false with 0, so a plain
+  ``where(amax > 0, ...)`` sent a NaN block down that rule and silently turned its finite weights into
+  e4m3 values of a block of scale 1 (0 for everything below 2^-10); an infinity gave scale inf and
+  NaN for the infinity itself but 0 for every finite weight. Offline, ``cast-fp8`` checks every tensor
+  and refuses a non-finite one by name before quantizing (``checkpoint.py``).
 
 Error bound: for an element x in a block with scale s, ``|dequant(quant(x)) - x| <= 2^-4 * |x|`` for
 |x| >= 2^-6 * s (e4m3's normal range), and ``<= 2^-10 * s`` below it (subnormal spacing 2^-9, halved).
@@ -62,7 +71,11 @@ def _scales_from_amax(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
     scale = amax / torch.full_like(amax, FP8_MAX)
     # All-zero block: scale 1 keeps 0 / scale = 0 and the dequant multiplier finite.
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-    return round_scale_up_pow2(scale) if pow2_scales else scale
+    if pow2_scales:
+        scale = round_scale_up_pow2(scale)
+    # A NaN or inf in the block (amax NaN or inf): scale NaN, so the block dequantizes to NaN (module
+    # docstring). After the pow2 rounding, whose bit rule would turn a NaN into -0.0.
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
 def _to_fp8(x_scaled: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,11 @@ kernel reads its input once and writes exactly what the GEMMs consume:
   more programs resident: 0.32 ms instead of 0.52 ms at 8192 x 18944 on an H200, see docs/performance.md).
 * ``quantize_weight``: one scale per 128x128 block; also writes W^T in FP8 for the dgrad GEMM.
 
+A tile or block holding a NaN or an infinity gets scale NaN, as in ``quant.py`` (its docstring says why).
+It is detected with an explicit ``|x| < inf`` count rather than from the amax, because Triton's ``tl.max``
+and ``tl.minimum``/``tl.maximum`` do not propagate NaN (they lower to maxnum/minnum): the amax of a block
+with a NaN is the amax of its finite values, and the clamp maps a NaN to 448.
+
 Rows are padded with zeros (scale 1) up to ``pad_rows_to`` (16 for row tiles: cuBLASLt wants M % 16;
 128 for token tiles, a whole tile). Numbers match the eager reference bit for bit: IEEE division
 (``div_rn``; Triton's plain ``/`` on FP32 is an approximate division), clamp, then round-to-nearest-even.
@@ -73,7 +78,7 @@ def _round_up(a: int, b: int) -> int:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _scale_from_amax(amax, POW2: tl.constexpr):
+    def _scale_from_amax(amax, num_nonfinite, POW2: tl.constexpr):
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         s = tl.where(amax > 0, s, 1.0)
         if POW2:
@@ -82,7 +87,13 @@ if _HAVE_TRITON:
             expo = bits & 0x7F800000
             bits = tl.where((bits & 0x007FFFFF) != 0, expo + 0x00800000, expo)
             s = bits.to(tl.float32, bitcast=True)
-        return s
+        # A NaN or inf anywhere in the tile: scale NaN, the tile dequantizes to NaN (module docstring).
+        return tl.where(num_nonfinite > 0, float("nan"), s)
+
+    @triton.jit
+    def _is_nonfinite(ax):
+        # 1.0 where |x| is NaN or inf: NaN < inf is false. Summed along an axis it counts them.
+        return tl.where(ax < float("inf"), 0.0, 1.0)
 
     @triton.jit
     def _act_quant_kernel(
@@ -112,14 +123,14 @@ if _HAVE_TRITON:
         x = tl.load(x_ptrs, mask=in_mask, other=0.0).to(tl.float32)
         ax = tl.abs(x)
         if DO_ROWS:  # requires BK == 128: one program column is one K-block
-            s = _scale_from_amax(tl.max(ax, axis=1), POW2)
+            s = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
             q = tl.math.div_rn(x, tl.broadcast_to(s[:, None], (BM, BK)))
             q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
             q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
             tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
         if DO_COLS:  # requires BM == 128: one program row is one token tile
-            sc = _scale_from_amax(tl.max(ax, axis=0), POW2)
+            sc = _scale_from_amax(tl.max(ax, axis=0), tl.sum(_is_nonfinite(ax), axis=0), POW2)
             qc = tl.math.div_rn(x, tl.broadcast_to(sc[None, :], (BM, BK)))
             qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
             if TRANS_FP8:
@@ -151,8 +162,11 @@ if _HAVE_TRITON:
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
         w = w.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-        s = _scale_from_amax(tl.full((1,), 0.0, tl.float32) + amax, POW2)
+        aw = tl.abs(w)
+        amax = tl.max(tl.max(aw, axis=1), axis=0)
+        bad = tl.sum(tl.sum(_is_nonfinite(aw), axis=1), axis=0)
+        zero = tl.full((1,), 0.0, tl.float32)
+        s = _scale_from_amax(zero + amax, zero + bad, POW2)
         q = tl.math.div_rn(w, tl.broadcast_to(s[:, None], (B, B)))
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q.to(tl.float8e4nv), mask=mask)
