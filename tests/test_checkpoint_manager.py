@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from infir2_rl.checkpoint import CheckpointManager, DataCursor, StageState, save_checkpoint
 from infir2_rl.stages.common import epoch_order, next_batch, resume_state
@@ -18,11 +20,11 @@ class FakeTrainer:
 
     def save(self, directory: Path) -> None:
         (directory / "hf").mkdir()
-        (directory / "hf" / "model.safetensors").write_bytes(b"weights")
+        save_file({"w": torch.arange(6.0)}, str(directory / "hf" / "model.safetensors"))
         if self.fail:
             raise RuntimeError("killed mid-save")
         (directory / "train_state").mkdir()
-        (directory / "train_state" / "rank_0.pt").write_bytes(b"state")
+        torch.save({"step": 1}, directory / "train_state" / "rank_0.pt")
 
 
 def state(step: int) -> StageState:
@@ -55,7 +57,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_in_charge(tmp_path:
     good = save_checkpoint(FakeTrainer(), manager, state(2))
     with pytest.raises(RuntimeError, match="killed mid-save"):
         save_checkpoint(FakeTrainer(fail=True), manager, state(4))
-    assert (tmp_path / ".tmp_step_000004").is_dir()  # what the kill left behind
+    assert not (tmp_path / ".tmp_step_000004").exists()  # a failed save removes its temp directory
+    (tmp_path / ".tmp_step_000004" / "hf").mkdir(parents=True)  # what a SIGKILL mid-save leaves
     # A directory with a final name but no DONE (e.g. copied by hand, or another tool) is not trusted either.
     (tmp_path / "step_000009" / "hf").mkdir(parents=True)
     assert manager.latest() == good and [c.step for c in manager.complete()] == [2]

@@ -6,13 +6,18 @@ Layout under RUN_DIR/checkpoints:
         hf/                    HF weights + tokenizer (FP32 masters), written by trainer rank 0
         train_state/rank_K.pt  optimizer, lr schedule, RNG states, step of trainer rank K
         stage_state.json       the stage's cursor (StageState)
+        MANIFEST.json          every file's size, checked at resume (verify.py)
         DONE                   written last, before the directory gets its final name
     latest                     text file: the name of the newest complete checkpoint
     .tmp_step_000050           a save in progress (or one killed mid-write): never read
 
-A save writes everything into `.tmp_step_N`, writes DONE, renames the directory to `step_N`
-(atomic on POSIX), then replaces `latest` by an atomic rename of a temp file; older checkpoints are
-deleted only after that. A run killed at any point leaves the previous checkpoint and pointer intact.
+A save writes everything into `.tmp_step_N`, records the manifest, reads back what it wrote (verify.py:
+headers and sizes, not the tensors), writes DONE, renames the directory to `step_N` (atomic on POSIX),
+then replaces `latest` by an atomic rename of a temp file; older checkpoints are deleted only after that.
+A save that fails (disk full, read-only directory, a trainer error) removes its temp directory before the
+error goes on; a run killed at any point leaves the previous checkpoint and pointer intact, and the next
+save removes the killed one's temp directory. Resume takes the newest checkpoint that passes the
+checks, and says in the log why it passed over any newer one (e.g. a file truncated after the save).
 Every rank must see the same directory: across nodes RUN_DIR has to be on a shared filesystem.
 """
 
@@ -25,6 +30,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from infir2_rl.checkpoint.verify import problem, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +123,29 @@ class CheckpointManager:
         return sorted(found, key=lambda c: c.step)
 
     def latest(self) -> Checkpoint | None:
-        """The newest complete checkpoint: the `latest` pointer if it names one, else a scan."""
+        """The newest complete checkpoint that passes verification; newer ones that fail are named in the log.
+
+        The `latest` pointer is advisory: a crash between the directory rename and the pointer update
+        leaves it one behind, so the directories themselves decide.
+        """
         pointer = self.root / LATEST_FILE
         if pointer.is_file():
             name = pointer.read_text().strip()
-            d = self.root / name
-            step = name.removeprefix(STEP_PREFIX)
-            if step.isdigit() and (d / DONE_FILE).is_file():
-                newest = self.complete()[-1]
-                # A pointer older than a complete directory means a crash between rename and pointer update.
-                return newest if newest.step > int(step) else Checkpoint(int(step), d)
-            log.warning("%s names %r, which is not a complete checkpoint: scanning instead", pointer, name)
-        done = self.complete()
-        return done[-1] if done else None
+            if not (self.root / name / DONE_FILE).is_file():
+                log.warning(
+                    "%s names %r, which is not a complete checkpoint: scanning instead", pointer, name
+                )
+        for ckpt in reversed(self.complete()):
+            reason = problem(ckpt.path, STATE_FILE)
+            if reason is None:
+                return ckpt
+            log.warning(
+                "checkpoint %s is damaged (%s): skipping it and resuming from the previous complete one; "
+                "delete it once you have looked at it",
+                ckpt.path,
+                reason,
+            )
+        return None
 
     def begin(self, step: int) -> Path:
         """A fresh temp directory for the save of `step`; leftovers of killed saves are removed first."""
@@ -142,6 +159,10 @@ class CheckpointManager:
     def commit(self, tmp: Path, state: StageState) -> Checkpoint:
         """Seal `tmp` as the checkpoint of `state.step`, point `latest` at it, prune old ones."""
         _fsync_write(tmp / STATE_FILE, state.to_json())
+        write_manifest(tmp)
+        reason = problem(tmp, STATE_FILE)  # read back what was written, before it can be resumed from
+        if reason is not None:
+            raise OSError(f"checkpoint save of step {state.step} in {tmp} failed verification: {reason}")
         _fsync_write(tmp / DONE_FILE, f"{state.step}\n")
         final = self.root / step_dir_name(state.step)
         if final.exists():  # the same step saved again (e.g. an end-of-stage save after a resume)
@@ -171,7 +192,11 @@ class SavesCheckpoints(Protocol):
 
 
 def save_checkpoint(trainer: SavesCheckpoints, manager: CheckpointManager, state: StageState) -> Checkpoint:
-    """Write a complete checkpoint of `state.step`, or nothing visible if anything fails."""
+    """Write a complete checkpoint of `state.step`, or nothing at all if anything fails (the error goes on)."""
     tmp = manager.begin(state.step)
-    trainer.save(tmp)
-    return manager.commit(tmp, state)
+    try:
+        trainer.save(tmp)
+        return manager.commit(tmp, state)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
