@@ -1,10 +1,15 @@
-"""How a bucket gets from the trainer to every engine: the ``Transport`` seam and its two implementations.
+"""How one weight version gets from the trainer to every engine: the ``Transport`` seam and its implementations.
 
-``ObjectStoreTransport`` (default; CPU and GPU): the bucket is ``ray.put`` once and every engine actor's
-``update_weights`` receives the same ObjectRef, so Ray ships it to each node once and engines on one node
-read it from shared memory. Tensors travel as CPU bytes; a GPU engine copies them onto its device. Local
-engine objects (no Ray) get the bucket directly. ``BucketRef`` lets the trainer actor put its buckets in
-the object store itself (``put_buckets``) and hand the driver only small descriptors.
+A transport owns both ends of its kind of bucket: ``open(source, fp8, version, max_bytes)`` exports the trainer's
+weights the way this transport needs them (``WeightSource``: a ``TrainerGroup``, or ``TensorSource`` over tensors
+already in this process) and returns a ``Push``: the buckets' names and sizes, ``send(engines, i)`` delivering
+bucket i to every engine, ``read_sent(names)`` giving back the sent bytes for the self-check, and ``close()``
+freeing what the export held. ``WeightSyncService`` drives a ``Push`` without knowing its kind.
+
+``ObjectStoreTransport`` (default; CPU and GPU): the trainer's tensors come to this process, are cut into
+``WeightBucket``s, and each bucket is ``ray.put`` once; every engine actor's ``update_weights`` receives the same
+ObjectRef, so Ray ships it to each node once and engines on one node read it from shared memory. Tensors travel
+as CPU bytes; a GPU engine copies them onto its device. Local engine objects (no Ray) get the bucket directly.
 
 ``CudaIpcTransport`` (``weight_sync.transport: cuda_ipc``; trainer and engine colocated on one GPU): the
 weights never leave the GPU. The trainer keeps its buckets on its device (``build_buckets(...,
@@ -38,14 +43,14 @@ Rules that make it safe:
   buffers (one copy of the exported weights) during a push; CUDA IPC of memory from
   ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` needs a torch that can share such segments.
 
-Not implemented yet, behind the same ``send`` seam: ``nccl`` (separate GPUs: broadcast each bucket from
-trainer rank 0 into the engines' process group, with a timeout). Choosing it raises a ValueError.
+Not implemented yet, behind the same seam: ``nccl`` (separate GPUs: broadcast each bucket from trainer rank 0
+into the engines' process group, with a timeout); the config type refuses it until it exists.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,19 +70,6 @@ _USE_OBJECT_STORE = "set weight_sync.transport=object_store"
 
 
 @dataclass
-class BucketRef:
-    """A bucket already in Ray's object store, described without its tensors."""
-
-    version: int
-    index: int
-    num_buckets: int
-    names: list[str]
-    num_bytes: int
-    # ray.ObjectRef of the WeightBucket.
-    ref: Any
-
-
-@dataclass
 class IpcBucket:
     """A bucket whose bytes stay on the trainer's GPU(s): a CUDA IPC handle of a flat buffer per GPU."""
 
@@ -90,16 +82,6 @@ class IpcBucket:
     handles: dict[str, tuple[Any, tuple[Any, ...]]]
     # Per tensor: dtype name, shape, byte offset in the buffer.
     layout: list[tuple[str, tuple[int, ...], int]]
-
-
-def put_buckets(named_tensors: Iterable[tuple[str, Tensor]], max_bytes: int, version: int) -> list[BucketRef]:
-    """``build_buckets`` then ``ray.put`` each one (call inside the trainer actor that owns the weights)."""
-    import ray
-
-    return [
-        BucketRef(b.version, b.index, b.num_buckets, list(b.names), b.num_bytes, ray.put(b))
-        for b in build_buckets(named_tensors, max_bytes, version)
-    ]
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -202,54 +184,141 @@ def open_ipc_bucket(bucket: IpcBucket, device: torch.device) -> WeightBucket:
     return WeightBucket(bucket.version, bucket.index, bucket.num_buckets, list(bucket.names), tensors)
 
 
-class Transport(Protocol):
-    """Delivers one bucket to every engine and returns when all of them have loaded it."""
+class WeightSource(Protocol):
+    """What a transport exports weights from (``actors.trainer_group.TrainerGroup``, or ``TensorSource``)."""
 
+    def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]: ...
+
+    def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]: ...
+
+    def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]: ...
+
+    def release_export(self) -> None: ...
+
+
+class TensorSource:
+    """A ``WeightSource`` over HF-named tensors already in this process (tests, tools, benchmarks); the tensors
+    are pushed as they are, so ``fp8`` does not apply."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self.named = list(named_tensors)
+        self._held: list[WeightBucket] = []
+
+    def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
+        return self.named
+
+    def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]:
+        shared, self._held = share_buckets(build_buckets(self.named, max_bytes, version, device=None))
+        return shared
+
+    def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
+        return tensors_named(self._held, names)
+
+    def release_export(self) -> None:
+        self._held = []
+
+
+def tensors_named(buckets: Sequence[WeightBucket], names: Iterable[str]) -> dict[str, Tensor]:
+    wanted = set(names)
+    return {n: t for b in buckets for n, t in zip(b.names, b.tensors) if n in wanted}
+
+
+class Push:
+    """One weight version on its way to the engines, made by ``Transport.open``."""
+
+    def __init__(self, buckets: Sequence[WeightBucket | IpcBucket]) -> None:
+        self.buckets = list(buckets)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for b in self.buckets for n in b.names]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes for b in self.buckets)
+
+    def send(self, engines: Sequence[Any], index: int, timeout_s: float) -> None:
+        """Deliver bucket ``index`` to every engine; returns when all of them have loaded it."""
+        raise NotImplementedError
+
+    def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
+        """The sent bytes under these names, for the self-check."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the export holds (the engines have their own copies now)."""
+
+
+class Transport(Protocol):
     name: str
 
-    def send(
-        self, engines: Sequence[Any], bucket: WeightBucket | BucketRef | IpcBucket, timeout_s: float
-    ) -> None: ...
+    def open(self, source: WeightSource, fp8: bool, version: int, max_bytes: int) -> Push: ...
 
 
-class ObjectStoreTransport:
-    name = "object_store"
+class _ObjectStorePush(Push):
+    buckets: list[WeightBucket]  # type: ignore[assignment]
 
-    def send(
-        self, engines: Sequence[Any], bucket: WeightBucket | BucketRef | IpcBucket, timeout_s: float
-    ) -> None:
-        if isinstance(bucket, IpcBucket):
-            raise TypeError("an IpcBucket (CUDA IPC handles) cannot go through the object store: set"
-                            " weight_sync.transport=cuda_ipc, or push tensors")  # fmt: skip
-        payload: Any = bucket.ref if isinstance(bucket, BucketRef) else bucket
-        if isinstance(bucket, WeightBucket) and any(is_actor(e) for e in engines):
+    def send(self, engines: Sequence[Any], index: int, timeout_s: float) -> None:
+        bucket = self.buckets[index]
+        payload: Any = bucket
+        if any(is_actor(e) for e in engines):
             import ray
 
             payload = ray.put(bucket)  # once; every actor resolves the same object
         call_all([Call(e, "update_weights", (payload,)) for e in engines], timeout_s)
 
+    def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
+        return tensors_named(self.buckets, names)
+
+
+class ObjectStoreTransport:
+    name = "object_store"
+
+    def open(self, source: WeightSource, fp8: bool, version: int, max_bytes: int) -> Push:
+        return _ObjectStorePush(build_buckets(source.export_weights(fp8), max_bytes, version))
+
+
+class _IpcPush(Push):
+    buckets: list[IpcBucket]  # type: ignore[assignment]
+
+    def __init__(self, buckets: Sequence[IpcBucket], source: WeightSource) -> None:
+        super().__init__(buckets)
+        self.source = source
+
+    def send(self, engines: Sequence[Any], index: int, timeout_s: float) -> None:
+        # The bucket is a handle and a layout (a few KB): pickled into each call, no object-store round trip.
+        call_all([Call(e, "update_weights", (self.buckets[index],)) for e in engines], timeout_s)
+
+    def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
+        return self.source.read_export(names)
+
+    def close(self) -> None:
+        self.source.release_export()  # the trainer frees its GPU buckets
+
 
 class CudaIpcTransport:
     name = "cuda_ipc"
 
-    def send(
-        self, engines: Sequence[Any], bucket: WeightBucket | BucketRef | IpcBucket, timeout_s: float
-    ) -> None:
-        if not isinstance(bucket, IpcBucket):
-            raise TypeError(
-                f"weight_sync.transport=cuda_ipc sends IpcBuckets (see share_buckets), got a {type(bucket).__name__};"
-                f" push GPU tensors or TrainerGroup.export_ipc_buckets, or {_USE_OBJECT_STORE}"
-            )
-        # The bucket is a handle and a layout (a few KB): pickled into each call, no object-store round trip.
-        call_all([Call(e, "update_weights", (bucket,)) for e in engines], timeout_s)
+    def open(self, source: WeightSource, fp8: bool, version: int, max_bytes: int) -> Push:
+        buckets = source.export_ipc_buckets(fp8, max_bytes, version)
+        try:
+            if any(b.version != version for b in buckets):
+                raise ValueError(
+                    f"buckets of versions {sorted({b.version for b in buckets})} pushed as {version}"
+                )
+        except Exception:
+            source.release_export()
+            raise
+        return _IpcPush(buckets, source)
 
 
 def make_transport(cfg: WeightSyncConfig) -> Transport:
-    if cfg.transport == "object_store":
-        return ObjectStoreTransport()
-    if cfg.transport == "cuda_ipc":
-        return CudaIpcTransport()
-    raise ValueError(
-        f"weight_sync.transport={cfg.transport!r} is not implemented yet: use 'object_store' (CPU and GPU) or"
-        " 'cuda_ipc' (trainer and engine colocated on a GPU); nccl is planned behind weight_sync.transport.Transport"
-    )
+    transports: dict[str, Transport] = {
+        "object_store": ObjectStoreTransport(),
+        "cuda_ipc": CudaIpcTransport(),
+    }
+    if cfg.transport not in transports:  # the config type refuses what is not built; this guards a new name
+        raise ValueError(
+            f"weight_sync.transport={cfg.transport!r}: no such transport; use one of {sorted(transports)}"
+        )
+    return transports[cfg.transport]
