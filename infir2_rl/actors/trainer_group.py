@@ -7,6 +7,7 @@ weights use the global unit count, so the result does not depend on the number o
     group = TrainerGroup(cfg, total_steps=100)          # places actors, forms the process group
     stats = group.train_step(batch, loss_fn, total_units)
     logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
+    ref   = group.forward_ref_logprobs(batch, temperature)  # the same under the reference (kl_coef > 0)
     sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource)
     group.save(path); group.load(path); group.save_hf(path)
     group.shutdown()
@@ -71,15 +72,7 @@ class TrainerGroup:
         if fsdp is None:
             fsdp = plan.use_gpu and self.num_workers > 1
         self.fsdp = fsdp
-        spec = TrainerSpec(
-            model=cfg.model,
-            trainer=cfg.trainer,
-            optimizer=cfg.optimizer,
-            total_steps=total_steps,
-            seed=cfg.seed,
-            fsdp=fsdp,
-            torch_threads=cfg.placement.trainer_threads,
-        )
+        spec = TrainerSpec.from_stage(cfg, total_steps=total_steps, fsdp=fsdp)
         remote_cls = ray.remote(TrainerWorker)
         self.workers: list[Any] = [
             remote_cls.options(name=None, max_concurrency=1, **plan.actor_options(bundle, share)).remote(
@@ -125,6 +118,13 @@ class TrainerGroup:
         """
         parts: list[list[Tensor]] = self._per_rank(
             "forward_logprobs", [(shard, temperature, fp8) for shard in self._shards(batch)]
+        )
+        return merge_rows([p for rank_parts in parts for p in rank_parts], int(batch.input_ids.shape[1]))
+
+    def forward_ref_logprobs(self, batch: TokenBatch, temperature: float) -> Tensor:
+        """Per-token log-probs under the frozen reference model (algorithm.kl_coef > 0), like forward_logprobs."""
+        parts: list[list[Tensor]] = self._per_rank(
+            "forward_ref_logprobs", [(shard, temperature) for shard in self._shards(batch)]
         )
         return merge_rows([p for rank_parts in parts for p in rank_parts], int(batch.input_ids.shape[1]))
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.config import ModelConfig, OptimizerConfig, RlStageConfig, SftStageConfig, TrainerConfig
 from infir2_rl.metrics import names
 from infir2_rl.trainers.torch.distributed import free_port, init_process_group
 from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
@@ -73,6 +73,24 @@ class TrainerSpec:
     fsdp: bool | None = None
     # torch intra-op threads of the worker process (placement.trainer_threads; 0: Ray's setting).
     torch_threads: int = 0
+    # Hold a frozen reference model for the KL penalty (RL with algorithm.kl_coef > 0 only).
+    reference: bool = False
+
+    @classmethod
+    def from_stage(
+        cls, cfg: SftStageConfig | RlStageConfig, *, total_steps: int, fsdp: bool | None
+    ) -> TrainerSpec:
+        """The spec of a stage's trainer ranks; a reference model only for RL with algorithm.kl_coef > 0."""
+        return cls(
+            model=cfg.model,
+            trainer=cfg.trainer,
+            optimizer=cfg.optimizer,
+            total_steps=total_steps,
+            seed=cfg.seed,
+            fsdp=fsdp,
+            torch_threads=cfg.placement.trainer_threads,
+            reference=isinstance(cfg, RlStageConfig) and cfg.algorithm.needs_reference,
+        )
 
 
 class TrainerWorker:
@@ -108,6 +126,7 @@ class TrainerWorker:
             total_steps=self.spec.total_steps,
             seed=self.spec.seed,
             fsdp=self.spec.fsdp,
+            reference=self.spec.reference,
         )
         return str(self._backend.device)
 
@@ -127,6 +146,10 @@ class TrainerWorker:
         self, batches: Sequence[TokenBatch], temperature: float, fp8: bool = True
     ) -> list[Tensor]:
         result: list[Tensor] = self.backend.forward_logprobs(batches, temperature, fp8)
+        return result
+
+    def forward_ref_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
+        result: list[Tensor] = self.backend.forward_ref_logprobs(batches, temperature)
         return result
 
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:

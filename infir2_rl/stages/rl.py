@@ -121,6 +121,9 @@ def rl_step(
     actors.engines_sleep()
     with timer("old_logprobs"):
         tokens.old_logprobs = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature)
+    if cfg.algorithm.needs_reference:
+        with timer("ref_logprobs"):
+            tokens.ref_logprobs = actors.trainer.forward_ref_logprobs(tokens, cfg.rollout.temperature)
     assert tokens.rollout_logprobs is not None
     mask, rollout_logp = tokens.loss_mask[:, 1:], tokens.rollout_logprobs[:, 1:]
     tis = (cfg.algorithm.tis_low, cfg.algorithm.tis_high)

@@ -40,6 +40,7 @@ from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
+from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.types import LossFn, TokenBatch, TrainStats
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,6 +72,7 @@ class TorchTrainer:
         seed: int = 0,
         device: str | torch.device | None = None,
         fsdp: bool | None = None,
+        reference: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,6 +113,16 @@ class TorchTrainer:
         self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
         self.step = 0
         self.num_skipped = 0
+        # algorithm.kl_coef > 0: the frozen starting model the KL is measured against (None otherwise).
+        self.reference: PreTrainedModel | None = None
+        if reference:
+            self.reference = load_reference_model(
+                model_cfg,
+                fp8=bool(self.fp8_linears),
+                pow2_scales=self.pow2_scales,
+                device=self.device,
+                fsdp=self.fsdp,
+            )
 
     # ------------------------------------------------------------------ forward helpers
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -118,9 +130,11 @@ class TorchTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def _logits(self, batch: TokenBatch) -> Tensor:
+    def _logits(self, batch: TokenBatch, model: PreTrainedModel | None = None) -> Tensor:
         with self.autocast():
-            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+            out = (self.model if model is None else model)(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            )
         return out.logits
 
     def _padded(self, batches: Sequence[TokenBatch]) -> list[TokenBatch | None]:
@@ -233,13 +247,25 @@ class TorchTrainer:
         self.model.train()
         return out
 
-    def _forward_logprobs(self, batches: Sequence[TokenBatch], temperature: float) -> list[Tensor]:
+    @torch.no_grad()
+    def forward_ref_logprobs(self, batches: Sequence[TokenBatch], temperature: float = 1.0) -> list[Tensor]:
+        """Per-token log-probs under the frozen reference model (see reference.py), like forward_logprobs."""
+        if self.reference is None:
+            raise RuntimeError(
+                "forward_ref_logprobs: this trainer holds no reference model (built only when"
+                " algorithm.kl_coef > 0)"
+            )
+        return self._forward_logprobs(batches, temperature, self.reference)
+
+    def _forward_logprobs(
+        self, batches: Sequence[TokenBatch], temperature: float, model: PreTrainedModel | None = None
+    ) -> list[Tensor]:
         out: list[Tensor] = []
         for batch in self._padded(batches):
             if batch is None:
-                self._logits(self._dummy_batch())
+                self._logits(self._dummy_batch(), model)
                 continue
-            logp = token_logprobs(self._logits(batch)[:, :-1], batch.input_ids[:, 1:], temperature)
+            logp = token_logprobs(self._logits(batch, model)[:, :-1], batch.input_ids[:, 1:], temperature)
             full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=logp.device)
             full[:, 1:] = logp * batch.attention_mask[:, 1:].to(logp.dtype)
             out.append(full.cpu())
