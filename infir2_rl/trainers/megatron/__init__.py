@@ -1,0 +1,1 @@
+"""megatron-core trainer backend (``trainer.backend=megatron``); see trainer.py. Imports megatron lazily."""

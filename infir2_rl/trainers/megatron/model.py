@@ -1,0 +1,161 @@
+"""Build a megatron-core GPTModel for a Qwen2/Llama HF checkpoint, with one of two layer specs.
+
+* ``local``: megatron's local spec (RMSNorm modules, SwiGLU MLP, RoPE) with our `layers.ParallelLinear`
+  for linear_qkv / linear_proj / linear_fc1 / linear_fc2 (blockwise FP8 through the project's quantizer
+  and autograd, emulated on CPU, cuBLASLt on Hopper) and `layers.SdpaAttention` as core attention. Runs on
+  CPU (gloo, with shims.py) and on GPUs without Transformer Engine. megatron's own ``config.fp8`` stays
+  off: FP8 is ours, so it cannot silently fall back to BF16.
+* ``te``: megatron's Transformer Engine spec with ``fp8="e4m3"``, ``fp8_recipe="blockwise"``
+  (TE's Float8BlockScaling: 128x128 weight blocks, 1x128 activation tiles, FP32 scales). Needs
+  ``transformer_engine``; `resolve_spec` refuses it otherwise. Written against megatron-core's TE spec API;
+  not run in this repository's CI or on its GPU machine (no TE there).
+
+Parameters are FP32 masters; BF16 compute runs under autocast (the torch backend's convention), so the two
+backends compute the same numbers from the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from infir2_rl.trainers.megatron import shims
+from infir2_rl.trainers.megatron.hf_mapping import Arch, padded_vocab
+from infir2_rl.trainers.megatron.layers import ParallelLinear, SdpaAttention
+
+MEGATRON_MISSING = (
+    "trainer.backend=megatron needs megatron-core, which is not installed: pip install -e '.[megatron]'"
+    " (megatron-core 0.16 on Python 3.11, up to 0.19 on 3.12), or use trainer.backend=torch"
+)
+
+
+def megatron_available() -> bool:
+    return (
+        importlib.util.find_spec("megatron") is not None
+        and importlib.util.find_spec("megatron.core") is not None
+    )
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_spec(setting: str, fp8: bool) -> str:
+    """``auto`` -> ``te`` when Transformer Engine imports, else ``local``; refuses what cannot run.
+
+    Every refusal is one sentence naming the field, raised before any actor starts (TrainerGroup calls
+    this on the driver) and again in each worker (whose image may differ from the driver's).
+    """
+    if not megatron_available():
+        raise ValueError(MEGATRON_MISSING)
+    if setting == "te" and not te_available():
+        raise ValueError(
+            "trainer.megatron_spec=te needs transformer_engine, which does not import here (it ships in the"
+            " docker/ image); use trainer.megatron_spec=local (our FP8 linears) or auto"
+        )
+    spec = setting if setting != "auto" else ("te" if te_available() else "local")
+    if spec == "te" and fp8:
+        import transformer_engine.common.recipe as te_recipe
+
+        if not hasattr(te_recipe, "Float8BlockScaling"):
+            raise ValueError(
+                "trainer.fp8=true with trainer.megatron_spec=te needs Transformer Engine with Float8BlockScaling"
+                " (TE >= 2.3); this TE lacks it, so FP8 would not be blockwise: use trainer.megatron_spec=local"
+            )
+    return spec
+
+
+def transformer_config(arch: Arch, *, spec: str, fp8: bool, tp: int, cp: int, recompute: bool) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec == "te":
+        # TE computes in BF16 with FP32 masters kept by megatron's distributed optimizer.
+        kwargs.update(bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=False)
+        if fp8:
+            kwargs.update(fp8="e4m3", fp8_recipe="blockwise", fp8_param=True)
+    return TransformerConfig(**kwargs)
+
+
+def linear_class(fp8: bool, pow2_scales: bool) -> type[ParallelLinear]:
+    """A ParallelLinear subclass carrying the FP8 settings (megatron calls the spec's class directly)."""
+    return type(
+        "Fp8ParallelLinear" if fp8 else "ParallelLinear",
+        (ParallelLinear,),
+        {"fp8": fp8, "pow2_scales": pow2_scales},
+    )
+
+
+def layer_spec(spec: str, fp8: bool, pow2_scales: bool) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if spec == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    linear = linear_class(fp8, pow2_scales)
+    attention = layer.submodules.self_attention.submodules
+    attention.linear_qkv = attention.linear_proj = linear
+    attention.core_attention = SdpaAttention
+    mlp = layer.submodules.mlp.submodules
+    mlp.linear_fc1 = mlp.linear_fc2 = linear
+    return layer
+
+
+def build_gpt_model(
+    arch: Arch, *, spec: str, fp8: bool, pow2_scales: bool, tp: int, cp: int = 1, recompute: bool = False
+) -> Any:
+    """GPTModel returning full-vocab logits ``[b, s, padded_vocab]`` (parallel_output=False)."""
+    from megatron.core.models.gpt import GPTModel
+
+    shims.install()
+    config = transformer_config(arch, spec=spec, fp8=fp8, tp=tp, cp=cp, recompute=recompute)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(spec, fp8, pow2_scales),
+        vocab_size=padded_vocab(arch, tp),
+        max_sequence_length=arch.max_positions,
+        parallel_output=False,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+    )
+
+
+def init_parallel_state(tp: int, cp: int, seed: int) -> None:
+    """megatron's process groups over the already initialized torch.distributed world (TP fastest)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
