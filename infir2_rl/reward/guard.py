@@ -9,7 +9,9 @@ be killed: we send it one request per line on stdin, wait for one line on stdout
 and SIGKILL it (then start a fresh one on the next call) when the deadline passes.
 
 Cost: one pipe round trip per answer (well under a millisecond) on top of math-verify's own work
-(about 2 ms for a simple number), and one interpreter start (about 1 s) per guard and per timeout.
+(about 2 ms for a simple number), and one interpreter start (about 1 s, 1.6-1.8 s on a loaded 2-core
+machine) per guard and per timeout. The replacement of a killed child is started at once, so its start
+overlaps whatever the caller does before the next answer (``MathReward`` keeps spare guards for this).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class VerifyGuard:
         self.startup_timeout_s = startup_timeout_s
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the child said "ready" (it may still be importing after a restart)
         self._buffer = b""
         _LIVE_GUARDS.add(self)
 
@@ -112,26 +115,45 @@ class VerifyGuard:
                         continue
                     return Verdict.ERROR
                 except _Deadline:
-                    self._kill()  # the next call starts a fresh child
+                    self._kill()
+                    self._spawn()  # the replacement boots now, ready (or nearly) by the next call
                     return Verdict.TIMEOUT
                 return {b"1": Verdict.CORRECT, b"0": Verdict.WRONG}.get(line, Verdict.ERROR)
         raise AssertionError("unreachable")
+
+    @property
+    def ready(self) -> bool:
+        """True when the child is running and has finished starting (the next check starts at once)."""
+        return self._ready and self._proc is not None and self._proc.poll() is None
 
     def close(self) -> None:
         """Stop the child process (a later `check` starts a new one)."""
         with self._lock:
             self._kill()
 
-    def _ensure_started(self) -> subprocess.Popen[bytes]:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        self._kill()
+    def start_soon(self) -> None:
+        """Start the child now without waiting for it (the first check waits); several start in parallel."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._kill()
+                self._spawn()
+
+    def _spawn(self) -> None:
+        """Start a child without waiting for it to say ready (``_ensure_started`` waits)."""
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_SOURCE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
         )
+        self._ready = False
+
+    def _ensure_started(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None and self._ready:
+            return self._proc
+        if self._proc is None or self._proc.poll() is not None:
+            self._kill()
+            self._spawn()
         try:
             line = self._read_line(self.startup_timeout_s)
         except (_ChildExited, _Deadline):
@@ -142,6 +164,8 @@ class VerifyGuard:
                 "The math-verify worker process did not start (see its error above on stderr); "
                 f"check that `{sys.executable} -c 'import math_verify'` works."
             )
+        self._ready = True
+        assert self._proc is not None
         return self._proc
 
     def _read_line(self, timeout_s: float) -> bytes:
@@ -165,7 +189,7 @@ class VerifyGuard:
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
-        self._buffer = b""
+        self._buffer, self._ready = b"", False
         if proc is None:
             return
         if proc.poll() is None:

@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from infir2_rl.reward.math import math_reward
+from infir2_rl.reward.math import math_reward, math_reward_many
 
 
 @runtime_checkable
@@ -61,14 +61,20 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def score_batch(fn: RewardFn, responses: Sequence[str], labels: Sequence[str]) -> list[float]:
-    """`fn` applied to each (response, label) pair, in order; values are checked to be real numbers."""
+    """`fn` applied to each (response, label) pair, in order; values are checked to be real numbers.
+
+    The built-in math reward (and any object with a ``score_many(responses, labels)`` method, such as a
+    ``MathReward``) scores the whole batch at once in parallel worker processes with a per-answer
+    deadline. Any other function is called once per pair in this process: it must bound its own time.
+    """
     if len(responses) != len(labels):
         raise ValueError(
             f"score_batch got {len(responses)} responses and {len(labels)} labels; pass one label per response."
         )
+    many = math_reward_many if fn is math_reward else getattr(fn, "score_many", None)
+    raw = many(responses, labels) if many is not None else [fn(r, lab) for r, lab in zip(responses, labels)]
     scores: list[float] = []
-    for response, label in zip(responses, labels):
-        score = fn(response, label)
+    for score in raw:
         if not isinstance(score, numbers.Real):
             raise TypeError(
                 f"reward function returned {score!r} ({type(score).__name__}); it must return a float."
