@@ -64,11 +64,11 @@ def summary(seconds: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from infir2_rl.actors.placement import create_placement, remove_placement
+    from infir2_rl.actors.placement import reserve_for
     from infir2_rl.actors.rollout_engine import create_engines
     from infir2_rl.actors.trainer_group import TrainerGroup
     from infir2_rl.config.stage import RlStageConfig
-    from infir2_rl.stages.rl_setup import TRAINER_GPU_SHARE_COLOCATED, check_transport
+    from infir2_rl.stages.rl_setup import resolve_transport
     from infir2_rl.weight_sync.service import WeightSyncService
 
     gpu = not args.tiny
@@ -94,12 +94,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     base = cfg("object_store", 0)
     # GPU: one bundle, trainer and engine colocated as in the RL stage. CPU: a bundle each.
-    plan = create_placement(1 if gpu else 2, use_gpu=gpu, cpus_per_bundle=1)
+    placement = reserve_for(base.placement, num_trainers=1, num_engines=1)
     start = time.perf_counter()
-    trainer = TrainerGroup(
-        base, total_steps=1, plan=plan, bundle_indices=[0], share=TRAINER_GPU_SHARE_COLOCATED if gpu else 1.0
-    )
-    engines = create_engines(base, plan.placement_group, [0] if gpu else [1])
+    trainer = TrainerGroup(base, placement, total_steps=1)
+    engines = create_engines(base, placement)
     ray.get([e.health.remote() for e in engines])
     print(f"# actors ready in {time.perf_counter() - start:.0f} s")
     worker = trainer.workers[0]
@@ -112,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {}
             for check_layers, key in ((0, "sync"), (2, "check")):
                 c = cfg(transport, check_layers)
-                check_transport(c, colocate=gpu)
+                resolve_transport(c, colocate=gpu)
                 service = WeightSyncService(engines, c.weight_sync)
                 walls, pushes, checks = [], [], []
                 for i in range(args.warmup + args.reps):
@@ -138,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for e in engines:
             ray.kill(e)
         trainer.shutdown()
-        remove_placement(plan)
+        placement.remove()
         ray.shutdown()
     return results
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from infir2_rl.actors.placement import reserve_for
 from infir2_rl.actors.rollout_engine import RolloutEngine, create_engines
 from infir2_rl.config.stage import RlStageConfig
 from infir2_rl.fp8.checkpoint import fp8_state_from_model
@@ -51,7 +52,8 @@ def _length_parity(response: str, label: str) -> float:
 
 
 def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_cluster: None, cfg: RlStageConfig) -> None:
-    engines = create_engines(cfg)
+    placement = reserve_for(cfg.placement, num_trainers=0, num_engines=1)
+    engines = create_engines(cfg, placement)
     assert len(engines) == 1 and cfg.rollout.fp8
     _, tokenizer = load_model(cfg.model.path)
     prompts = [
@@ -92,6 +94,15 @@ def test_engine_actor_class_runs_without_ray(cfg: RlStageConfig) -> None:
     assert engine.health().fp8 and engine.health().weight_version == 0
 
 
-def test_unknown_bundle_count_is_refused(ray_cluster: None, cfg: RlStageConfig) -> None:
-    with pytest.raises(ValueError, match="bundle_indices"):
-        create_engines(cfg, placement_group=None, bundle_indices=[0, 1])
+def test_more_engines_than_the_placement_has_slots_for_are_refused(
+    ray_cluster: None, cfg: RlStageConfig
+) -> None:
+    placement = reserve_for(cfg.placement, num_trainers=0, num_engines=1)
+    try:
+        with pytest.raises(ValueError, match="rollout.num_engines=2: the placement plan has 1 engine slots"):
+            create_engines(
+                cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_engines": 2})}),
+                placement,
+            )
+    finally:
+        placement.remove()

@@ -12,14 +12,14 @@ import ray
 import torch
 from ray import cloudpickle
 
-from infir2_rl.actors.trainer_group import TrainerGroup
+from infir2_rl.actors.trainer_group import TrainerGroup, placed_trainer_group
 from infir2_rl.config import SftStageConfig
 from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
 from infir2_rl.trainers.microbatch import select_rows
-from infir2_rl.types import LossOutput, TokenBatch
+from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[TokenBa
 
 
 class LossWithMetric(SftLossFn):
-    def __call__(self, logits: torch.Tensor, batch: TokenBatch) -> LossOutput:
-        out = super().__call__(logits, batch)
+    def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
+        out = super().__call__(scores, batch)
         out.metrics["test/units"] = 1.0
         return out
 
@@ -76,10 +76,8 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
     results = {}
     for num_workers, fsdp, budget in ((1, None, None), (2, None, None), (2, True, 150)):
         # budget: token-budget micro-batches give the FSDP ranks unequal forward counts (dummy padding).
-        group = TrainerGroup(
-            stage_cfg(model, num_workers, max_tokens_per_gpu=budget), total_steps=5, fsdp=fsdp
-        )
-        try:
+        cfg = stage_cfg(model, num_workers, max_tokens_per_gpu=budget)
+        with placed_trainer_group(cfg, total_steps=5, fsdp=fsdp) as group:
             results[(num_workers, fsdp)] = run(group, batches)
             if num_workers == 2 and fsdp is None:
                 # One row for two ranks: rank 1 has no micro-batch and no loss metrics of its own.
@@ -93,8 +91,6 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
                 assert exported[2][0].endswith("weight_scale_inv")
             peak = group.train_step(batches[0], SftLossFn(), num_target_tokens(batches[0])).metrics
             assert peak["perf/peak_memory_gb"] > 0
-        finally:
-            group.shutdown()
     losses_1, norms_1, logp_1 = results[(1, None)]
     for key in ((2, None), (2, True)):
         losses, norms, logp = results[key]
@@ -109,16 +105,16 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
 def test_bad_trainer_settings_fail_before_actors_start(assets: tuple[Path, list[TokenBatch]]) -> None:
     model, _ = assets
     with pytest.raises(ValueError, match="docker/"):
-        TrainerGroup(stage_cfg(model, 1, backend="megatron"), total_steps=1)
+        TrainerGroup(stage_cfg(model, 1, backend="megatron"), None, total_steps=1)  # type: ignore[arg-type]
     cfg = SftStageConfig(
         model={"path": str(model)}, trainer={"num_workers": 3, "global_batch_size": 6, "micro_batch_size": 2}
     )
     with pytest.raises(ValueError, match="need 3 CPUs; the Ray cluster has 2"):
-        TrainerGroup(cfg, total_steps=1)
+        placed_trainer_group(cfg, total_steps=1).__enter__()
     cfg = stage_cfg(model, 1)
     cfg.placement.use_gpu = "yes"
     with pytest.raises(ValueError, match="no GPUs"):
-        TrainerGroup(cfg, total_steps=1)
+        placed_trainer_group(cfg, total_steps=1).__enter__()
 
 
 def test_trainer_threads_set_the_worker_torch_threads(assets: tuple[Path, list[TokenBatch]]) -> None:

@@ -22,7 +22,7 @@ from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.fp8.checkpoint import fp8_state_from_model
 from infir2_rl.fp8.linear import swap_to_fp8_training
 from infir2_rl.models.factory import init_model, load_model
-from infir2_rl.stages.rl_setup import check_transport
+from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import StaleWeightsError
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
@@ -154,17 +154,20 @@ def test_push_from_exports_and_always_releases(model_dir: Path) -> None:
     assert trainer.released == 1  # ...and the trainer's GPU buckets are released all the same
 
 
-def test_cuda_ipc_is_refused_unless_native_engines_are_colocated_on_gpus() -> None:
+def test_transport_auto_is_cuda_ipc_only_for_native_engines_colocated_on_gpus() -> None:
+    default = RlStageConfig.model_validate({})
+    assert resolve_transport(default, colocate=True) == "cuda_ipc"
+    assert resolve_transport(default, colocate=False) == "object_store"  # CPU, or engines on their own GPUs
     ipc = RlStageConfig.model_validate({"weight_sync": {"transport": "cuda_ipc"}})
-    check_transport(ipc, colocate=True)
-    check_transport(RlStageConfig.model_validate({}), colocate=False)
+    assert resolve_transport(ipc, colocate=True) == "cuda_ipc"
     with pytest.raises(ValueError, match="set weight_sync.transport=object_store"):
-        check_transport(ipc, colocate=False)
-    sglang = RlStageConfig.model_validate(
-        {"weight_sync": {"transport": "cuda_ipc"}, "rollout": {"backend": "sglang"}}
-    )
+        resolve_transport(ipc, colocate=False)
+    sglang = {"rollout": {"backend": "sglang"}}
+    assert resolve_transport(RlStageConfig.model_validate(sglang), colocate=True) == "object_store"
     with pytest.raises(ValueError, match="rollout.backend=sglang"):
-        check_transport(sglang, colocate=True)
+        resolve_transport(
+            RlStageConfig.model_validate({**sglang, "weight_sync": {"transport": "cuda_ipc"}}), True
+        )
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -272,10 +275,9 @@ class _KeepExport:
 def test_rl_stage_path_trainer_group_to_colocated_engine(ray_gpu: Any, model_dir: Path) -> None:
     """What start_rl_actors and rl_step do with weight_sync.transport=cuda_ipc: a trainer worker and an
     engine in one GPU bundle, push_from every step, bytes compared in full against the trainer's export."""
-    from infir2_rl.actors.placement import create_placement, remove_placement
+    from infir2_rl.actors.placement import reserve_for
     from infir2_rl.actors.rollout_engine import create_engines
     from infir2_rl.actors.trainer_group import TrainerGroup
-    from infir2_rl.stages.rl_setup import TRAINER_GPU_SHARE_COLOCATED
 
     ray = ray_gpu
     cfg = RlStageConfig.model_validate(
@@ -286,12 +288,10 @@ def test_rl_stage_path_trainer_group_to_colocated_engine(ray_gpu: Any, model_dir
             "weight_sync": {"transport": "cuda_ipc", "bucket_size_mb": 1, "self_check_layers": 2},
         }
     )
-    check_transport(cfg, colocate=True)
-    plan = create_placement(1, use_gpu=True, cpus_per_bundle=1)
-    trainer = TrainerGroup(
-        cfg, total_steps=4, plan=plan, bundle_indices=[0], share=TRAINER_GPU_SHARE_COLOCATED
-    )
-    engines = create_engines(cfg, plan.placement_group, [0])
+    placement = reserve_for(cfg.placement, num_trainers=1, num_engines=1)
+    assert placement.plan.colocate and resolve_transport(cfg, colocate=True) == "cuda_ipc"
+    trainer = TrainerGroup(cfg, placement, total_steps=4)
+    engines = create_engines(cfg, placement)
     try:
         service = WeightSyncService(engines, cfg.weight_sync)
         buckets = trainer.export_ipc_buckets(True, service.max_bucket_bytes, version=0)
@@ -310,4 +310,4 @@ def test_rl_stage_path_trainer_group_to_colocated_engine(ray_gpu: Any, model_dir
         for e in engines:
             ray.kill(e)
         trainer.shutdown()
-        remove_placement(plan)
+        placement.remove()

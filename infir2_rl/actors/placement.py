@@ -1,108 +1,192 @@
-"""One Ray placement group for a stage's actors: GPU bundles where GPUs exist, CPU bundles otherwise.
+"""Where a stage's actors run: one function decides it (``plan_placement``), one Ray placement group holds it.
 
-Bundle shapes:
-* GPU: {"GPU": 1, "CPU": cpus_per_bundle}. Actors placed in it ask for a share of the GPU and
-  `num_cpus=0`: the bundle's CPUs are reserved for the node (data loading, NCCL threads), and an
-  actor that also asked for a CPU would make a colocated trainer + engine need two.
-* CPU: {"CPU": cpus_per_bundle}. Actors ask for their share of those CPUs.
+``plan_placement`` is the whole policy, a pure function of the stage's placement config, the actor counts and
+the cluster's resources (unit-tested without Ray):
 
-Colocation: a trainer and an engine may share bundle i (each takes `share=0.5`); the trainer group
-exposes its `PlacementPlan` and bundle indices so the rollout side can place engines there later.
+* use the GPU? ``placement.use_gpu``: ``auto`` = when the cluster has GPUs; ``yes`` without GPUs is an error,
+  not a silent CPU run; ``no`` = CPU.
+* GPU + ``colocate`` (an RL stage with engines): one GPU bundle per trainer worker; engine i shares the bundle of
+  worker i x (its tensor-parallel size). The trainer takes ``TRAINER_GPU_SHARE`` of the GPU and the engine
+  ``ENGINE_GPU_SHARE``: Ray's accounting of one GPU, not a memory limit; the engine frees its memory while the
+  trainer works (release/resume around the phases). An engine of tensor-parallel size k sits in its first
+  bundle and its server uses the next k-1 GPUs too (Ray cannot give one actor shares of several bundles).
+* GPU + ``disaggregate``: a GPU bundle per trainer worker, then one bundle of k GPUs per engine.
+* CPU: one bundle of ``placement.cpus_per_actor`` CPUs per actor, trainers first.
+
+In GPU bundles actors ask for ``num_cpus=0``: the bundle's CPUs stay reserved for the node (data loading,
+NCCL threads), and a colocated trainer + engine asking one CPU each would need two.
+
+``reserve(plan)`` creates the placement group (PACK: as few nodes as possible) and waits for it;
+``Placement.actor_options(role, i)`` gives the ``.options(...)`` that put actor i of a role in its bundle.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from infir2_rl.config.components import PlacementConfig
 
 log = logging.getLogger(__name__)
 
 # Seconds to wait for the cluster to grant the bundles before failing with a clear message.
 PLACEMENT_TIMEOUT_S = 120.0
+# GPU shares of a trainer worker and an engine colocated on one GPU (they sum to 1).
+TRAINER_GPU_SHARE = 0.6
+ENGINE_GPU_SHARE = 0.4
+
+Role = Literal["trainer", "engine"]
 
 
-def resolve_use_gpu(setting: Literal["auto", "yes", "no"]) -> bool:
-    """`auto`: GPUs when the Ray cluster has any. `yes` without GPUs is an error, not a silent CPU run."""
-    num_gpus = float(ray.cluster_resources().get("GPU", 0))
-    if setting == "no":
-        return False
-    if setting == "yes" and num_gpus == 0:
+@dataclass(frozen=True)
+class RolePlacement:
+    """Where the actors of one role go: actor i in bundle ``bundles[i]``, asking for ``gpus`` and ``cpus``."""
+
+    bundles: tuple[int, ...]
+    gpus: float
+    cpus: float
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """The placement decided for a stage (see the module docstring); nothing is reserved yet."""
+
+    use_gpu: bool
+    # A trainer worker and an engine share each GPU (RL on GPUs with placement.mode=colocate).
+    colocate: bool
+    # Resources of each bundle of the placement group.
+    bundles: tuple[dict[str, float], ...]
+    trainer: RolePlacement
+    engine: RolePlacement
+
+    def role(self, role: Role) -> RolePlacement:
+        return self.trainer if role == "trainer" else self.engine
+
+
+def plan_placement(
+    placement: PlacementConfig,
+    *,
+    num_trainers: int,
+    num_engines: int = 0,
+    engine_gpus: int = 1,
+    cluster_resources: Mapping[str, float],
+) -> PlacementPlan:
+    """The one placement policy for trainers and engines; ``cluster_resources`` as ``ray.cluster_resources()``."""
+    cluster_gpus = float(cluster_resources.get("GPU", 0))
+    if placement.use_gpu == "yes" and cluster_gpus == 0:
         raise ValueError(
             "placement.use_gpu='yes': the Ray cluster has no GPUs; use 'auto' or 'no' to run on CPU"
         )
-    return num_gpus > 0
-
-
-@dataclass
-class PlacementPlan:
-    """A created placement group and what its bundles hold."""
-
-    placement_group: PlacementGroup
-    use_gpu: bool
-    num_bundles: int
-    cpus_per_bundle: float
-    # Bundles given to each role so far (e.g. "trainer": [0, 1]); informational.
-    assigned: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def bundle_indices(self) -> list[int]:
-        return list(range(self.num_bundles))
-
-    def actor_options(self, bundle_index: int, share: float = 1.0) -> dict[str, Any]:
-        """`.options(...)` kwargs placing one actor in `bundle_index`, taking `share` of its GPU / CPUs."""
-        if not 0 <= bundle_index < self.num_bundles:
+    use_gpu = placement.use_gpu != "no" and cluster_gpus > 0
+    cpus = placement.cpus_per_actor
+    trainer_bundles = tuple(range(num_trainers))
+    if not use_gpu:
+        bundles = tuple({"CPU": cpus} for _ in range(num_trainers + num_engines))
+        engines = tuple(range(num_trainers, num_trainers + num_engines))
+        plan = PlacementPlan(
+            False, False, bundles, RolePlacement(trainer_bundles, 0, cpus), RolePlacement(engines, 0, cpus)
+        )
+    elif placement.mode == "colocate" and num_engines > 0:
+        if num_engines * engine_gpus > num_trainers:
             raise ValueError(
-                f"bundle_index={bundle_index}: the placement group has {self.num_bundles} bundles"
+                f"rollout.num_engines={num_engines} x rollout.tensor_parallel_size={engine_gpus} GPUs: colocate"
+                f" shares the trainer's GPUs, trainer.num_workers={num_trainers}; lower the engines or use"
+                " placement.mode=disaggregate"
             )
-        if not 0 < share <= 1:
-            raise ValueError(f"share={share}: must be in (0, 1] (the fraction of the bundle this actor uses)")
+        bundles = tuple({"GPU": 1.0, "CPU": cpus} for _ in range(num_trainers))
+        engines = tuple(i * engine_gpus for i in range(num_engines))
+        plan = PlacementPlan(
+            True,
+            True,
+            bundles,
+            RolePlacement(trainer_bundles, TRAINER_GPU_SHARE, 0),
+            RolePlacement(engines, ENGINE_GPU_SHARE, 0),
+        )
+    else:
+        bundles = tuple({"GPU": 1.0, "CPU": cpus} for _ in range(num_trainers))
+        bundles += tuple({"GPU": float(engine_gpus), "CPU": cpus} for _ in range(num_engines))
+        engines = tuple(range(num_trainers, num_trainers + num_engines))
+        plan = PlacementPlan(
+            True,
+            False,
+            bundles,
+            RolePlacement(trainer_bundles, 1.0, 0),
+            RolePlacement(engines, engine_gpus, 0),
+        )
+    _check_fits(plan, cluster_resources)
+    return plan
+
+
+def _check_fits(plan: PlacementPlan, cluster: Mapping[str, float]) -> None:
+    for resource, hint in (
+        ("CPU", "lower trainer.num_workers, rollout.num_engines or placement.cpus_per_actor"),
+        ("GPU", "lower trainer.num_workers (one per GPU) or rollout.num_engines"),
+    ):
+        need = sum(b.get(resource, 0.0) for b in plan.bundles)
+        have = float(cluster.get(resource, 0))
+        if need > have:
+            raise ValueError(
+                f"{len(plan.bundles)} placement bundles need {need:g} {resource}s; the Ray cluster has {have:g}: {hint}"
+            )
+
+
+class Placement:
+    """A reserved placement group for a plan; ``remove()`` gives it back."""
+
+    def __init__(self, plan: PlacementPlan, placement_group: Any) -> None:
+        self.plan = plan
+        self.placement_group = placement_group
+
+    def actor_options(self, role: Role, index: int) -> dict[str, Any]:
+        """``.options(...)`` kwargs placing actor ``index`` of ``role`` in its bundle with its share."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        where = self.plan.role(role)
+        if not 0 <= index < len(where.bundles):
+            raise ValueError(f"{role} {index}: the placement plan has {len(where.bundles)} {role} slots")
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=self.placement_group,
-            placement_group_bundle_index=bundle_index,
+            placement_group_bundle_index=where.bundles[index],
             placement_group_capture_child_tasks=True,
         )
-        if self.use_gpu:
-            return {"num_gpus": share, "num_cpus": 0, "scheduling_strategy": strategy}
-        return {"num_cpus": self.cpus_per_bundle * share, "num_gpus": 0, "scheduling_strategy": strategy}
+        return {"num_gpus": where.gpus, "num_cpus": where.cpus, "scheduling_strategy": strategy}
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)
 
 
-def create_placement(
-    num_bundles: int, *, use_gpu: bool, cpus_per_bundle: float = 1.0, timeout_s: float = PLACEMENT_TIMEOUT_S
-) -> PlacementPlan:
-    """Reserve `num_bundles` bundles (PACK: as few nodes as possible) and wait until they are granted."""
-    if num_bundles < 1:
-        raise ValueError(f"num_bundles={num_bundles}: must be >= 1")
-    total = ray.cluster_resources()
-    need_cpu = num_bundles * cpus_per_bundle
-    if need_cpu > float(total.get("CPU", 0)):
-        raise ValueError(
-            f"{num_bundles} actors x placement.cpus_per_actor={cpus_per_bundle} need {need_cpu:g} CPUs; the Ray"
-            f" cluster has {total.get('CPU', 0):g}: lower trainer.num_workers or placement.cpus_per_actor"
-        )
-    if use_gpu and num_bundles > float(total.get("GPU", 0)):
-        raise ValueError(
-            f"{num_bundles} GPU bundles requested; the Ray cluster has {total.get('GPU', 0):g} GPUs:"
-            " lower trainer.num_workers (one per GPU)"
-        )
-    bundle: dict[str, float] = {"CPU": cpus_per_bundle}
-    if use_gpu:
-        bundle["GPU"] = 1.0
-    pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
+def reserve(plan: PlacementPlan, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
+    """Create the plan's placement group and wait until the cluster grants it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([dict(b) for b in plan.bundles], strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         raise RuntimeError(
-            f"placement group of {num_bundles} x {bundle} not granted within {timeout_s:.0f} s: other jobs hold"
+            f"placement group of {len(plan.bundles)} bundles not granted within {timeout_s:.0f} s: other jobs hold"
             " the resources (see `ray status`)"
         )
-    log.info("placement group: %d bundles of %s", num_bundles, bundle)
-    return PlacementPlan(pg, use_gpu=use_gpu, num_bundles=num_bundles, cpus_per_bundle=cpus_per_bundle)
+    log.info("placement group: %s", list(plan.bundles))
+    return Placement(plan, pg)
 
 
-def remove_placement(plan: PlacementPlan) -> None:
-    remove_placement_group(plan.placement_group)
+def reserve_for(
+    placement: PlacementConfig, *, num_trainers: int, num_engines: int = 0, engine_gpus: int = 1
+) -> Placement:
+    """``plan_placement`` against the connected Ray cluster, then ``reserve``."""
+    import ray
+
+    plan = plan_placement(
+        placement,
+        num_trainers=num_trainers,
+        num_engines=num_engines,
+        engine_gpus=engine_gpus,
+        cluster_resources=ray.cluster_resources(),
+    )
+    return reserve(plan)

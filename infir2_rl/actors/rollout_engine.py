@@ -1,15 +1,9 @@
 """The rollout-engine actor: a plain class around an ``EngineBackend``, and the one place it becomes a Ray actor.
 
 ``RolloutEngine`` is usable (and unit-tested) without Ray; ``create_engines`` applies
-``ray.remote(RolloutEngine).options(...)`` with the placement the stage config asks for:
-
-* CPU machines: each engine takes ``placement.cpus_per_actor`` CPUs.
-* GPU, ``placement.mode=disaggregate``: each engine takes ``rollout.tensor_parallel_size`` whole GPUs
-  (SGLang spawns its TP workers on them; the native engine uses one) and no CPU reservation
-  (``num_cpus=0``, so CPU bundles are not needed for GPU actors).
-* GPU, ``placement.mode=colocate``: each engine takes ``ENGINE_GPU_FRACTION_COLOCATED`` of a GPU, the rest
-  is left to the trainer worker in the same bundle; memory is handed over with ``release_memory`` /
-  ``resume_memory`` around the phases.
+``ray.remote(RolloutEngine).options(...)`` in the engine slots of the stage's ``Placement`` (``placement.py``
+decides where engines go and what share of a GPU they take). Colocated engines hand their GPU memory over
+with ``release_memory`` / ``resume_memory`` around the trainer's phases.
 
 Actors run up to ``MAX_CONCURRENCY`` calls at once (threaded actor) so that ``abort`` and ``health``
 answer while a ``generate`` runs; the backend's own lock keeps weight updates out of a running batch.
@@ -29,10 +23,9 @@ from infir2_rl.types import EngineBackend, EngineHealth, GenerateRequest, Sample
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from infir2_rl.actors.placement import Placement
     from infir2_rl.config.stage import RlStageConfig
 
-# GPU share of an engine colocated with a trainer worker (the trainer worker should ask for <= 0.6).
-ENGINE_GPU_FRACTION_COLOCATED = 0.4
 # Concurrent calls per engine actor: generate + abort/health + a waiting weight update.
 MAX_CONCURRENCY = 4
 
@@ -41,18 +34,22 @@ def make_engine_backend(
     rollout: RolloutConfig,
     model_path: str,
     *,
+    fp8: bool,
     dtype: str = "auto",
     pow2_scales: bool = False,
     device: str = "auto",
 ) -> EngineBackend:
-    """The backend ``rollout.backend`` names, loading ``rollout.fp8_checkpoint`` when FP8 and set, else ``model_path``."""
-    fp8_checkpoint = rollout.fp8_checkpoint if rollout.fp8 else None
+    """The backend ``rollout.backend`` names, loading ``rollout.fp8_checkpoint`` when FP8 and set, else ``model_path``.
+
+    ``fp8``: generate with blockwise FP8 W8A8 decoder linears (the RL stage's ``rollout_fp8``, from its precision).
+    """
+    fp8_checkpoint = rollout.fp8_checkpoint if fp8 else None
     if rollout.backend == "native":
         from infir2_rl.engines.native.engine import NativeEngine
 
         return NativeEngine(
             model_path,
-            fp8=rollout.fp8,
+            fp8=fp8,
             fp8_checkpoint=fp8_checkpoint,
             dtype=dtype,
             device=device,
@@ -63,7 +60,7 @@ def make_engine_backend(
         from infir2_rl.engines.sglang.engine import SglangEngine
 
         return SglangEngine(
-            fp8_checkpoint or model_path, fp8=rollout.fp8, tensor_parallel_size=rollout.tensor_parallel_size
+            fp8_checkpoint or model_path, fp8=fp8, tensor_parallel_size=rollout.tensor_parallel_size
         )
     raise ValueError(f"rollout.backend={rollout.backend!r}: use 'native' or 'sglang'")
 
@@ -76,6 +73,7 @@ class RolloutEngine:
         rollout: RolloutConfig,
         model_path: str,
         *,
+        fp8: bool,
         dtype: str = "auto",
         pow2_scales: bool = False,
         device: str = "auto",
@@ -85,7 +83,7 @@ class RolloutEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.engine_index = engine_index
         self.backend = make_engine_backend(
-            rollout, model_path, dtype=dtype, pow2_scales=pow2_scales, device=device
+            rollout, model_path, fp8=fp8, dtype=dtype, pow2_scales=pow2_scales, device=device
         )
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
@@ -110,60 +108,24 @@ class RolloutEngine:
         self.backend.resume_memory()
 
 
-def _use_gpu(setting: str) -> bool:
+def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle]:
+    """Start ``cfg.rollout.num_engines`` engine actors in the placement's engine slots (Ray must be initialised)."""
     import ray
-
-    if setting == "yes":
-        return True
-    if setting == "no":
-        return False
-    return float(ray.cluster_resources().get("GPU", 0)) > 0
-
-
-def create_engines(
-    cfg: RlStageConfig,
-    placement_group: Any = None,
-    bundle_indices: Sequence[int] | None = None,
-) -> list[ActorHandle]:
-    """Start ``cfg.rollout.num_engines`` engine actors (Ray must be initialised).
-
-    With a placement group, engine i goes to bundle ``bundle_indices[i]`` (default: bundle i); for
-    ``colocate`` pass the bundles of the trainer workers it shares a GPU with.
-    """
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     num = cfg.rollout.num_engines
-    if bundle_indices is not None and len(bundle_indices) != num:
-        raise ValueError(
-            f"bundle_indices has {len(bundle_indices)} entries for rollout.num_engines={num}: pass one bundle per engine"
+    slots = len(placement.plan.engine.bundles)
+    if slots < num:
+        raise ValueError(f"rollout.num_engines={num}: the placement plan has {slots} engine slots")
+    actor_cls: Any = ray.remote(RolloutEngine)
+    return [
+        actor_cls.options(**placement.actor_options("engine", i), max_concurrency=MAX_CONCURRENCY).remote(
+            cfg.rollout,
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            fp8=cfg.rollout_fp8,
+            pow2_scales=cfg.trainer.fp8_pow2_scales,
+            device="cuda" if placement.plan.use_gpu else "cpu",
+            engine_index=i,
         )
-    gpu = _use_gpu(cfg.placement.use_gpu)
-    resources: dict[str, float]
-    if not gpu:
-        resources = {"num_cpus": cfg.placement.cpus_per_actor, "num_gpus": 0}
-    elif cfg.placement.mode == "colocate":
-        resources = {"num_cpus": 0, "num_gpus": ENGINE_GPU_FRACTION_COLOCATED}
-    else:
-        resources = {"num_cpus": 0, "num_gpus": cfg.rollout.tensor_parallel_size}
-    actor_cls = ray.remote(RolloutEngine)
-    engines: list[Any] = []
-    for i in range(num):
-        options: dict[str, Any] = {**resources, "max_concurrency": MAX_CONCURRENCY}
-        if placement_group is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group,
-                placement_group_bundle_index=bundle_indices[i] if bundle_indices is not None else i,
-                placement_group_capture_child_tasks=True,
-            )
-        engines.append(
-            actor_cls.options(**options).remote(
-                cfg.rollout,
-                cfg.model.path,
-                dtype=cfg.model.dtype,
-                pow2_scales=cfg.trainer.fp8_pow2_scales,
-                device="cuda" if gpu else "cpu",
-                engine_index=i,
-            )
-        )
-    return engines
+        for i in range(num)
+    ]

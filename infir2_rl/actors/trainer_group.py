@@ -4,19 +4,20 @@ Every call fans out to all ranks and is gathered with a single `ray.get`. A glob
 contiguous row shards, one per rank, and each shard into micro-batches (microbatch.py); the loss
 weights use the global unit count, so the result does not depend on the number of ranks.
 
-    group = TrainerGroup(cfg, total_steps=100)          # places actors, forms the process group
-    stats = group.train_step(batch, loss_fn, total_units)
-    logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
-    ref   = group.forward_ref_logprobs(batch, temperature)  # the same under the reference (kl_coef > 0)
-    sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource)
-    group.save(path); group.load(path); group.save_hf(path)
-    group.shutdown()
+    with placed_trainer_group(cfg, total_steps=100) as group:  # places actors, forms the process group
+        stats = group.train_step(batch, loss_fn, total_units)
+        logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
+        ref   = group.forward_ref_logprobs(batch, temperature)  # the same under the reference (kl_coef > 0)
+        sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource)
+        group.save(path); group.load(path); group.save_hf(path)
+        group.shutdown()
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,8 @@ from typing import Any
 import ray
 from torch import Tensor
 
-from infir2_rl.actors.placement import PlacementPlan, create_placement, remove_placement, resolve_use_gpu
-from infir2_rl.actors.trainer_worker import MEGATRON_MESSAGE, TrainerSpec, TrainerWorker, unpack_tensors
+from infir2_rl.actors.placement import Placement, reserve_for
+from infir2_rl.actors.trainer_worker import TrainerSpec, TrainerWorker, unpack_tensors
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
 from infir2_rl.trainers.microbatch import merge_rows, shard_micro_batches
@@ -36,49 +37,41 @@ log = logging.getLogger(__name__)
 
 
 class TrainerGroup:
-    """Data-parallel trainer actors. `plan` lets a caller share bundles with engines (colocate)."""
+    """Data-parallel trainer actors in the trainer slots of a reserved ``Placement`` (the caller's: an RL stage
+    shares it with the engines; ``placed_trainer_group`` reserves one of its own)."""
 
     def __init__(
         self,
         cfg: SftStageConfig | RlStageConfig,
+        placement: Placement,
         *,
         total_steps: int,
-        use_gpu: bool | None = None,
-        plan: PlacementPlan | None = None,
-        bundle_indices: Sequence[int] | None = None,
-        share: float = 1.0,
         fsdp: bool | None = None,
     ) -> None:
+        # Ranks of one model replica (megatron TP x CP, consecutive ranks) take the same micro-batches.
+        self.model_parallel = 1
         if cfg.trainer.backend == "megatron":
-            raise ValueError(MEGATRON_MESSAGE)
+            from infir2_rl.trainers.megatron.model import resolve_spec
+
+            resolve_spec(cfg.trainer.megatron_spec, cfg.train_fp8)  # refuses what cannot run, before any actor
+            self.model_parallel = cfg.trainer.model_parallel_size
         self.num_workers = cfg.trainer.num_workers
         self.trainer_cfg = cfg.trainer
-        self._owns_plan = plan is None
-        if plan is None:
-            if use_gpu is None:
-                use_gpu = resolve_use_gpu(cfg.placement.use_gpu)
-            plan = create_placement(
-                self.num_workers, use_gpu=use_gpu, cpus_per_bundle=cfg.placement.cpus_per_actor
-            )
-        self.plan = plan
-        self.bundle_indices = list(bundle_indices) if bundle_indices is not None else plan.bundle_indices
-        if len(self.bundle_indices) < self.num_workers:
+        slots = len(placement.plan.trainer.bundles)
+        if slots < self.num_workers:
             raise ValueError(
-                f"trainer.num_workers={self.num_workers}: the placement plan offers only"
-                f" {len(self.bundle_indices)} bundles"
+                f"trainer.num_workers={self.num_workers}: the placement plan has {slots} trainer slots"
             )
-        self.bundle_indices = self.bundle_indices[: self.num_workers]
-        plan.assigned["trainer"] = self.bundle_indices
         if fsdp is None:
-            fsdp = plan.use_gpu and self.num_workers > 1
+            fsdp = placement.plan.use_gpu and self.num_workers > 1
         self.fsdp = fsdp
         spec = TrainerSpec.from_stage(cfg, total_steps=total_steps, fsdp=fsdp)
         remote_cls = ray.remote(TrainerWorker)
         self.workers: list[Any] = [
-            remote_cls.options(name=None, max_concurrency=1, **plan.actor_options(bundle, share)).remote(
-                spec, rank, self.num_workers
-            )
-            for rank, bundle in enumerate(self.bundle_indices)
+            remote_cls.options(
+                name=None, max_concurrency=1, **placement.actor_options("trainer", rank)
+            ).remote(spec, rank, self.num_workers)
+            for rank in range(self.num_workers)
         ]
         try:
             addr, port = ray.get(self.workers[0].master_address.remote())
@@ -97,7 +90,9 @@ class TrainerGroup:
 
     def _shards(self, batch: TokenBatch) -> list[list[TokenBatch]]:
         t = self.trainer_cfg
-        return shard_micro_batches(batch, self.num_workers, t.micro_batch_size, t.max_tokens_per_gpu)
+        mp = self.model_parallel
+        shards = shard_micro_batches(batch, self.num_workers // mp, t.micro_batch_size, t.max_tokens_per_gpu)
+        return [shards[rank // mp] for rank in range(self.num_workers)]
 
     # ------------------------------------------------------------------ trainer API
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, total_units: int) -> TrainStats:
@@ -119,7 +114,8 @@ class TrainerGroup:
         parts: list[list[Tensor]] = self._per_rank(
             "forward_logprobs", [(shard, temperature, fp8) for shard in self._shards(batch)]
         )
-        return merge_rows([p for rank_parts in parts for p in rank_parts], int(batch.input_ids.shape[1]))
+        replicas = parts[:: self.model_parallel]  # one answer per model replica
+        return merge_rows([p for rank_parts in replicas for p in rank_parts], int(batch.input_ids.shape[1]))
 
     def forward_ref_logprobs(self, batch: TokenBatch, temperature: float) -> Tensor:
         """Per-token log-probs under the frozen reference model (algorithm.kl_coef > 0), like forward_logprobs."""
@@ -131,6 +127,7 @@ class TrainerGroup:
     def evaluate_loss(self, batch: TokenBatch, loss_fn: LossFn) -> float:
         """Mean loss over all units of `batch` (no update)."""
         results = self._per_rank("evaluate_loss", [(shard, loss_fn) for shard in self._shards(batch)])
+        results = results[:: self.model_parallel]
         units = sum(u for _, u in results)
         return sum(total for total, _ in results) / max(units, 1)
 
@@ -144,7 +141,7 @@ class TrainerGroup:
     def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
         """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective);
         ``fp8=False`` for BF16 engines (weight_sync.mode bf16)."""
-        if self.fsdp:
+        if self.fsdp or self.model_parallel > 1:  # collective: FSDP gathers shards, megatron TP gathers shards
             return unpack_tensors(self._all("export_weights", fp8)[0])
         return unpack_tensors(ray.get(self.workers[0].export_weights.remote(fp8)))
 
@@ -174,5 +171,19 @@ class TrainerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
-        if self._owns_plan:
-            remove_placement(self.plan)
+
+
+@contextmanager
+def placed_trainer_group(
+    cfg: SftStageConfig | RlStageConfig, *, total_steps: int, fsdp: bool | None = None
+) -> Iterator[TrainerGroup]:
+    """A TrainerGroup on a placement of its own (the SFT stage, tools, tests), shut down and given back on exit."""
+    placement = reserve_for(cfg.placement, num_trainers=cfg.trainer.num_workers)
+    try:
+        group = TrainerGroup(cfg, placement, total_steps=total_steps, fsdp=fsdp)
+        try:
+            yield group
+        finally:
+            group.shutdown()
+    finally:
+        placement.remove()

@@ -1,12 +1,11 @@
 """Everything the RL loop needs before its first step: data, placement, actors, and their resume state.
 
-Placement (one Ray placement group for the stage):
-  * GPU, `colocate`: one GPU bundle per trainer worker; engine i shares bundle i with worker i (the
-    trainer takes 0.6 of the GPU, the engine 0.4) and frees its memory while the trainer works.
-  * otherwise (CPU, or `disaggregate`): trainer bundles first, then one bundle per engine.
+Placement: one Ray placement group for the stage, planned by `actors.placement.plan_placement` (trainer and
+engines colocated on GPUs, or in bundles of their own).
 
-Weights reach the engines through `WeightSyncService.push_from` (the first push here, then every step);
-`weight_sync.transport=cuda_ipc` is refused unless native engines are colocated on GPUs (`check_transport`).
+Weights reach the engines through `WeightSyncService.push_from` (the first push here, then every step) by the
+transport `resolve_transport` picks: `auto` is CUDA IPC for native engines colocated on GPUs, else the object
+store; `cuda_ipc` is refused unless native engines are colocated on GPUs.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from infir2_rl.actors.placement import PlacementPlan, create_placement, remove_placement, resolve_use_gpu
+from infir2_rl.actors.placement import Placement, reserve_for
 from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.actors.rollout_engine import create_engines
 from infir2_rl.actors.trainer_group import TrainerGroup
@@ -35,7 +34,6 @@ from infir2_rl.weight_sync.service import WeightSyncService
 log = logging.getLogger(__name__)
 
 ROLLOUT_STATE_FILE = "rollout_state.json"
-TRAINER_GPU_SHARE_COLOCATED = 0.6
 
 
 @dataclass
@@ -67,7 +65,7 @@ class RlActors:
     manager: RolloutManager
     prompts: PromptSource
     sync: WeightSyncService
-    plan: PlacementPlan
+    placement: Placement
     pad_id: int
     colocated_gpu: bool
 
@@ -96,7 +94,7 @@ class RlActors:
         self.trainer.shutdown()
         for e in self.engines:
             ray.kill(e)
-        remove_placement(self.plan)
+        self.placement.remove()
 
 
 @dataclass
@@ -111,43 +109,38 @@ class _RlCheckpointWriter:
         (Path(directory) / ROLLOUT_STATE_FILE).write_text(json.dumps(state))
 
 
-def check_transport(cfg: RlStageConfig, colocate: bool) -> None:
-    """weight_sync.transport=cuda_ipc shares the trainer's GPU memory: native engines colocated on GPUs."""
-    if cfg.weight_sync.transport == "cuda_ipc" and not (colocate and cfg.rollout.backend == "native"):
+def resolve_transport(cfg: RlStageConfig, colocate: bool) -> str:
+    """The weight-sync transport for this placement; ``cuda_ipc`` needs native engines colocated on GPUs."""
+    ipc_ok = colocate and cfg.rollout.backend == "native"
+    chosen = cfg.weight_sync.transport
+    if chosen == "auto":
+        return "cuda_ipc" if ipc_ok else "object_store"
+    if chosen == "cuda_ipc" and not ipc_ok:
         here = f"placement.mode={cfg.placement.mode}, rollout.backend={cfg.rollout.backend}"
         raise ValueError(
             f"weight_sync.transport=cuda_ipc needs native engines colocated with the trainer on GPUs ({here}"
-            f"{'' if colocate else ', not colocated on GPUs'}): set weight_sync.transport=object_store"
+            f"{'' if colocate else ', not colocated on GPUs'}): set weight_sync.transport=object_store or auto"
         )
+    return chosen
 
 
 def start_rl_actors(
     cfg: RlStageConfig, data: RlData, *, total_steps: int, resume_from: Checkpoint | None, state: StageState
 ) -> RlActors:
     """Place the trainer and engines, restore a checkpoint if given, and push the first weights (version = step)."""
-    use_gpu = resolve_use_gpu(cfg.placement.use_gpu)
-    num_workers, num_engines = cfg.trainer.num_workers, cfg.rollout.num_engines
-    colocate = use_gpu and cfg.placement.mode == "colocate"
-    if colocate and num_engines > num_workers:
-        raise ValueError(
-            f"rollout.num_engines={num_engines}: colocate places one engine per trainer GPU, so at most"
-            f" trainer.num_workers={num_workers}; lower it or use placement.mode=disaggregate"
-        )
-    check_transport(cfg, colocate)
-    num_bundles = num_workers if colocate else num_workers + num_engines
-    plan = create_placement(num_bundles, use_gpu=use_gpu, cpus_per_bundle=cfg.placement.cpus_per_actor)
+    placement = reserve_for(
+        cfg.placement,
+        num_trainers=cfg.trainer.num_workers,
+        num_engines=cfg.rollout.num_engines,
+        engine_gpus=cfg.rollout.tensor_parallel_size,
+    )
+    colocate = placement.plan.colocate
     try:
-        trainer = TrainerGroup(
-            cfg,
-            total_steps=total_steps,
-            plan=plan,
-            bundle_indices=list(range(num_workers)),
-            share=TRAINER_GPU_SHARE_COLOCATED if colocate else 1.0,
-        )
-        engine_bundles = list(range(num_engines)) if colocate else list(range(num_workers, num_bundles))
-        engines = create_engines(cfg, plan.placement_group, engine_bundles)
+        transport = resolve_transport(cfg, colocate)
+        trainer = TrainerGroup(cfg, placement, total_steps=total_steps)
+        engines = create_engines(cfg, placement)
     except Exception:
-        remove_placement(plan)
+        placement.remove()
         raise
     tok = data.tokenizer
     if tok.eos_token_id is None:
@@ -169,15 +162,15 @@ def start_rl_actors(
         engines=engines,
         manager=manager,
         prompts=prompts,
-        sync=WeightSyncService(engines, cfg.weight_sync),
-        plan=plan,
+        sync=WeightSyncService(engines, cfg.weight_sync.model_copy(update={"transport": transport})),
+        placement=placement,
         pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
         colocated_gpu=colocate,
     )
-    push = actors.sync.push_from(trainer, cfg.rollout.fp8, version=state.step)
+    push = actors.sync.push_from(trainer, cfg.rollout_fp8, version=state.step)
     log.info(
-        "placed %d trainer worker(s) and %d engine(s) (%s, %s); first push: %.1f MB in %.2f s",
-        num_workers, num_engines, "GPU" if use_gpu else "CPU", "colocated" if colocate else "separate bundles",
-        push.bytes / 1e6, push.seconds,
+        "placed %d trainer worker(s) and %d engine(s) (%s, %s); first push (%s): %.1f MB in %.2f s",
+        cfg.trainer.num_workers, cfg.rollout.num_engines, "GPU" if placement.plan.use_gpu else "CPU",
+        "colocated" if colocate else "separate bundles", transport, push.bytes / 1e6, push.seconds,
     )  # fmt: skip
     return actors

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from infir2_rl.actors.ray_runtime import ensure_ray
-from infir2_rl.actors.trainer_group import TrainerGroup
+from infir2_rl.actors.trainer_group import placed_trainer_group
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, save_checkpoint
 from infir2_rl.config import SftStageConfig, validate_paths
 from infir2_rl.data.datasets import load_sft_examples
@@ -60,10 +60,9 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
         if last_step == 0 or state.step >= last_step:
             return _nothing_to_do(cfg, last_step, len(train), state.step, resumed)
         ensure_ray()
-        group = TrainerGroup(cfg, total_steps=last_step)
         summary: dict[str, float] = {}
         first = state.step + 1
-        try:
+        with placed_trainer_group(cfg, total_steps=last_step) as group:
             if resumed is not None:
                 group.load(resumed.path)
             with metrics_logger(cfg, run_dir) as logger, progress_bar(cfg, last_step) as bar:
@@ -87,8 +86,6 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
                     if is_due(step, cfg.checkpoint.save_every, last_step):
                         save_checkpoint(group, ckpts, state)
             final = publish_final(group.save_hf, run_dir)
-        finally:
-            group.shutdown()
     return StageResult(final, run_dir, steps_run=last_step - first + 1, last_step=last_step, summary=summary)
 
 

@@ -313,12 +313,14 @@ class CudaIpcTransport:
 
 
 def make_transport(cfg: WeightSyncConfig) -> Transport:
-    transports: dict[str, Transport] = {
-        "object_store": ObjectStoreTransport(),
-        "cuda_ipc": CudaIpcTransport(),
-    }
-    if cfg.transport not in transports:  # the config type refuses what is not built; this guards a new name
-        raise ValueError(
-            f"weight_sync.transport={cfg.transport!r}: no such transport; use one of {sorted(transports)}"
-        )
-    return transports[cfg.transport]
+    """The transport ``cfg.transport`` names. ``auto`` is resolved by the RL stage from the placement
+    (``stages.rl_setup.resolve_transport``); a service built without one gets the object store, which works
+    for every placement."""
+    if cfg.transport in ("auto", "object_store"):
+        return ObjectStoreTransport()
+    if cfg.transport == "cuda_ipc":
+        return CudaIpcTransport()
+    # The config type refuses transports that are not built; this guards a name added there but not here.
+    raise ValueError(
+        f"weight_sync.transport={cfg.transport!r}: no such transport; use object_store or cuda_ipc"
+    )
