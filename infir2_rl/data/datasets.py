@@ -57,6 +57,8 @@ class LoadReport:
     num_kept: int = 0
     # Skip reasons, one counter each.
     invalid_json: int = 0
+    # jsonl lines that are not valid UTF-8.
+    bad_encoding: int = 0
     missing_key: int = 0
     bad_format: int = 0
     empty_text: int = 0
@@ -110,11 +112,26 @@ def _finish(report: LoadReport, what: str) -> None:
 
 def _get(row: RawRow, key: str) -> Any:
     if row.data is None:
-        raise _Skip("invalid_json", row.error or "unreadable row")
+        raise _Skip(row.reason, row.error or "unreadable row")
     value = row.data.get(key)
     if value is None:
         raise _Skip("missing_key", f"no {key!r} field (keys: {sorted(row.data)[:8]})")
     return value
+
+
+def _label_text(value: Any, key: str) -> str:
+    """A label as the string the reward compares: a string or a number as written; a list of one such
+    value is unwrapped (some datasets store ``["19"]``); anything else is a skipped row. ``str()`` of a
+    list would give the label ``"['19']"``, which no answer can ever match."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        shown = repr(value)
+        raise _Skip(
+            "bad_format",
+            f"{key!r} is {type(value).__name__} {shown[:60]}; a label must be a string or a number",
+        )
+    return str(value).strip()
 
 
 def _check_messages(value: Any, key: str) -> list[dict[str, str]]:
@@ -233,7 +250,7 @@ def load_prompt_examples(
         report.num_rows += 1
         try:
             prompt = _get(row, input_key)
-            label = str(_get(row, label_key)).strip()
+            label = _label_text(_get(row, label_key), label_key)
             if isinstance(prompt, str):
                 if not prompt.strip():
                     raise _Skip("empty_text", f"{input_key!r} is empty")

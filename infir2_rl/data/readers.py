@@ -1,7 +1,9 @@
 """Row readers for jsonl and parquet files, yielding every row with its parse error (if any).
 
-Readers never drop rows themselves: a row that is not valid JSON comes back as a `RawRow` with
-`error` set, so the dataset builders can count and log every skipped row by reason.
+Readers never drop rows themselves: a row that is not valid JSON, or a jsonl line that is not valid
+UTF-8, comes back as a `RawRow` with `error` and `reason` set, so the dataset builders can count and log
+every skipped row by reason. (Replacing undecodable bytes with U+FFFD would train on corrupted text
+without a trace.) Parquet strings are UTF-8 by the format, checked by pyarrow.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class RawRow:
     row: int
     data: dict[str, Any] | None
     error: str | None = None
+    # The skip counter an unreadable row goes to: "invalid_json" or "bad_encoding".
+    reason: str = "invalid_json"
 
 
 def resolve_format(path: str | Path, format: FileFormat = "auto") -> Literal["jsonl", "parquet"]:
@@ -41,8 +45,19 @@ def resolve_format(path: str | Path, format: FileFormat = "auto") -> Literal["js
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad = raw[exc.start : exc.start + 4]
+                yield RawRow(
+                    row=line_no,
+                    data=None,
+                    error=f"not UTF-8 (byte {bad[:1].hex()} at column {exc.start + 1}: {exc.reason})",
+                    reason="bad_encoding",
+                )
+                continue
             if not line.strip():
                 continue
             try:
