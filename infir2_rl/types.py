@@ -79,10 +79,34 @@ class LossOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class LossFn(Protocol):
-    """Turns logits and a micro-batch into a loss. Must be picklable (it is sent to trainer actors)."""
+@dataclass
+class TokenScores:
+    """Per-token scores of a micro-batch under the trainer's weights, aligned like ``TokenBatch``.
 
-    def __call__(self, logits_BLV: Tensor, batch: TokenBatch) -> LossOutput: ...
+    ``logprobs_BL[b, t]`` is log p(input_ids[b, t] | input_ids[b, :t]) under softmax(logits / temperature),
+    float32; ``entropy_BL[b, t]`` the entropy (nats) of that same distribution (None unless the loss asked
+    for it). Only positions t >= 1 with ``loss_mask[b, t] > 0`` are computed: every other position holds 0
+    (the trainer never forms the full-vocabulary logits, see trainers/token_scores.py).
+    """
+
+    logprobs_BL: Tensor
+    entropy_BL: Tensor | None = None
+
+
+class LossFn(Protocol):
+    """Turns a micro-batch's per-token scores into a loss. Must be picklable (it is sent to trainer actors).
+
+    The trainer scores at ``temperature`` (the rollout's sampling temperature for RL, 1 for SFT) and adds
+    the entropy to the scores only when ``needs_entropy`` is True.
+    """
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def needs_entropy(self) -> bool: ...
+
+    def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput: ...
 
 
 @dataclass

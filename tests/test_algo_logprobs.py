@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infir2_rl.algo.logprobs import entropy_from_logits, token_logprobs
+from infir2_rl.algo.logprobs import entropy_from_logits, scores_from_logits, token_logprobs
 from infir2_rl.algo.sft_loss import sft_loss
 
 LN2 = math.log(2.0)
@@ -126,18 +126,18 @@ def _sft_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def test_sft_loss_uses_target_token_mask_with_shift() -> None:
     logits, labels, mask = _sft_case()
-    loss, n = sft_loss(logits, labels, mask)
+    loss, n = sft_loss(scores_from_logits(logits, labels).logprobs_BL, mask)
     assert n == 2
     assert loss.item() == pytest.approx((2 * LN2 + 3 * LN2) / 2, abs=1e-6)
     # The first token's mask bit is ignored: nothing predicts it.
-    loss0, n0 = sft_loss(logits, labels, torch.tensor([[0, 0, 1, 1]]))
+    loss0, n0 = sft_loss(scores_from_logits(logits, labels).logprobs_BL, torch.tensor([[0, 0, 1, 1]]))
     assert n0 == 2 and loss0.item() == pytest.approx(loss.item(), abs=1e-7)
 
 
 def test_sft_loss_denominator_and_gradient() -> None:
     logits, labels, mask = _sft_case()
     logits.requires_grad_(True)
-    loss, _ = sft_loss(logits, labels, mask, denominator=4.0)
+    loss, _ = sft_loss(scores_from_logits(logits, labels).logprobs_BL, mask, denominator=4.0)
     assert loss.item() == pytest.approx(5 * LN2 / 4, abs=1e-6)
     loss.backward()
     assert logits.grad is not None
@@ -157,14 +157,16 @@ def test_sft_loss_matches_cross_entropy_on_random_batch() -> None:
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), reduction="none")
     m = mask[:, 1:].reshape(-1).float()
     expected = (ce * m).sum() / m.sum()
-    loss, n = sft_loss(logits, labels, mask, chunk_tokens=2)
+    loss, n = sft_loss(scores_from_logits(logits, labels, chunk_tokens=2).logprobs_BL, mask)
     assert n == int(m.sum().item()) == 10  # 3 + 5 + 2 targets after the shift
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
 
 
 def test_sft_loss_with_no_targets_is_zero_and_differentiable() -> None:
     logits = torch.randn(1, 3, 4, requires_grad=True)
-    loss, n = sft_loss(logits, torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3))
+    loss, n = sft_loss(
+        scores_from_logits(logits, torch.zeros(1, 3, dtype=torch.long)).logprobs_BL, torch.zeros(1, 3)
+    )
     assert n == 0 and loss.item() == 0.0
     loss.backward()
     assert logits.grad is not None and torch.equal(logits.grad, torch.zeros(1, 3, 4))

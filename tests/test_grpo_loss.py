@@ -1,4 +1,4 @@
-"""GrpoLoss, the glue between a trainer's logits and policy_loss: KL to the reference and the entropy bonus."""
+"""GrpoLoss, the glue between a trainer's token scores and policy_loss: KL to the reference and the entropy bonus."""
 
 import math
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from infir2_rl.algo.config import AlgorithmConfig
-from infir2_rl.algo.logprobs import entropy_from_logits, token_logprobs
+from infir2_rl.algo.logprobs import entropy_from_logits, scores_from_logits, token_logprobs
 from infir2_rl.algo.loss_fns import GrpoLoss
 from infir2_rl.metrics import names
-from infir2_rl.types import TokenBatch
+from infir2_rl.types import TokenBatch, TokenScores
 
 TEMPERATURE = 0.7
 
@@ -33,32 +33,41 @@ def _batch(logits: torch.Tensor, ref_shift: float | None) -> TokenBatch:
     )
 
 
+def _scores(logits: torch.Tensor, batch: TokenBatch, loss: GrpoLoss) -> TokenScores:
+    """What the trainer hands the loss: token-aligned scores at the loss's temperature."""
+    return scores_from_logits(logits, batch.input_ids, loss.temperature, need_entropy=loss.needs_entropy)
+
+
+def _run(loss: GrpoLoss, logits: torch.Tensor, batch: TokenBatch):  # type: ignore[no-untyped-def]
+    return loss(_scores(logits, batch, loss), batch)
+
+
 def test_kl_term_reaches_the_loss_and_train_kl() -> None:
     logits = torch.randn(2, 4, 11)
     d = 0.3  # logp - logp_ref on every token
     batch = _batch(logits, ref_shift=d)
-    out = GrpoLoss(AlgorithmConfig(kl_coef=0.05, kl_type="k3"), TEMPERATURE)(logits, batch)
+    out = _run(GrpoLoss(AlgorithmConfig(kl_coef=0.05, kl_type="k3"), TEMPERATURE), logits, batch)
     k3 = math.exp(-d) - 1 + d
     assert out.metrics[names.TRAIN_KL] == pytest.approx(k3, rel=1e-5)
     assert out.loss.item() == pytest.approx(0.05 * k3, rel=1e-5)
     assert names.TRAIN_ENTROPY not in out.metrics
     # k1 reports d itself; with kl_coef = 0 no reference is needed and none is reported.
-    k1 = GrpoLoss(AlgorithmConfig(kl_coef=0.05, kl_type="k1"), TEMPERATURE)(logits, batch)
+    k1 = _run(GrpoLoss(AlgorithmConfig(kl_coef=0.05, kl_type="k1"), TEMPERATURE), logits, batch)
     assert k1.metrics[names.TRAIN_KL] == pytest.approx(d, rel=1e-5)
-    plain = GrpoLoss(AlgorithmConfig(), TEMPERATURE)(logits, _batch(logits, ref_shift=None))
+    plain = _run(GrpoLoss(AlgorithmConfig(), TEMPERATURE), logits, _batch(logits, ref_shift=None))
     assert plain.loss.item() == 0.0 and names.TRAIN_KL not in plain.metrics
 
 
 def test_kl_without_reference_logprobs_is_an_error() -> None:
     logits = torch.randn(2, 4, 11)
     with pytest.raises(ValueError, match="no ref_logprobs"):
-        GrpoLoss(AlgorithmConfig(kl_coef=0.05), TEMPERATURE)(logits, _batch(logits, ref_shift=None))
+        _run(GrpoLoss(AlgorithmConfig(kl_coef=0.05), TEMPERATURE), logits, _batch(logits, ref_shift=None))
 
 
 def test_entropy_bonus_uses_the_tempered_distribution_at_response_tokens() -> None:
     logits = torch.randn(2, 4, 11, requires_grad=True)
     batch = _batch(logits, ref_shift=None)
-    out = GrpoLoss(AlgorithmConfig(entropy_coef=0.01), TEMPERATURE)(logits, batch)
+    out = _run(GrpoLoss(AlgorithmConfig(entropy_coef=0.01), TEMPERATURE), logits, batch)
     ent = entropy_from_logits(logits[:, :-1].detach(), TEMPERATURE)  # position t-1 predicts token t
     per_seq = [ent[0, 1:3].mean(), ent[1, 1]]  # response tokens 2, 3 and 2 (mean per sequence, then mean)
     expected = float(sum(per_seq)) / 2

@@ -23,7 +23,7 @@ from infir2_rl.trainers.microbatch import (
 )
 from infir2_rl.trainers.optim import LrFactor
 from infir2_rl.trainers.torch.trainer import TorchTrainer
-from infir2_rl.types import LossOutput, TokenBatch
+from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,11 @@ def test_accumulation_gives_the_global_mean_whatever_the_split(assets: tuple[Pat
 
 
 class NanLoss:
-    def __call__(self, logits: torch.Tensor, batch: TokenBatch) -> LossOutput:
-        return LossOutput(loss=logits.float().mean() * math.nan, num_units=1)
+    temperature = 1.0
+    needs_entropy = False
+
+    def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
+        return LossOutput(loss=scores.logprobs_BL.mean() * math.nan, num_units=1)
 
 
 def test_non_finite_gradient_skips_the_update_and_the_schedule(assets: tuple[Path, TokenBatch]) -> None:

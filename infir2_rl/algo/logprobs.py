@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from infir2_rl.types import TokenScores
+
 DEFAULT_CHUNK_TOKENS = 4096
 
 
@@ -112,3 +114,28 @@ def entropy_from_logits(
         return _entropy_chunk(lg, temperature)
 
     return _map_time_chunks(fn, logits_BTV, chunk_tokens=chunk_tokens)
+
+
+def scores_from_logits(
+    logits_BLV: Tensor,
+    input_ids_BL: Tensor,
+    temperature: float = 1.0,
+    *,
+    need_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> TokenScores:
+    """``TokenScores`` of every position t >= 1 from a model's full logits (position t-1 predicts token t).
+
+    The plain path, for models whose logits already exist (tests, the engine); the trainer computes the same
+    numbers from hidden states without the logits (trainers/token_scores.py).
+    """
+    logits_BTV = logits_BLV[:, :-1]
+    logp = torch.nn.functional.pad(
+        token_logprobs(logits_BTV, input_ids_BL[:, 1:], temperature, chunk_tokens=chunk_tokens), (1, 0)
+    )
+    entropy = None
+    if need_entropy:
+        entropy = torch.nn.functional.pad(
+            entropy_from_logits(logits_BTV, temperature, chunk_tokens=chunk_tokens), (1, 0)
+        )
+    return TokenScores(logprobs_BL=logp, entropy_BL=entropy)

@@ -1,20 +1,17 @@
-"""Loss functions as the trainer calls them: picklable objects mapping (logits, TokenBatch) -> LossOutput.
+"""Loss functions as the trainer calls them: picklable objects mapping (TokenScores, TokenBatch) -> LossOutput.
 
-The TokenBatch convention puts token t's values at position t; logits at position t predict token t+1.
-So the logits are shifted against the targets here, once, and every per-token tensor is read from 1 on.
+The TokenBatch convention puts token t's values at position t, and so do the trainer's ``TokenScores``
+(log p of token t given tokens < t, at the rollout temperature): every per-token tensor is read from 1 on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
-
 from infir2_rl.algo.config import AlgorithmConfig
-from infir2_rl.algo.logprobs import entropy_from_logits, token_logprobs
 from infir2_rl.algo.losses import policy_loss
 from infir2_rl.metrics import names
-from infir2_rl.types import LossOutput, TokenBatch
+from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
 
 @dataclass
@@ -26,7 +23,11 @@ class GrpoLoss:
     # The rollout temperature: both sides must score the same (tempered) distribution.
     temperature: float
 
-    def __call__(self, logits_BLV: Tensor, batch: TokenBatch) -> LossOutput:
+    @property
+    def needs_entropy(self) -> bool:
+        return self.cfg.needs_entropy
+
+    def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("GrpoLoss needs batch.old_logprobs and batch.advantages (RL batches only)")
         if self.cfg.needs_reference and batch.ref_logprobs is None:
@@ -34,9 +35,13 @@ class GrpoLoss:
                 f"algorithm.kl_coef={self.cfg.kl_coef} but the batch has no ref_logprobs: the stage must"
                 " score the batch with the reference model (TrainerGroup.forward_ref_logprobs) first"
             )
-        logits_BTV = logits_BLV[:, :-1]
-        logp = token_logprobs(logits_BTV, batch.input_ids[:, 1:], self.temperature)
-        entropy = entropy_from_logits(logits_BTV, self.temperature) if self.cfg.needs_entropy else None
+        logp = scores.logprobs_BL[:, 1:]
+        entropy = scores.entropy_BL[:, 1:] if scores.entropy_BL is not None else None
+        if self.cfg.needs_entropy and entropy is None:
+            raise ValueError(
+                f"algorithm.entropy_coef={self.cfg.entropy_coef} but the scores carry no entropy: the trainer"
+                " must be asked for it (needs_entropy)"
+            )
         mask = batch.loss_mask[:, 1:]
         rollout = batch.rollout_logprobs[:, 1:] if batch.rollout_logprobs is not None else None
         ref = batch.ref_logprobs[:, 1:].to(logp) if batch.ref_logprobs is not None else None

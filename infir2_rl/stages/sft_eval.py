@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch import Tensor
-
 from infir2_rl.algo.sft_loss import sft_loss
 from infir2_rl.config import DataConfig
 from infir2_rl.data.batching import collate_sft
@@ -23,7 +21,7 @@ from infir2_rl.data.datasets import SftExample, load_sft_examples
 from infir2_rl.data.readers import read_records
 from infir2_rl.metrics import names
 from infir2_rl.reward import extract_final_answer, math_reward
-from infir2_rl.types import LossOutput, TokenBatch
+from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +32,11 @@ EXTRA_NEW_TOKENS = 16
 class SftLossFn:
     """Mean next-token cross-entropy over assistant tokens; units = target tokens (picklable)."""
 
-    def __call__(self, logits_BLV: Tensor, batch: TokenBatch) -> LossOutput:
-        loss, num_tokens = sft_loss(logits_BLV, batch.input_ids, batch.loss_mask)
+    temperature = 1.0
+    needs_entropy = False
+
+    def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
+        loss, num_tokens = sft_loss(scores.logprobs_BL, batch.loss_mask)
         return LossOutput(loss=loss, num_units=num_tokens)
 
 

@@ -5,7 +5,7 @@ are created in the parameters' dtype, so they are FP32 too. When the compute dty
 (`model.dtype: auto` on a GPU), forwards run under `torch.autocast(bfloat16)`: matmuls, attention and
 the logits are BF16 while the stored weights, gradients and optimizer state stay FP32. This is the
 simplest correct form of "FP32 master weights": there is no second copy to keep in sync. With
-`trainer.fp8` the decoder linears are swapped for `fp8.Fp8Linear`, which quantizes the FP32 master
+`fp8=True` (the stage's precision: SFT `fp8`, RL `unified_fp8`) the decoder linears are swapped for `fp8.Fp8Linear`, which quantizes the FP32 master
 weight into 128x128 FP8 blocks each forward (cached until the weight changes) and runs fprop, dgrad
 and wgrad in FP8; embeddings, norms and lm_head stay in the compute dtype.
 
@@ -33,7 +33,6 @@ from torch import Tensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from transformers import PreTrainedModel
 
-from infir2_rl.algo.logprobs import token_logprobs
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
@@ -41,7 +40,8 @@ from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.reference import load_reference_model
-from infir2_rl.types import LossFn, TokenBatch, TrainStats
+from infir2_rl.trainers.torch.scoring import score_tokens
+from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class TorchTrainer:
         trainer_cfg: TrainerConfig,
         optimizer_cfg: OptimizerConfig,
         *,
+        fp8: bool,
         total_steps: int,
         seed: int = 0,
         device: str | torch.device | None = None,
@@ -92,13 +93,15 @@ class TorchTrainer:
         model.config.use_cache = False
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Packed micro-batches (trainer.pack_sequences): see scoring.py.
+        self.pack_sequences = False
         self.fp8_linears: list[str] = []
         self.pow2_scales = trainer_cfg.fp8_pow2_scales
-        if trainer_cfg.fp8:
+        if fp8:
             self.fp8_linears = swap_to_fp8_training(model, pow2_scales=trainer_cfg.fp8_pow2_scales)
             if not self.fp8_linears:
                 log.warning(
-                    "trainer.fp8=true but the model has no decoder linears to swap: training in BF16/FP32"
+                    "FP8 precision but the model has no decoder linears to swap: training in BF16/FP32"
                 )
         model.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
         if fsdp is None:
@@ -130,12 +133,34 @@ class TorchTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def _logits(self, batch: TokenBatch, model: PreTrainedModel | None = None) -> Tensor:
-        with self.autocast():
-            out = (self.model if model is None else model)(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            )
-        return out.logits
+    def _scores(
+        self,
+        batch: TokenBatch,
+        select_BL: Tensor,
+        temperature: float = 1.0,
+        need_entropy: bool = False,
+        model: PreTrainedModel | None = None,
+    ) -> TokenScores:
+        """Per-token log-probs (and entropies) at the selected positions, never the full logits."""
+        return score_tokens(
+            self.model if model is None else model,
+            batch.input_ids,
+            batch.attention_mask,
+            select_BL,
+            temperature=temperature,
+            need_entropy=need_entropy,
+            compute_dtype=self.compute_dtype,
+            packed=self.pack_sequences,
+            autocast=self.autocast,
+        )
+
+    def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
+        return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
+
+    def _dummy_scores(self, model: PreTrainedModel | None = None) -> Tensor:
+        """A one-token forward (FSDP: ranks with fewer micro-batches still join every collective)."""
+        batch = self._dummy_batch()
+        return self._scores(batch, batch.attention_mask > 0, model=model).logprobs_BL
 
     def _padded(self, batches: Sequence[TokenBatch]) -> list[TokenBatch | None]:
         """Under FSDP every rank must run as many forwards as the busiest one: pad with None (dummy)."""
@@ -171,9 +196,9 @@ class TorchTrainer:
         num_tokens = num_sequences = 0
         for batch in self._padded(batches):
             if batch is None:
-                (self._logits(self._dummy_batch()).sum() * 0.0).backward()
+                (self._dummy_scores().sum() * 0.0).backward()
                 continue
-            out = loss_fn(self._logits(batch), batch)
+            out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             weight = out.num_units / total_units
             (out.loss * (weight * grad_scale)).backward()
             loss_sum += out.loss.detach().double().cpu() * weight
@@ -263,12 +288,10 @@ class TorchTrainer:
         out: list[Tensor] = []
         for batch in self._padded(batches):
             if batch is None:
-                self._logits(self._dummy_batch(), model)
+                self._dummy_scores(model)
                 continue
-            logp = token_logprobs(self._logits(batch, model)[:, :-1], batch.input_ids[:, 1:], temperature)
-            full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=logp.device)
-            full[:, 1:] = logp * batch.attention_mask[:, 1:].to(logp.dtype)
-            out.append(full.cpu())
+            scores = self._scores(batch, batch.attention_mask > 0, temperature, model=model)
+            out.append(scores.logprobs_BL.cpu())
         return out
 
     @torch.no_grad()
@@ -279,9 +302,9 @@ class TorchTrainer:
         total, units = 0.0, 0
         for batch in self._padded(batches):
             if batch is None:
-                self._logits(self._dummy_batch())
+                self._dummy_scores()
                 continue
-            out = loss_fn(self._logits(batch), batch)
+            out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             total += float(out.loss.item()) * out.num_units
             units += out.num_units
         self.model.train()

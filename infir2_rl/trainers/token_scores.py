@@ -1,0 +1,148 @@
+"""Per-token log-probs (and entropies) straight from hidden states and the lm_head weight, in token chunks.
+
+Shapes: N scored tokens, H hidden size, V vocabulary, C tokens in one chunk.
+
+Why: a causal LM's loss needs one number per token, ``log p(y) = z_y - logsumexp(z)`` with
+``z = (h . W^T) / temperature``, but computing it through the model's logits materialises B x L x V
+values (8,192 x 151,936 = 1.24G: 2.5 GB in BF16, 5 GB as the FP32 copy the log-softmax reads, and the same
+again for their gradients). Here the logits exist one chunk of C tokens at a time, forward and backward:
+
+* forward, per chunk: ``z = (h_c . W^T).float() / T`` (the GEMM in the compute dtype, as autocast runs the
+  lm_head), then ``lse = logsumexp(z)``, ``logp = z[y] - lse`` and, when asked, the entropy
+  ``H = -sum p log p`` on ``log_softmax(z)`` (``lse - E_p[z]`` is the same number but loses digits to
+  cancellation on peaked rows). Only ``h`` (N x H), the targets, ``lse`` and ``H`` are kept.
+* backward, per chunk: the chunk's logits are recomputed (one more GEMM, 1/3 of the lm_head's work) and
+  ``p = exp(z - lse)``; then
+      d logp / dz = onehot(y) - p,      d H / dz = -p * (z - E_p[z]) = -p * (log p + H),
+  so ``g_z = onehot(y) * g_logp - p * (g_logp + g_H * (log p + H))``, and ``g_logits = g_z / T``.
+  ``dh = g_logits . W`` and ``dW += g_logits^T . h_c``, accumulated in FP32 over chunks.
+
+Peak extra memory is one chunk: C x V x (2 + 4 + 4) bytes (the compute-dtype logits, their FP32 copy and
+one FP32 temporary), 6 GB for C = 4,096 and V = 152K; the default 2,048 halves that.
+
+Precision: the same as the plain path (BF16 GEMM output, FP32 softmax) up to summation order; with FP32
+compute (CPU) it agrees with ``algo.logprobs.token_logprobs`` to FP32 rounding (tests/test_token_scores.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+DEFAULT_CHUNK_TOKENS = 2048
+
+
+def _chunk_z(h_c: Tensor, w_c: Tensor, temperature: float) -> Tensor:
+    """FP32 tempered logits of one chunk; the GEMM runs in the operands' (compute) dtype."""
+    z = (h_c @ w_c.t()).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class _ChunkedScores(torch.autograd.Function):
+    """(logp (N,), entropy (N,) or empty) from hidden (N, H) and weight (V, H); see the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden_NH: Tensor,
+        weight_VH: Tensor,
+        targets_N: Tensor,
+        temperature: float,
+        need_entropy: bool,
+        compute_dtype: torch.dtype,
+        chunk_tokens: int,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden_NH.shape[0]
+        h = hidden_NH.to(compute_dtype)
+        w = weight_VH.to(compute_dtype)
+        logp = torch.empty(n, dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if need_entropy else logp.new_empty(0)
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, n, chunk_tokens):
+                e = min(s + chunk_tokens, n)
+                z = _chunk_z(h[s:e], w, temperature)
+                lse_c = torch.logsumexp(z, dim=-1)
+                lse[s:e] = lse_c
+                logp[s:e] = z.gather(1, targets_N[s:e, None]).squeeze(1) - lse_c
+                if need_entropy:
+                    # H = -sum p log p, with log p from log_softmax ((z - max) - log sum exp(z - max)): both
+                    # lse - E[z] and z - lse lose digits to cancellation on peaked rows where z is large.
+                    logp_all = torch.log_softmax(z, dim=-1)
+                    entropy[s:e] = -(logp_all.exp() * logp_all).sum(-1)
+        ctx.save_for_backward(h, weight_VH, targets_N, lse, entropy)
+        ctx.temperature, ctx.need_entropy, ctx.chunk_tokens = temperature, need_entropy, chunk_tokens
+        ctx.hidden_dtype = hidden_NH.dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: Tensor, g_entropy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        h, weight_VH, targets_N, lse, entropy = ctx.saved_tensors
+        temperature, need_entropy, chunk = ctx.temperature, ctx.need_entropy, ctx.chunk_tokens
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight_VH.to(h.dtype)
+        n = h.shape[0]
+        dh = torch.empty(h.shape, dtype=ctx.hidden_dtype, device=h.device) if need_dh else None
+        dw = torch.zeros(weight_VH.shape, dtype=torch.float32, device=h.device) if need_dw else None
+        g_logp = g_logp.float()
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                logp_all = _chunk_z(h[s:e], w, temperature).sub_(lse[s:e, None])
+                gl = g_logp[s:e, None]
+                if need_entropy:
+                    # z - E[z] = log p + H, so g_z = -p * (g_logp + g_H * (log p + H)), built in place.
+                    p = logp_all.exp()
+                    g_h = g_entropy[s:e, None].float()
+                    g_z = logp_all.add_(entropy[s:e, None]).mul_(g_h).add_(gl).mul_(p).neg_()
+                    del p
+                else:
+                    g_z = logp_all.exp_().mul_(-gl)
+                g_z.scatter_add_(1, targets_N[s:e, None], gl)
+                if temperature != 1.0:
+                    g_z.div_(temperature)
+                g_c = g_z.to(h.dtype)
+                del logp_all, g_z
+                if dh is not None:
+                    dh[s:e] = g_c @ w
+                if dw is not None:
+                    dw += (g_c.t() @ h[s:e]).float()
+        dw_out = dw.to(weight_VH.dtype) if dw is not None else None
+        return dh, dw_out, None, None, None, None, None
+
+
+def chunked_token_scores(
+    hidden_NH: Tensor,
+    weight_VH: Tensor,
+    targets_N: Tensor,
+    *,
+    temperature: float = 1.0,
+    need_entropy: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor | None]:
+    """``log softmax(h W^T / T)[y]`` per row (float32, (N,)) and, with ``need_entropy``, the entropy (nats).
+
+    Differentiable w.r.t. ``hidden_NH`` and ``weight_VH``; never holds more than ``chunk_tokens`` rows of
+    logits. ``compute_dtype`` is the GEMMs' dtype (default: the hidden states'); gradients come back in the
+    inputs' dtypes, the weight's accumulated in FP32.
+    """
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden_NH.shape)} and weight {tuple(weight_VH.shape)}: expected (N, H) and (V, H)."
+        )
+    if targets_N.shape != hidden_NH.shape[:1]:
+        raise ValueError(f"targets has shape {tuple(targets_N.shape)}: expected ({hidden_NH.shape[0]},).")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (use the rollout's sampling temperature).")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1.")
+    dtype = compute_dtype or hidden_NH.dtype
+    logp, entropy = _ChunkedScores.apply(
+        hidden_NH, weight_VH, targets_N.long(), float(temperature), need_entropy, dtype, chunk_tokens
+    )
+    return logp, (entropy if need_entropy else None)

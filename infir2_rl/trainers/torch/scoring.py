@@ -1,0 +1,116 @@
+"""Per-token scores of a transformers causal LM without its full-vocabulary logits, padded or packed.
+
+The model runs as usual up to its final hidden states; the lm_head module's forward is swapped, for the
+duration of one call, for the chunked log-prob function of ``trainers/token_scores.py``, so the model
+returns B x L x k scores (log-prob, and entropy when asked) in place of B x L x V logits. Swapping the
+forward (not the module) keeps the parameter tree, tied embeddings, FSDP2's root hooks (they unshard the
+lm_head weight around the root's forward and backward) and gradient checkpointing as they are.
+
+Two layouts of a micro-batch (right-padded rows, ``TokenBatch``):
+
+* padded: the B x L batch as it is, with its attention mask.
+* packed: the real tokens of all rows back to back in one row of N = sum of lengths, ``position_ids``
+  restarting at 0 for each sequence and no attention mask. transformers then builds a block-diagonal
+  causal mask from the position ids (``masking_utils.find_packed_sequence_indices``): no token attends
+  across a sequence boundary, and no padding is computed. Scores are put back in the B x L layout, so
+  loss functions see the same ``TokenScores`` either way.
+
+A position t is scored (token t from the hidden state at t - 1) where ``select_BL[:, t]`` is set and t is
+not the first token of its row; in the packed row that second rule is what keeps the last hidden state of
+one sequence from scoring the first token of the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from infir2_rl.trainers.token_scores import DEFAULT_CHUNK_TOKENS, chunked_token_scores
+from infir2_rl.types import TokenScores
+
+
+@contextmanager
+def _lm_head_forward(model: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[nn.Module]:
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise NotImplementedError(
+            f"model {type(model).__name__}: fused token scoring needs a bias-free nn.Linear lm_head, found {head!r}"
+        )
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        raise NotImplementedError(
+            f"model {type(model).__name__} rescales its logits after the lm_head; fused token scoring would "
+            "skip that: not supported"
+        )
+    head.forward = forward  # type: ignore[method-assign]  # an instance attribute shadows the method
+    try:
+        yield head
+    finally:
+        del head.forward
+
+
+def _positions(attention_mask_BL: Tensor) -> Tensor:
+    """0, 1, 2, ... along each right-padded row (pads get their row's running count; they are never used)."""
+    return (attention_mask_BL.long().cumsum(1) - 1).clamp_min(0)
+
+
+def score_tokens(
+    model: nn.Module,
+    input_ids_BL: Tensor,
+    attention_mask_BL: Tensor,
+    select_BL: Tensor,
+    *,
+    temperature: float,
+    need_entropy: bool,
+    compute_dtype: torch.dtype,
+    packed: bool,
+    autocast: Callable[[], Any],
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> TokenScores:
+    """Scores of ``input_ids_BL`` (right-padded rows) at the selected positions; zeros elsewhere."""
+    B, L = input_ids_BL.shape
+    real = attention_mask_BL.bool()
+    select = select_BL.bool() & real
+    select[:, 0] = False
+    if packed:
+        ids, pos, sel = (
+            input_ids_BL[real][None],
+            _positions(attention_mask_BL)[real][None],
+            select[real][None],
+        )
+        first = pos == 0
+        sel = sel & ~first
+        kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
+    else:
+        ids, sel = input_ids_BL, select
+        kwargs = {"attention_mask": attention_mask_BL}
+    k = 2 if need_entropy else 1
+    head = model.get_output_embeddings()  # type: ignore[operator]
+
+    def forward(hidden_BTH: Tensor) -> Tensor:
+        picked = sel[:, 1:]
+        logp, entropy = chunked_token_scores(
+            hidden_BTH[:, :-1][picked],
+            head.weight,
+            ids[:, 1:][picked],
+            temperature=temperature,
+            need_entropy=need_entropy,
+            compute_dtype=compute_dtype,
+            chunk_tokens=chunk_tokens,
+        )
+        values = logp[:, None] if entropy is None else torch.stack((logp, entropy), dim=1)
+        out = values.new_zeros(*sel.shape, k)
+        out[:, 1:][picked] = values
+        return out
+
+    with _lm_head_forward(model, forward), autocast():
+        scores = model(input_ids=ids, use_cache=False, **kwargs).logits  # type: ignore[operator]
+    if packed:
+        full = scores.new_zeros(B, L, k)
+        full[real] = scores[0]
+        scores = full
+    return TokenScores(logprobs_BL=scores[..., 0], entropy_BL=scores[..., 1] if need_entropy else None)

@@ -1,0 +1,143 @@
+"""Token scores without full logits (trainers/token_scores.py, trainers/torch/scoring.py) against the plain
+path through the model's logits, and packed micro-batches against padded ones."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from infir2_rl.algo.logprobs import entropy_from_logits, scores_from_logits, token_logprobs
+from infir2_rl.trainers.token_scores import chunked_token_scores
+from infir2_rl.trainers.torch.scoring import score_tokens
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_scores_and_gradients_equal_the_logits_path(temperature: float) -> None:
+    torch.manual_seed(0)
+    n, h, v = 37, 16, 50
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    g_logp, g_ent = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+
+    logp, ent = chunked_token_scores(
+        hidden, weight, targets, temperature=temperature, need_entropy=True, chunk_tokens=8
+    )
+    assert ent is not None and logp.dtype == torch.float32
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    assert hidden.grad is not None and weight.grad is not None
+    dh, dw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    z = (hidden @ weight.t())[None]  # the plain path: full logits, FP32 log-softmax
+    ref_logp = token_logprobs(z, targets[None], temperature)[0]
+    ref_ent = entropy_from_logits(z, temperature)[0]
+    ((ref_logp * g_logp).sum() + (ref_ent * g_ent).sum()).backward()
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dh, hidden.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_of_peaked_rows_keeps_its_digits() -> None:
+    # Large logits: lse - E[z] cancels to ~1e-5 absolute error; -sum p log p keeps FP32 relative accuracy.
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(64, 16) * 4, torch.randn(50, 16)
+    _, ent = chunked_token_scores(hidden, weight, torch.zeros(64, dtype=torch.long), need_entropy=True)
+    z = (hidden @ weight.t()).double()  # the same FP32 logits, the entropy in float64
+    ref = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    assert ent is not None
+    torch.testing.assert_close(ent.double(), ref, rtol=1e-4, atol=1e-6)
+
+
+def tiny_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def ragged_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three right-padded rows of 9, 4 and 7 tokens; the selection skips prompts and one padding slot."""
+    lengths = [9, 4, 7]
+    ids = torch.randint(0, 61, (3, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    ids = ids * mask  # pad id 0
+    select = mask.clone()
+    select[:, :2] = 0  # a two-token prompt
+    return ids, mask, select
+
+
+def _score(model: Qwen2ForCausalLM, ids, mask, select, packed: bool, need_entropy: bool, t: float = 0.9):  # type: ignore[no-untyped-def]
+    return score_tokens(
+        model,
+        ids,
+        mask,
+        select,
+        temperature=t,
+        need_entropy=need_entropy,
+        compute_dtype=torch.float32,
+        packed=packed,
+        autocast=contextlib.nullcontext,
+        chunk_tokens=5,
+    )
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_model_scores_and_gradients_equal_the_logits_path(packed: bool) -> None:
+    model = tiny_model()
+    ids, mask, select = ragged_batch()
+    sel = (select > 0) & (mask > 0)
+    sel[:, 0] = False
+    scores = _score(model, ids, mask, select, packed=packed, need_entropy=True)
+    assert scores.entropy_BL is not None
+    loss = -(scores.logprobs_BL.sum() + 0.1 * scores.entropy_BL.sum())
+    loss.backward()
+    fused = _grads(model)
+
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    ref = scores_from_logits(logits, ids, 0.9, need_entropy=True)
+    assert ref.entropy_BL is not None
+    ref_logp, ref_ent = ref.logprobs_BL * sel, ref.entropy_BL * sel
+    (-(ref_logp.sum() + 0.1 * ref_ent.sum())).backward()
+    plain = _grads(model)
+
+    # Unselected positions (prompt, padding, position 0) hold exactly 0.
+    assert torch.all(scores.logprobs_BL[~sel] == 0) and torch.all(scores.entropy_BL[~sel] == 0)
+    torch.testing.assert_close(scores.logprobs_BL, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores.entropy_BL, ref_ent, rtol=1e-5, atol=1e-5)
+    assert fused.keys() == plain.keys() and "model.embed_tokens.weight" in fused  # tied lm_head: one grad
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, plain[name], rtol=1e-4, atol=1e-5, msg=name)
+    # The lm_head forward is restored afterwards.
+    assert model(input_ids=ids[:1, :3]).logits.shape == (1, 3, 61)
+
+
+def test_packed_rows_never_attend_across_sequences() -> None:
+    # A sequence scores the same alone and packed behind another one: nothing leaks between them.
+    model = tiny_model()
+    ids, mask, select = ragged_batch()
+    with torch.no_grad():
+        packed = _score(model, ids, mask, select, packed=True, need_entropy=False).logprobs_BL
+        alone = _score(model, ids[1:2, :4], mask[1:2, :4], select[1:2, :4], packed=False, need_entropy=False)
+    torch.testing.assert_close(packed[1, :4], alone.logprobs_BL[0], rtol=1e-5, atol=1e-6)
+    assert torch.all(packed[1, 4:] == 0)
