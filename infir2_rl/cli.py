@@ -1,6 +1,8 @@
 """The `infir2-rl` command. Thin: parses arguments and calls the pipeline, stages and tools.
 
-Exit codes: 0 success, 1 a run that failed, 2 bad input (config, paths, arguments).
+Exit codes (infir2_rl/errors.py): 0 success, 1 a run that failed, 2 bad input (config, paths, data,
+arguments), 130 interrupted. Every failure ends with one line naming the cause and the remedy; `-v` also
+prints the traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from infir2_rl.config import (
     load_pipeline_config,
     load_stage_config,
 )
+from infir2_rl.errors import describe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -120,7 +124,9 @@ def _report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infir2-rl", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -199,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.fn(args))
-    except ConfigError as e:
-        print(f"infir2-rl: config error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        log.debug("traceback", exc_info=True)
-        print(f"infir2-rl: error: {e} (run with -v for the traceback)", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:  # every failure ends in one line and a documented code
+        code, line = describe(exc)
+        if args.verbose:
+            traceback.print_exc()
+        kind = "config error" if isinstance(exc, ConfigError) else "error"
+        hint = "" if args.verbose or code == 130 else " (run with -v for the traceback)"
+        print(f"infir2-rl: {kind}: {line}{hint}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":
