@@ -58,9 +58,13 @@ def row_key(seed: int, index: int) -> int:
     return _hash32_int(h ^ _hash32_int(index & _MASK32))
 
 
-def uniforms(keys_B: Tensor, step: int) -> Tensor:
-    """One float64 uniform in (0, 1) per row, a pure function of (key, step)."""
-    h = _hash32(keys_B ^ _hash32_int(step + 0x9E3779B9))
+def uniforms(keys_B: Tensor, step: int | Tensor) -> Tensor:
+    """One float64 uniform in (0, 1) per row, a pure function of (key, step); ``step`` may be a per-row
+    int64 tensor (the graph decode path, where rows are at different steps), with the same values."""
+    if isinstance(step, Tensor):
+        h = _hash32(keys_B ^ _hash32((step + 0x9E3779B9) & _MASK32))
+    else:
+        h = _hash32(keys_B ^ _hash32_int(step + 0x9E3779B9))
     return (h.double() + 0.5) / float(1 << 32)
 
 
@@ -119,11 +123,17 @@ def _truncate(z_BV: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
     return z_BV.masked_fill(~keep, float("-inf"))
 
 
-def sample_tokens(logits_BV: Tensor, params: RowSampling, step: int) -> tuple[Tensor, Tensor]:
-    """Draw one token per row; returns (tokens_B int64, logprobs_B float32) as described in the module doc."""
+def sample_tokens(
+    logits_BV: Tensor, params: RowSampling, step: int | Tensor, truncating: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row; returns (tokens_B int64, logprobs_B float32) as described in the module doc.
+
+    ``truncating`` (whether any row has top-k / top-p on) is read from ``params`` when None, which syncs
+    with the device; the graph decode path passes it so that the step has no host synchronisation."""
     z = logits_BV.float() / params.temperature_B[:, None]
     logprobs_BV = torch.log_softmax(z, dim=-1)
-    truncating = bool(((params.top_k_B < z.shape[-1]) | (params.top_p_B < 1.0)).any())
+    if truncating is None:
+        truncating = bool(((params.top_k_B < z.shape[-1]) | (params.top_p_B < 1.0)).any())
     probs = (
         torch.softmax(_truncate(z, params.top_k_B, params.top_p_B), dim=-1)
         if truncating

@@ -91,6 +91,8 @@ class NativeEngine:
         device: str | torch.device = "auto",
         max_batch_size: int = 256,
         pow2_scales: bool = False,
+        decode_path: Literal["auto", "eager", "runner"] = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from infir2_rl.fp8.checkpoint import load_fp8_model
@@ -136,6 +138,27 @@ class NativeEngine:
         self._released = False
         self._logged_cpu_memory_noop = False
         self.num_decode_steps = 0  # decode steps run so far (tests and progress)
+        self._scheduler = self._make_scheduler(decode_path, cuda_graphs)
+
+    def _make_scheduler(self, decode_path: str, cuda_graphs: bool) -> Any:
+        """The model runner + continuous batching (CUDA graphs on GPU) for "runner", or for "auto" on CUDA
+        with a Qwen2 model; None keeps the eager transformers loop below (the CPU path)."""
+        if decode_path not in ("auto", "eager", "runner"):
+            raise ValueError(f"decode_path={decode_path!r}: use 'auto', 'eager' or 'runner'")
+        from infir2_rl.engines.native.model_runner import SUPPORTED_MODEL_TYPES, Qwen2Runner
+        from infir2_rl.engines.native.scheduler import Scheduler
+
+        if decode_path == "eager" or (decode_path == "auto" and self.device.type != "cuda"):
+            return None
+        if self.config.model_type not in SUPPORTED_MODEL_TYPES and decode_path == "auto":
+            logger.warning(
+                "native engine: model_type %r has no graph decode runner (%s); decoding with the SLOW eager "
+                "transformers loop", self.config.model_type, SUPPORTED_MODEL_TYPES,
+            )  # fmt: skip
+            return None
+        runner = Qwen2Runner(self.model)  # shares (re-points) the model's tensors: weight sync reaches it
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        return Scheduler(runner, self.max_batch_size, use_graphs, self.pad_token_id)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
@@ -157,6 +180,8 @@ class NativeEngine:
         with self._lock:
             if self._released:
                 raise RuntimeError("generate() called after release_memory(): call resume_memory() first")
+            if self._scheduler is not None:
+                return self._scheduler.generate(requests, self._abort, self._count_steps)
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start : start + self.max_batch_size]
                 for i, sample in zip(chunk, self._generate_chunk([rows[i] for i in chunk])):
@@ -258,6 +283,9 @@ class NativeEngine:
             )
         return samples
 
+    def _count_steps(self, steps: int) -> None:
+        self.num_decode_steps += steps
+
     def abort(self) -> None:
         """Make the running ``generate`` return at its next decode step (unfinished rows: "abort")."""
         self._abort.set()
@@ -295,10 +323,17 @@ class NativeEngine:
             torch.cuda.empty_cache()  # the KV cache lives only inside generate(); this returns its blocks
 
     def release_memory(self) -> None:
-        """Colocated GPU: move the weights to host memory so the trainer can use the GPU."""
-        self._move("cpu")
+        """Colocated GPU: give the GPU memory to the trainer. Graph decode path: free the KV cache, decode
+        state and CUDA graphs and keep the weights resident (no copy; the next generate re-allocates and
+        re-captures). Eager path: move the weights to host memory."""
+        if self._scheduler is not None:
+            with self._lock:
+                self._scheduler.release()
+        else:
+            self._move("cpu")
         self._released = self.device.type == "cuda"
 
     def resume_memory(self) -> None:
-        self._move("device")
+        if self._scheduler is None:
+            self._move("device")
         self._released = False

@@ -1,0 +1,137 @@
+"""W8A8 blockwise FP8 GEMM for decode, with the activation quantization fused in (Triton, CUDA only).
+
+``y = quant(x) @ W^T`` where x (M, K) is BF16, W (N, K) is e4m3 with one FP32 ``weight_scale_inv`` per
+128x128 block, and quant(x) is the trainer's 1x128 activation quantizer (``fp8.quant_triton``: scale =
+amax / 448 per 128 elements of a row, IEEE division, clamp to +-448, round to nearest even). So the FP8
+operands are byte for byte the ones the trainer's forward multiplies; only the FP32 summation order differs.
+
+Why a kernel of our own at decode sizes (M = batch <= 256): the GEMM reads N x K weight bytes and only
+M x K activations, so it is bound by weight bandwidth, where FP8 halves the bytes against BF16. The
+general path (quantize kernel, then cuBLASLt ``scaled_mm`` blockwise) is two launches and a round trip of
+the quantized activations through memory, and cuBLASLt's blockwise kernels measured slower than BF16 GEMMs
+at these M (docs/performance.md). Here one program owns a BM x BN output tile and walks K in 128-wide
+blocks: it loads the BF16 activation block, quantizes it in registers (the row's scale for that block is
+computed from the block itself, since a 1x128 tile is exactly one K block), multiplies with the FP8 weight
+block on the tensor cores, and adds ``dot * s_x[row] * s_w[block]`` to an FP32 accumulator. Every program
+quantizes the activations of its rows again; they are tiny and come from L2.
+
+Split-K (``split_k > 1``): the K blocks are divided among ``split_k`` programs per tile, which write FP32
+partials summed afterwards (one small reduction): needed when N / BN tiles alone are too few programs to
+pull the weights at full bandwidth (o_proj and down_proj of a 1.5B model have only 24 tiles of 64 rows).
+Which config (or cuBLASLt) runs at a given (M, N, K) is chosen by timing them (``linears.Fp8GemmChooser``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
+
+    _HAVE_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs
+    _HAVE_TRITON = False
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of the fused kernel: output tile BM x BN, ``split_k`` programs along K, warps, stages."""
+
+    bm: int
+    bn: int
+    split_k: int
+    warps: int = 4
+    stages: int = 3
+
+    def __str__(self) -> str:
+        return f"triton bm{self.bm} bn{self.bn} sk{self.split_k} w{self.warps} s{self.stages}"
+
+
+def candidates(m: int) -> list[GemmConfig]:
+    """Launch shapes timed at start-up for M rows: BM 16 for tiny batches, else 64; split-K for narrow N.
+    (Few BM / BN values on purpose: each one is a Triton compile on a fresh machine, ~1 s.)"""
+    bm = 16 if m <= 16 else 64
+    return [GemmConfig(bm, bn, sk) for bn, sk in ((32, 1), (64, 1), (128, 1), (32, 4), (64, 4), (64, 8))]
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _w8a8_kernel(
+        x_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr,
+        M, N, K, KB, kb_per_split, stride_xm,
+        HAS_BIAS, SPLIT, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, 128)
+        acc = tl.zeros((BM, BN), tl.float32)
+        kb_start = pid_k * kb_per_split
+        kb_end = tl.minimum(kb_start + kb_per_split, KB)
+        for kb in range(kb_start, kb_end):
+            ks = kb * 128 + kk
+            x_mask = (rows[:, None] < M) & (ks[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+            x = x.to(tl.float32)
+            ax = tl.abs(x)
+            s_x = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
+            q = tl.math.div_rn(x, tl.broadcast_to(s_x[:, None], (BM, 128)))
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            w_mask = (cols[None, :] < N) & (ks[:, None] < K)
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
+            s_w = tl.load(ws_ptr + (cols // 128) * KB + kb, mask=cols < N, other=0.0)
+            acc += tl.dot(q, w) * s_x[:, None] * s_w[None, :]
+        out_mask = (rows[:, None] < M) & (cols[None, :] < N)
+        if SPLIT != 0:
+            offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(y_ptr + offs, acc, mask=out_mask)
+        else:
+            if HAS_BIAS != 0:
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def w8a8_fused(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale_inv: Tensor,
+    bias: Tensor | None,
+    cfg: GemmConfig,
+    pow2_scales: bool = False,
+) -> Tensor:
+    """``quant(x) @ W^T (+ bias)`` for x (M, K) BF16 with unit last stride -> (M, N) in x's dtype."""
+    m, k = x.shape
+    n = w_fp8.shape[0]
+    kb = triton.cdiv(k, 128)
+    split = min(cfg.split_k, kb)
+    kb_per_split = triton.cdiv(kb, split)
+    split = triton.cdiv(kb, kb_per_split)
+    grid = (triton.cdiv(m, cfg.bm), triton.cdiv(n, cfg.bn), split)
+    if split == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _w8a8_kernel[grid](
+        x, w_fp8, w_scale_inv, bias if bias is not None else w_scale_inv, y,
+        m, n, k, kb, kb_per_split, x.stride(0), int(bias is not None), int(split > 1),
+        POW2=pow2_scales, BM=cfg.bm, BN=cfg.bn,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    if split == 1:
+        return y
+    out = y.sum(0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def available(device: torch.device) -> bool:
+    return _HAVE_TRITON and device.type == "cuda"

@@ -1,0 +1,165 @@
+"""Fused projections of the model runner, and the one place where their GEMMs (BF16 or FP8 W8A8) run.
+
+Fusion without a second copy. q|k|v and gate|up are each one GEMM over a concatenated weight. The fused
+buffer is allocated once and each HF module's tensors are re-pointed at views of it (``weight``, ``bias``;
+for ``Fp8InferenceLinear`` the FP8 ``weight`` and its ``weight_scale_inv``), so the HF model and the
+runner share every byte: weight sync (``weight_sync.receiver``) copies into the HF module's tensors, which
+writes straight into the runner's fused buffers, and captured CUDA graphs see the new weights (same
+addresses). FP8 parts whose row count is not a multiple of 128 are padded with zero rows (scale 1) up to
+one, so every part keeps its own 128x128 scale blocks; the padding columns of the output are never read.
+
+The GEMM (``FusedLinear.__call__``):
+* BF16 / FP32: ``F.linear``.
+* FP8 on CPU (tests) or without the fast path: ``fp8.ops.fp8_linear_forward`` (emulation: the same FP8
+  values, FP32 matmul), i.e. exactly what ``Fp8InferenceLinear`` computes.
+* FP8 on a Hopper GPU: per (M, N, K), the faster of cuBLASLt ``scaled_mm`` blockwise (quantize kernel +
+  GEMM, ``fp8.ops``) and the fused Triton kernel of ``fp8_gemm`` in each of its candidate launch shapes,
+  timed once per shape by ``Fp8GemmChooser`` (CUDA events, median of repeated runs, outside any graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from infir2_rl.engines.native import fp8_gemm
+from infir2_rl.fp8 import gemm as cublas_gemm
+from infir2_rl.fp8.linear import Fp8InferenceLinear
+from infir2_rl.fp8.ops import fp8_linear_forward
+
+logger = logging.getLogger(__name__)
+
+_CUBLAS = "cublas scaled_mm"
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+class Fp8GemmChooser:
+    """Picks, per GEMM shape, the fastest FP8 implementation on this GPU by timing each candidate once."""
+
+    def __init__(self, pow2_scales: bool, repeats: int = 20) -> None:
+        self.pow2_scales = pow2_scales
+        self.repeats = repeats
+        self.choice: dict[tuple[int, int, int], str | fp8_gemm.GemmConfig] = {}
+        self.timings: dict[tuple[int, int, int], dict[str, float]] = {}
+
+    def _time(self, fn: Callable[[], Tensor]) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(self.repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def pick(self, x: Tensor, w: Tensor, s: Tensor, bias: Tensor | None) -> str | fp8_gemm.GemmConfig:
+        key = (x.shape[0], w.shape[0], w.shape[1])
+        if key in self.choice:
+            return self.choice[key]
+        options: dict[str, tuple[str | fp8_gemm.GemmConfig, Callable[[], Tensor]]] = {}
+        if cublas_gemm.fast_path_ok(x, w.shape[0], w.shape[1]):
+            options[_CUBLAS] = (_CUBLAS, lambda: fp8_linear_forward(x, w, s, bias, self.pow2_scales))
+        for cfg in fp8_gemm.candidates(x.shape[0]):
+            options[str(cfg)] = (
+                cfg,
+                functools.partial(fp8_gemm.w8a8_fused, x, w, s, bias, cfg, self.pow2_scales),
+            )
+        times = {}
+        for name, (_, fn) in options.items():
+            try:
+                times[name] = self._time(fn)
+            except Exception as exc:  # a launch shape this GPU or Triton cannot compile: not a candidate
+                logger.warning("FP8 GEMM candidate %s failed at %s: %s", name, key, exc)
+        if not times:
+            raise RuntimeError(f"no FP8 GEMM implementation ran at (M, N, K) = {key}")
+        best = min(times, key=lambda name: times[name])
+        self.choice[key], self.timings[key] = options[best][0], times
+        logger.info("FP8 GEMM %s: %s (%.1f us; cuBLAS %s)", key, best, 1e3 * times[best], times.get(_CUBLAS))
+        return self.choice[key]
+
+
+class FusedLinear:
+    """One GEMM over sibling projections (list order), sharing storage with the HF modules (module doc)."""
+
+    def __init__(self, modules: list[nn.Module], chooser: Fp8GemmChooser | None) -> None:
+        self.fp8 = isinstance(modules[0], Fp8InferenceLinear)
+        if any(isinstance(m, Fp8InferenceLinear) != self.fp8 for m in modules):
+            raise ValueError(
+                f"cannot fuse FP8 and non-FP8 projections: {[type(m).__name__ for m in modules]}"
+            )
+        self.chooser = chooser
+        self.pow2_scales = bool(getattr(modules[0], "pow2_scales", False))
+        has_bias = [getattr(m, "bias", None) is not None for m in modules]
+        if len(set(has_bias)) > 1:
+            raise ValueError("cannot fuse projections where only some have a bias")
+        weights: list[Tensor] = [m.weight for m in modules]  # type: ignore[misc]
+        biases: list[Tensor | None] = [getattr(m, "bias", None) for m in modules]
+        k, device = weights[0].shape[1], weights[0].device
+        align = 128 if self.fp8 and len(modules) > 1 else 1
+        sizes = [w.shape[0] for w in weights]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + _round_up(n, align))
+        self.out_features = offsets[-1]
+        self.part_slices = [slice(o, o + n) for o, n in zip(offsets, sizes)]
+        with torch.no_grad():
+            self.weight = torch.zeros(self.out_features, k, dtype=weights[0].dtype, device=device)
+            self.bias: Tensor | None = None
+            if has_bias[0]:
+                assert biases[0] is not None
+                self.bias = torch.zeros(self.out_features, dtype=biases[0].dtype, device=device)
+            self.scale: Tensor | None = None
+            if self.fp8:
+                kb = -(-k // 128)
+                self.scale = torch.ones(-(-self.out_features // 128), kb, dtype=torch.float32, device=device)
+            for module, sl in zip(modules, self.part_slices):
+                self._bind(module, sl)
+
+    def _bind(self, module: nn.Module, sl: slice) -> None:
+        """Copy ``module``'s tensors into the fused buffers and re-point the module at views of them."""
+        view = self.weight[sl]
+        weight: Tensor = module.weight  # type: ignore[assignment]
+        view.copy_(weight)
+        if self.fp8:
+            assert self.scale is not None and isinstance(module, Fp8InferenceLinear)
+            blocks = slice(sl.start // 128, sl.start // 128 + module.weight_scale_inv.shape[0])
+            self.scale[blocks].copy_(module.weight_scale_inv)
+            module._buffers["weight"] = view
+            module._buffers["weight_scale_inv"] = self.scale[blocks]
+            if self.bias is not None:
+                self.bias[sl].copy_(module.bias)  # type: ignore[arg-type]
+                module._buffers["bias"] = self.bias[sl]
+            return
+        module.weight = nn.Parameter(view, requires_grad=False)
+        if self.bias is not None:
+            self.bias[sl].copy_(module.bias)  # type: ignore[arg-type]
+            module.bias = nn.Parameter(self.bias[sl], requires_grad=False)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x (M, K) -> (M, out_features); the FP8 path quantizes x per 1x128 tile like the trainer."""
+        if not self.fp8:
+            return F.linear(x, self.weight, self.bias)
+        assert self.scale is not None
+        pow2_scales = self.pow2_scales
+        if self.chooser is None or not fp8_gemm.available(x.device):
+            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
+        choice = self.chooser.pick(x, self.weight, self.scale, self.bias)
+        if choice == _CUBLAS:
+            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
+        assert isinstance(choice, fp8_gemm.GemmConfig)
+        return fp8_gemm.w8a8_fused(x, self.weight, self.scale, self.bias, choice, pow2_scales)
+
+    def split(self, y: Tensor) -> list[Tensor]:
+        """The parts of a fused output (M, out_features), in module order."""
+        return [y[:, sl] for sl in self.part_slices]

@@ -1,0 +1,150 @@
+"""The engine's own Qwen2-family forward for rollout: fused projections, a slot KV cache, no Python per token.
+
+Shapes: B decode rows, P prompts, L prompt tokens, V vocabulary, E hidden size, H / KVH query / KV heads,
+D head dim.
+
+Built on top of the loaded transformers model (``Qwen2ForCausalLM``, BF16 or with ``Fp8InferenceLinear``
+decoder projections), whose tensors it shares (``linears.FusedLinear``): the same embedding, norms and
+lm_head, q|k|v and gate|up fused into one GEMM each. It computes what ``Qwen2ForCausalLM`` computes, in the
+same op order (RMSNorm in FP32 then cast, rotary tables from the model's own ``rotary_emb``, SiLU-gated
+MLP), so on CPU in FP32 its log-probs equal the HF forward's up to summation order (tested).
+
+Two entry points, both writing keys and values into a ``KVCache`` by slot:
+* ``prefill(ids_PL, lengths_P, slots, prompt_of_row)``: right-padded prompts, causal attention, K/V copied
+  into the slot of every row that shares a prompt (the n samples of a request share one prefill); returns
+  the last real position's logits per prompt.
+* ``decode(tokens_B, positions_B, slots_B)``: one token per row at its own position; no host sync and
+  fixed shapes, so ``cuda_graphs`` can capture it.
+Attention goes through ``attention.py`` and every projection through ``linears.py``: one place each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from infir2_rl.engines.native import attention
+from infir2_rl.engines.native.kv_cache import KVCache
+from infir2_rl.engines.native.linears import Fp8GemmChooser, FusedLinear
+
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen2RMSNorm: normalize in FP32, cast back to x's dtype, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding (rotate-half convention) with cos/sin broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer:
+    def __init__(self, layer: Any, chooser: Fp8GemmChooser | None) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm: Tensor = layer.input_layernorm.weight
+        self.post_norm: Tensor = layer.post_attention_layernorm.weight
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], chooser)
+        self.o = FusedLinear([attn.o_proj], chooser)
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], chooser)
+        self.down = FusedLinear([mlp.down_proj], chooser)
+
+
+class Qwen2Runner:
+    """Prefill and decode over a slot KV cache for a loaded Qwen2 model (module docstring)."""
+
+    def __init__(self, model: nn.Module, attention_impl: str | None = None) -> None:
+        config: Any = model.config  # type: ignore[assignment]
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={config.model_type!r}: the graph decode runner supports {SUPPORTED_MODEL_TYPES}; "
+                "use the eager engine path (cuda_graphs=False)"
+            )
+        inner: Any = model.model  # type: ignore[assignment]
+        self.device = inner.embed_tokens.weight.device
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.num_layers = int(config.num_hidden_layers)
+        self.eps = float(config.rms_norm_eps)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(config.max_position_embeddings)
+        pow2 = any(getattr(m, "pow2_scales", False) for m in model.modules())
+        self.chooser = Fp8GemmChooser(pow2) if self.device.type == "cuda" else None
+        self.embed: Tensor = inner.embed_tokens.weight
+        self.final_norm: Tensor = inner.norm.weight
+        head: Any = model.lm_head
+        self.lm_head: Tensor = head.weight  # BF16: never quantized
+        self.layers = [_Layer(layer, self.chooser) for layer in inner.layers]
+        self.attention_impl = attention_impl or attention.default_impl(self.device)
+        with torch.no_grad():
+            positions = torch.arange(self.max_positions, device=self.device)[None]
+            probe = torch.empty(1, dtype=self.dtype, device=self.device)
+            cos, sin = inner.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # (max_positions, D) in the model dtype
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        if max_len > self.max_positions:
+            raise ValueError(
+                f"prompt + max_new_tokens = {max_len} exceeds the model's max_position_embeddings "
+                f"{self.max_positions}; shorten the prompt or max_new_tokens"
+            )
+        return KVCache(
+            self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device
+        )
+
+    def _split_qkv(self, layer: _Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = layer.qkv.split(layer.qkv(x))
+        lead = x.shape[:-1]
+        return (
+            q.reshape(*lead, self.num_heads, self.head_dim),
+            k.reshape(*lead, self.num_kv_heads, self.head_dim),
+            v.reshape(*lead, self.num_kv_heads, self.head_dim),
+        )
+
+    def _mlp(self, layer: _Layer, h: Tensor) -> Tensor:
+        gate, up = layer.gate_up.split(layer.gate_up(rms_norm(h, layer.post_norm, self.eps)))
+        return h + layer.down(F.silu(gate) * up)
+
+    @torch.no_grad()
+    def prefill(
+        self, ids_PL: Tensor, lengths_P: Tensor, cache: KVCache, slots: Tensor, prompt_of_row: Tensor
+    ) -> Tensor:
+        """Run right-padded prompts, store their K/V in ``slots`` (row r takes prompt ``prompt_of_row[r]``);
+        returns logits (P, V) at each prompt's last real token."""
+        num_prompts, length = ids_PL.shape
+        cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
+        h = F.embedding(ids_PL, self.embed).reshape(num_prompts * length, -1)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split_qkv(layer, rms_norm(h, layer.input_norm, self.eps))
+            q = rotate(q.view(num_prompts, length, self.num_heads, -1).transpose(1, 2), cos, sin)
+            k = rotate(k.view(num_prompts, length, self.num_kv_heads, -1).transpose(1, 2), cos, sin)
+            v = v.view(num_prompts, length, self.num_kv_heads, -1).transpose(1, 2)
+            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k, v)
+            a = attention.prefill(q, k, v).reshape(num_prompts * length, -1)
+            h = self._mlp(layer, h + layer.o(a))
+        last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=h.device), lengths_P - 1]
+        return F.linear(rms_norm(last, self.final_norm, self.eps), self.lm_head)
+
+    @torch.no_grad()
+    def decode(self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache) -> Tensor:
+        """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V)."""
+        cos, sin = self.cos[positions_B][:, None], self.sin[positions_B][:, None]  # (B, 1, D)
+        lengths = positions_B + 1
+        h = F.embedding(tokens_B, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split_qkv(layer, rms_norm(h, layer.input_norm, self.eps))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            attention.write_decode(cache.k[i], cache.v[i], slots_B, positions_B, k, v)
+            a = attention.decode(q, cache.k[i], cache.v[i], slots_B, lengths, self.attention_impl)
+            h = self._mlp(layer, h + layer.o(a))
+        return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)

@@ -1,0 +1,225 @@
+"""Continuous batching over cache slots: rows join as others finish; the n samples of a prompt share its prefill.
+
+The loop (``Scheduler.generate``):
+1. Admit: while slots are free and rows wait, take the next request's remaining samples (as many as fit),
+   run the prompts of all admitted requests through one prefill (``Qwen2Runner.prefill``; a prompt's K/V
+   is computed once and copied into each of its rows' slots), and sample each row's first token eagerly.
+   Admission waits until at least 1/8 of the slots are free (or nothing runs), so prefills come in batches.
+2. Decode ``k`` steps with no host synchronisation (``GraphDecoder.step``: CUDA-graph replays), where
+   ``k = min(sync_every, fewest tokens any running row may still need)``, so a row that runs to its
+   max_new_tokens never waits past its end; a row that stops early waits at most ``sync_every - 1`` steps.
+3. Sync once: read every running row's done flag and token count; copy the tokens and log-probs of the
+   finished rows to the host in one transfer, free their slots, and go to 1.
+``abort()`` is seen at the sync: running rows finish "abort" with what they have; rows admitted later
+finish "abort" after their first token (as in the eager path).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from infir2_rl.engines.native.cuda_graphs import DecodeState, GraphDecoder
+from infir2_rl.engines.native.kv_cache import KVCache
+from infir2_rl.engines.native.model_runner import Qwen2Runner
+from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens
+from infir2_rl.types import FinishReason, GenerateRequest, Sample
+
+_LEN_QUANTUM = 256  # cache length is rounded up to this, so similar calls reuse the cache and graphs
+
+
+class Scheduler:
+    """Owns the KV cache, the decode state and the graphs of one engine; see the module docstring."""
+
+    def __init__(
+        self,
+        runner: Qwen2Runner,
+        num_slots: int,
+        use_graphs: bool,
+        pad_token_id: int,
+        sync_every: int = 16,
+        max_prefill_tokens: int = 16384,
+    ) -> None:
+        self.runner, self.num_slots, self.use_graphs = runner, num_slots, use_graphs
+        self.pad_token_id, self.sync_every, self.max_prefill_tokens = (
+            pad_token_id,
+            sync_every,
+            max_prefill_tokens,
+        )
+        self.cache: KVCache | None = None
+        self.state: DecodeState | None = None
+        self.decoder: GraphDecoder | None = None
+        self.num_decode_steps = 0
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def _ensure(self, max_len: int, max_response: int, max_stops: int) -> None:
+        """Allocate (or grow) cache, state and graphs for these sizes; keeps them when they already fit."""
+        if (
+            self.cache is not None
+            and self.state is not None
+            and self.cache.max_len >= max_len
+            and self.state.max_response >= max_response
+            and self.state.stop_ids.shape[1] >= max_stops
+        ):
+            return
+        self.release()
+        length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
+        length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
+        self.cache = self.runner.new_cache(self.num_slots, length)
+        self.state = DecodeState(self.num_slots, length, max_stops, self.runner.device)
+        self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs)
+
+    def release(self) -> None:
+        """Drop the KV cache, decode state and graphs (weights stay where they are)."""
+        self.cache = self.state = self.decoder = None
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def generate(
+        self, requests: Sequence[GenerateRequest], abort: threading.Event, on_steps: Callable[[int], None]
+    ) -> list[Sample]:
+        """All samples of ``requests`` in request order then sample index."""
+        self._ensure(
+            max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests),
+            max(r.params.max_new_tokens for r in requests),
+            max(len(r.params.stop_token_ids) for r in requests),
+        )
+        assert self.state is not None and self.decoder is not None
+        state, decoder = self.state, self.decoder
+        vocab = self.runner.vocab_size
+        truncating = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in requests)
+        pending = deque((pos, r, list(range(r.n))) for pos, r in enumerate(requests))
+        free = list(range(self.num_slots - 1, -1, -1))
+        active: dict[int, tuple[int, GenerateRequest, int]] = {}  # slot -> (request position, request, index)
+        generated: dict[int, int] = {}  # slot -> tokens generated, as of the last sync
+        results: dict[tuple[int, int], Sample] = {}
+        running: list[int] = []
+        while pending or active:
+            waiting = sum(len(idx) for _, _, idx in pending)
+            if pending and free and (not active or len(free) >= min(waiting, max(1, self.num_slots // 8))):
+                generated.update({s: 1 for s in self._admit(pending, free, active, state)})
+            self._collect(active, generated, free, results, abort.is_set())
+            if not active:
+                continue
+            if sorted(active) != running:
+                running = sorted(active)
+                decoder.set_rows(running)
+            need = min(active[s][1].params.max_new_tokens - generated[s] for s in active)
+            steps = max(1, min(self.sync_every, need))
+            for _ in range(steps):
+                decoder.step(truncating)
+            self.num_decode_steps += steps
+            on_steps(steps)
+        return [results[(pos, i)] for pos, r in enumerate(requests) for i in range(r.n)]
+
+    def _admit(
+        self,
+        pending: deque[tuple[int, GenerateRequest, list[int]]],
+        free: list[int],
+        active: dict[int, tuple[int, GenerateRequest, int]],
+        state: DecodeState,
+    ) -> list[int]:
+        """Take waiting rows into free slots, prefill their prompts (shared per request), sample token 1."""
+        groups: list[tuple[GenerateRequest, list[int], list[int]]] = []
+        positions: list[int] = []
+        tokens = 0
+        while pending and free:
+            position, request, indices = pending[0]
+            if groups and tokens + len(request.prompt_ids) > self.max_prefill_tokens:
+                break
+            take = indices[: len(free)]
+            slots = [free.pop() for _ in take]
+            groups.append((request, take, slots))
+            positions.append(position)
+            tokens += len(request.prompt_ids)
+            del indices[: len(take)]
+            if not indices:
+                pending.popleft()
+        device = self.runner.device
+        lengths = [len(r.prompt_ids) for r, _, _ in groups]
+        ids = torch.full((len(groups), max(lengths)), self.pad_token_id, dtype=torch.long)
+        for p, (r, _, _) in enumerate(groups):
+            ids[p, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        rows = [(r, i, s) for r, take, slots in groups for i, s in zip(take, slots)]
+        row_positions = [pos for pos, (_, take, _) in zip(positions, groups) for _ in take]
+        prompt_of_row = torch.tensor(
+            [p for p, (_, take, _) in enumerate(groups) for _ in take], device=device
+        )
+        slots_t = torch.tensor([s for _, _, s in rows], device=device)
+        lengths_t = torch.tensor(lengths, device=device)
+        assert self.cache is not None
+        logits = self.runner.prefill(ids.to(device), lengths_t, self.cache, slots_t, prompt_of_row)
+        params = [r.params for r, _, _ in rows]
+        sampling = RowSampling.build(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            greedy=[p.greedy for p in params],
+            keys=[row_key(r.seed, i) for r, i, _ in rows],
+            vocab_size=self.runner.vocab_size,
+            device=device,
+        )
+        for name in ("temperature", "top_k", "top_p", "keys"):
+            getattr(state, name)[slots_t] = getattr(sampling, f"{name}_B")
+        state.greedy[slots_t] = sampling.greedy_B
+        state.max_new[slots_t] = torch.tensor([p.max_new_tokens for p in params], device=device)
+        stops = torch.full((len(rows), state.stop_ids.shape[1]), -1, dtype=torch.long)
+        for b, row_params in enumerate(params):
+            stops[b, : len(row_params.stop_token_ids)] = torch.tensor(
+                row_params.stop_token_ids, dtype=torch.long
+            )
+        state.stop_ids[slots_t] = stops.to(device)
+        first, logprobs = sample_tokens(logits[prompt_of_row], sampling, 0)
+        zeros = torch.zeros_like(slots_t)
+        state.record(slots_t, first, logprobs, zeros, lengths_t[prompt_of_row])
+        for pos, (r, i, s) in zip(row_positions, rows):
+            active[s] = (pos, r, i)
+        return [s for _, _, s in rows]
+
+    def _collect(
+        self,
+        active: dict[int, tuple[int, GenerateRequest, int]],
+        generated: dict[int, int],
+        free: list[int],
+        results: dict[tuple[int, int], Sample],
+        aborting: bool,
+    ) -> None:
+        """Sync: finished rows (all running rows when aborting) become Samples and free their slots."""
+        assert self.state is not None
+        state = self.state
+        if not active:
+            return
+        slots = sorted(active)
+        slots_t = torch.tensor(slots, device=state.tokens.device)
+        done, counts = torch.stack([state.done[slots_t].long(), state.num_generated[slots_t]]).tolist()
+        generated.update(zip(slots, counts))
+        finished = [(s, c) for s, d, c in zip(slots, done, counts) if d or aborting]
+        if not finished:
+            return
+        longest = max(c for _, c in finished)
+        rows_t = torch.tensor([s for s, _ in finished], device=state.tokens.device)
+        tokens = state.tokens[rows_t, :longest].tolist()
+        logprobs = state.logprobs[rows_t, :longest].tolist()
+        for (slot, count), toks, lps in zip(finished, tokens, logprobs):
+            position, request, index = active.pop(slot)
+            generated.pop(slot, None)
+            reason: FinishReason
+            if count > 0 and toks[count - 1] in request.params.stop_token_ids:
+                reason = "stop"
+            elif count >= request.params.max_new_tokens:
+                reason = "length"
+            else:
+                reason = "abort"
+            results[(position, index)] = Sample(
+                request_id=request.request_id,
+                index=index,
+                prompt_ids=list(request.prompt_ids),
+                response_ids=toks[:count],
+                logprobs=lps[:count],
+                finish_reason=reason,
+            )
+            free.append(slot)
