@@ -15,7 +15,11 @@ global batch, all ranks) so the accumulated gradient is that of the global-batch
 split. Gradients are then reduced over ranks (see distributed.py), the global norm is measured, and
 a non-finite norm skips the update: gradients are dropped, neither the optimizer nor the lr
 schedule advances, and `TrainStats.skipped` is True. Otherwise the norm is clipped to
-`optimizer.grad_clip` (0 = off) and AdamW and the schedule step.
+`optimizer.grad_clip` (0 = off) and AdamW and the schedule step. On CUDA AdamW is fused and the skip
+is decided on the device (optim.step_unless_nonfinite): the host waits once, after the update is queued.
+
+Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
+entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import get_total_norm
 from transformers import PreTrainedModel
 
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
-from infir2_rl.trainers.optim import build_optimizer, build_scheduler
+from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.reference import load_reference_model
@@ -191,9 +195,11 @@ class TorchTrainer:
         self.invalidate_fp8_cache()
         # Loss weight of FSDP2's averaging reduce-scatter: undo its division by world size.
         grad_scale = float(self.world_size) if self.fsdp else 1.0
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Loss and token sums stay on the device until the step is queued (no per-micro-batch host sync).
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         metric_sums: dict[str, float] = {}
-        num_tokens = num_sequences = 0
+        num_sequences = 0
         for batch in self._padded(batches):
             if batch is None:
                 (self._dummy_scores().sum() * 0.0).backward()
@@ -201,29 +207,26 @@ class TorchTrainer:
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             weight = out.num_units / total_units
             (out.loss * (weight * grad_scale)).backward()
-            loss_sum += out.loss.detach().double().cpu() * weight
+            loss_sum += out.loss.detach().double() * weight
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + float(value) * weight
-            num_tokens += int(batch.attention_mask.sum().item())
+            num_tokens += batch.attention_mask.sum()
             num_sequences += batch.num_sequences
         if self.world_size > 1 and not self.fsdp:
             D.all_reduce_grads_(self.params)
         grad_norm = self._grad_norm()
         lr = float(self.scheduler.get_last_lr()[0])
-        skipped = not bool(torch.isfinite(grad_norm).item())
+        skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, self.optimizer_cfg.grad_clip)
         if skipped:
             self.num_skipped += 1
             log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
         else:
-            if self.optimizer_cfg.grad_clip > 0:
-                clip_grads_with_norm_(self.params, self.optimizer_cfg.grad_clip, grad_norm)
-            self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         names = self._metric_names(metric_sums)
         totals = self._sum_over_ranks(
-            [loss_sum.item(), num_tokens, num_sequences, *(metric_sums.get(n, 0.0) for n in names)]
+            [loss_sum.item(), num_tokens.item(), num_sequences, *(metric_sums.get(n, 0.0) for n in names)]
         )
         return TrainStats(
             step=self.step,
@@ -240,7 +243,7 @@ class TorchTrainer:
     def _grad_norm(self) -> Tensor:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return torch.zeros(())
+            return torch.zeros((), device=self.device)
         norm = get_total_norm(grads, norm_type=2.0)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the full value is the global norm
             norm = norm.full_tensor()
