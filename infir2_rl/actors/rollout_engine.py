@@ -38,10 +38,12 @@ def make_engine_backend(
     dtype: str = "auto",
     pow2_scales: bool = False,
     device: str = "auto",
+    gpu_share: float | None = None,
 ) -> EngineBackend:
     """The backend ``rollout.backend`` names, loading ``rollout.fp8_checkpoint`` when FP8 and set, else ``model_path``.
 
     ``fp8``: generate with blockwise FP8 W8A8 decoder linears (the RL stage's ``rollout_fp8``, from its precision).
+    ``gpu_share``: the engine's share of a GPU it shares with a trainer worker (colocated), None on GPUs of its own.
     """
     fp8_checkpoint = rollout.fp8_checkpoint if fp8 else None
     if rollout.backend == "native":
@@ -59,8 +61,11 @@ def make_engine_backend(
     if rollout.backend == "sglang":
         from infir2_rl.engines.sglang.engine import SglangEngine
 
-        return SglangEngine(
-            fp8_checkpoint or model_path, fp8=fp8, tensor_parallel_size=rollout.tensor_parallel_size
+        return SglangEngine.launch(
+            fp8_checkpoint or model_path,
+            fp8=fp8,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_share=gpu_share,
         )
     raise ValueError(f"rollout.backend={rollout.backend!r}: use 'native' or 'sglang'")
 
@@ -78,12 +83,19 @@ class RolloutEngine:
         pow2_scales: bool = False,
         device: str = "auto",
         engine_index: int = 0,
+        gpu_share: float | None = None,
     ) -> None:
         # Before the backend imports transformers / huggingface_hub, which read it at import time.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.engine_index = engine_index
         self.backend = make_engine_backend(
-            rollout, model_path, fp8=fp8, dtype=dtype, pow2_scales=pow2_scales, device=device
+            rollout,
+            model_path,
+            fp8=fp8,
+            dtype=dtype,
+            pow2_scales=pow2_scales,
+            device=device,
+            gpu_share=gpu_share,
         )
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
@@ -113,6 +125,11 @@ def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle
     import ray
 
     num = cfg.rollout.num_engines
+    if cfg.rollout.backend == "sglang" and cfg.weight_sync.self_check_layers:
+        raise ValueError(
+            f"weight_sync.self_check_layers={cfg.weight_sync.self_check_layers}: SGLang engines cannot read back"
+            " the tensors the trainer sent (they check each push with SGLang's /weights_checker); set it to 0"
+        )
     slots = len(placement.plan.engine.bundles)
     if slots < num:
         raise ValueError(f"rollout.num_engines={num}: the placement plan has {slots} engine slots")
@@ -126,6 +143,7 @@ def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle
             pow2_scales=cfg.trainer.fp8_pow2_scales,
             device="cuda" if placement.plan.use_gpu else "cpu",
             engine_index=i,
+            gpu_share=placement.plan.engine.gpus if placement.plan.colocate else None,
         )
         for i in range(num)
     ]
