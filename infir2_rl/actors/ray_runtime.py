@@ -25,14 +25,20 @@ def ensure_ray() -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
+        from infir2_rl.actors.ray_watch import choose_local_auth_mode, watch_instructions
+
+        auth_mode = choose_local_auth_mode()
         dashboard = os.environ.get("INFIR2_RAY_DASHBOARD", "1") == "1"
         env = {k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}
-        ray.init(
+        context = ray.init(
             num_cpus=_affinity_cpus(),
             include_dashboard=dashboard,
             log_to_driver=True,
             runtime_env={"env_vars": env},
         )
+        dashboard_url = context.dashboard_url if dashboard else None
+        gcs_address = ray.get_runtime_context().gcs_address
+        log.info("%s", watch_instructions(dashboard_url or None, gcs_address, auth_mode))
     log.info("Ray resources: %s", ray.cluster_resources())
 
 

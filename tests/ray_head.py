@@ -1,0 +1,102 @@
+"""A Ray head of a test's own, started through `scripts/start_head.sh` (helpers for tests, not a test module).
+
+Fresh ports, its own temp dir and its own auth token (never the user's ~/.ray token), started with
+`--block` in a new process group and stopped by signalling that group: never `ray stop`, which ends
+every Ray process on the host, other runs included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_for(check: Callable[[], object], timeout_s: float, what: str, every_s: float = 1.0) -> None:
+    """Poll `check` until it returns a true value; TimeoutError naming `what`. Exceptions count as "not
+    yet", except AssertionError: a check raises it to say waiting longer cannot help."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except AssertionError:
+            raise
+        except Exception as e:
+            last_error = e
+        time.sleep(every_s)
+    raise TimeoutError(f"{what} within {timeout_s:.0f} s (last error: {last_error!r})")
+
+
+def job_client(address: str, token: str) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address, headers={"authorization": f"Bearer {token}"})
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: int = 2) -> Iterator[dict[str, str]]:
+    """Yield the environment a client of the head needs (RAY_ADDRESS, RAY_AUTH_TOKEN, ...) plus
+    METRICS_URL (the node's Prometheus endpoint) and RAY_TEMP_DIR (where the session dir lives)."""
+    gcs, dashboard, metrics, agent, client = free_ports(5)
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # unix socket paths must stay short
+    token = secrets.token_hex(32)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "RAY_PORT": str(gcs),
+        "DASHBOARD_PORT": str(dashboard),
+        "METRICS_PORT": str(metrics),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    head = subprocess.Popen(
+        ["bash", str(REPO / "scripts" / "start_head.sh"), "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+         f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
+         "--include-dashboard=true", "--block"],
+        env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        wait_for(lambda: job_client(address, token).list_jobs() is not None, 120, "Ray head did not come up")
+        yield {
+            **env,
+            "RAY_ADDRESS": address,
+            "METRICS_URL": f"http://127.0.0.1:{metrics}/metrics",
+            "RAY_TEMP_DIR": temp_dir,
+        }
+    finally:
+        # `ray start --block` does not always finish its own shutdown on SIGTERM: SIGKILL after a grace period.
+        os.killpg(head.pid, signal.SIGTERM)
+        time.sleep(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)

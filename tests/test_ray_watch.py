@@ -1,0 +1,51 @@
+"""What a local run prints about watching it, and the auth mode it starts Ray with (no Ray instance started)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from infir2_rl.actors.ray_watch import choose_local_auth_mode, watch_instructions
+
+
+@pytest.fixture
+def ray_config_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """monkeypatch restores the environment; Ray's cached config is re-read from it afterwards."""
+    from ray._raylet import Config  # type: ignore[attr-defined]
+
+    yield monkeypatch
+    monkeypatch.undo()
+    Config.initialize("")
+
+
+def test_local_start_keeps_token_auth_and_ray_sees_it(ray_config_restored: pytest.MonkeyPatch) -> None:
+    from ray._raylet import AuthenticationMode, get_authentication_mode  # type: ignore[attr-defined]
+
+    ray_config_restored.delenv("RAY_AUTH_MODE", raising=False)
+    assert choose_local_auth_mode() == "token"
+    # Ray caches its config at import: without the refresh it would still report DISABLED here.
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
+
+
+def test_user_disabled_auth_is_respected_loudly(
+    ray_config_restored: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ray_config_restored.setenv("RAY_AUTH_MODE", "disabled")
+    with caplog.at_level(logging.WARNING):
+        assert choose_local_auth_mode() == "disabled"
+    assert "WITHOUT token authentication" in caplog.text
+
+
+def test_instructions_name_url_token_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/secrets/ray_token")
+    text = watch_instructions("127.0.0.1:8265", "10.0.0.5:6379", "token")
+    assert "http://127.0.0.1:8265" in text
+    assert "`ray get-auth-token`" in text and "/secrets/ray_token" in text
+    assert "export RAY_AUTH_MODE=token" in text
+    assert "ray status --address 10.0.0.5:6379" in text
+    assert "infir2-rl report RUN_DIR --watch" in text and "scripts/start_prometheus.sh" in text
+    plain = watch_instructions(None, "10.0.0.5:6379", "disabled")
+    assert "RAY_AUTH_MODE" not in plain and "get-auth-token" not in plain and "dashboard:  off" in plain
