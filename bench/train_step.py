@@ -5,7 +5,7 @@
 What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
 on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
 last 75% of each row, as an answer after a prompt). Wall time between ``torch.cuda.synchronize()`` calls,
-median (and min/max) of --steps steps after --warmup steps; the first mode is BF16 (``trainer.fp8=false``),
+median (and min/max) of --steps steps after --warmup steps; the first mode is BF16 (``fp8=False``),
 the second FP8 (decoder linears swapped for ``Fp8Linear``), one after the other in this process. Peak
 memory is ``torch.cuda.max_memory_allocated`` from trainer construction through the timed steps: the first
 trainer is deleted and the peak reset before the second is built (the allocated memory left over is printed).
@@ -176,8 +176,9 @@ def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.devi
     optim = OptimizerConfig(lr=1e-5, min_lr=0.0, schedule="constant", warmup_ratio=0.0)
     trainer = TorchTrainer(
         ModelConfig(path=str(path)),
-        TrainerConfig(fp8=fp8),
+        TrainerConfig(),
         optim,
+        fp8=fp8,
         total_steps=args.warmup + args.steps + 1,
         device=device,
     )

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=["unified_fp8", "bf16_train_fp8_rollout", "bf16"],
         default=None,
-        help="run every stage in this precision setup (SFT: FP8 only for unified_fp8; RL: weight_sync.mode);"
+        help="run every stage in this precision setup (SFT: precision=fp8 only for unified_fp8; RL: its precision);"
         " default: as the configs say",
     )
     p.add_argument(

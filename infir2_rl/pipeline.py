@@ -82,7 +82,7 @@ def run_pipeline(
     scoped_overrides: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Path]:
     """Run a pipeline YAML. `stage_overrides` apply to every stage (e.g. `seed=1`), `scoped_overrides` to
-    the stages of one kind or one stage name (``{"rl": ["weight_sync.mode=bf16"]}``); `adjust` edits each resolved stage
+    the stages of one kind or one stage name (``{"rl": ["precision=bf16"]}``); `adjust` edits each resolved stage
     config in place (the demo uses it to point data paths at the assets it built)."""
     pipeline = load_pipeline_config(path, overrides)
     resolved = resolve_stages(path, pipeline, stage_overrides, scoped_overrides, adjust)
@@ -116,7 +116,7 @@ def run_pipeline(
         else:
             if previous is not None:
                 cfg.model.path = str(previous)
-            if isinstance(cfg, RlStageConfig) and fp8_dir is not None and cfg.rollout.fp8:
+            if isinstance(cfg, RlStageConfig) and fp8_dir is not None and cfg.rollout_fp8:
                 cfg.rollout.fp8_checkpoint = str(fp8_dir)  # engines start from the cast checkpoint
                 fp8_dir = None
             log.info("stage %s (%s) starts from %s", name, cfg.kind, cfg.model.path)
@@ -155,8 +155,7 @@ def resolve_stages(
             *((*scoped.get(cfg.kind, ()), *scoped.get(name, ())) if cfg is not None else ()),
         ]
         if cfg is not None and extra:
-            # Only what the YAML set: values a validator derived (an RL stage's trainer.fp8 from
-            # weight_sync.mode) are derived again, so an override of the mode takes them along.
+            # Only what the YAML set, so that the overrides meet the YAML's values and not defaults.
             data: dict[str, Any] = cfg.model_dump(mode="json", exclude_unset=True)
             try:
                 cfg = parse_stage_config(apply_overrides(data, extra))
@@ -185,13 +184,13 @@ PRECISIONS = ("unified_fp8", "bf16_train_fp8_rollout", "bf16")
 
 
 def precision_overrides(precision: str) -> dict[str, list[str]]:
-    """Per-kind overrides that run a whole pipeline in one precision setup (``weight_sync.mode`` values):
-    SFT trains in FP8 only for ``unified_fp8``; RL stages take the mode, which sets trainer and engine."""
+    """Per-kind overrides that run a whole pipeline in one precision setup (an RL stage's ``precision``):
+    SFT trains in FP8 (``precision=fp8``) only for ``unified_fp8``; RL stages take it as their precision."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
     return {
-        "sft": [f"trainer.fp8={str(precision == 'unified_fp8').lower()}"],
-        "rl": [f"weight_sync.mode={precision}"],
+        "sft": [f"precision={'fp8' if precision == 'unified_fp8' else 'bf16'}"],
+        "rl": [f"precision={precision}"],
     }
 
 

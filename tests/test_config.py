@@ -43,7 +43,7 @@ def test_7b_recipe_values() -> None:
     assert sft.optimizer.betas == (0.9, 0.95) and sft.optimizer.weight_decay == 0.0
     rl1, rl2 = load_stage_config(base / "rl_stage1_8k.yaml"), load_stage_config(base / "rl_stage2_16k.yaml")
     for rl in (rl1, rl2):
-        assert rl.kind == "rl" and rl.trainer.fp8 and rl.rollout.fp8
+        assert rl.kind == "rl" and rl.precision == "unified_fp8" and rl.train_fp8 and rl.rollout_fp8
         assert (rl.rollout.prompts_per_step, rl.rollout.n_samples_per_prompt) == (128, 16)
         assert rl.trainer.global_batch_size == 2048 and rl.rollout.over_sampling_prompts == 384
         assert (rl.algorithm.eps_clip_low, rl.algorithm.eps_clip_high, rl.algorithm.kl_coef) == (
@@ -87,17 +87,68 @@ def test_global_batch_divisible_by_micro_batch_times_dp() -> None:
 
 def test_rl_global_batch_follows_rollout() -> None:
     cfg = parse_stage_config({"kind": "rl", "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4}})
-    assert cfg.trainer.global_batch_size == 16
+    # Derived, not written into the trainer section: the section keeps what the user set (nothing).
+    assert (
+        cfg.global_batch_size == 16 and cfg.trainer.global_batch_size is None and cfg.updates_per_rollout == 1
+    )
+    cfg.rollout.n_samples_per_prompt = 8  # follows the rollout batch it is derived from
+    assert cfg.global_batch_size == 32
     assert "must divide rollout.prompts_per_step" in _err(
         {"kind": "rl", "trainer": {"global_batch_size": 48}}
     )
 
 
-def test_precision_follows_weight_sync_mode() -> None:
-    cfg = parse_stage_config({"kind": "rl", "weight_sync": {"mode": "bf16_train_fp8_rollout"}})
-    assert (cfg.trainer.fp8, cfg.rollout.fp8) == (False, True)
-    msg = _err({"kind": "rl", "weight_sync": {"mode": "bf16"}, "rollout": {"fp8": True}})
-    assert msg.startswith("rollout.fp8=True contradicts weight_sync.mode='bf16'")
+@pytest.mark.parametrize(
+    ("precision", "train_fp8", "rollout_fp8"),
+    [("unified_fp8", True, True), ("bf16_train_fp8_rollout", False, True), ("bf16", False, False)],
+)
+def test_rl_precision_is_one_setting(precision: str, train_fp8: bool, rollout_fp8: bool) -> None:
+    cfg = parse_stage_config({"kind": "rl", "precision": precision})
+    assert (cfg.train_fp8, cfg.rollout_fp8) == (train_fp8, rollout_fp8)
+    sft = parse_stage_config({"kind": "sft", "precision": "bf16"})
+    assert sft.train_fp8 is False and parse_stage_config({}).train_fp8 is True
+    assert _err({"kind": "sft", "precision": "unified_fp8"}).startswith("precision='unified_fp8'")
+
+
+def test_moved_keys_name_their_new_home() -> None:
+    for data in (
+        {"kind": "rl", "weight_sync": {"mode": "bf16"}},
+        {"kind": "rl", "rollout": {"fp8": True}},
+        {"kind": "sft", "trainer": {"fp8": False}},
+    ):
+        msg = _err(data)
+        assert "was replaced by the stage's top-level `precision`" in msg and "set precision" in msg, msg
+
+
+def test_fields_of_the_other_kind_are_refused() -> None:
+    assert _err({"kind": "rl", "trainer": {"epochs": 2}}).startswith(
+        "trainer.epochs: a field of SFT stages only"
+    )
+    assert _err({"kind": "rl", "data": {"max_seq_len": 9}}).startswith(
+        "data.max_seq_len: a field of SFT stages"
+    )
+    assert _err({"kind": "sft", "data": {"input_key": "q"}}).startswith(
+        "data.input_key: a field of RL stages"
+    )
+    assert _err({"kind": "sft", "algorithm": {}}).startswith("algorithm: a section of RL stages only")
+    assert _err({"kind": "sft", "trainer": {"bogus": 1}}).startswith("trainer.bogus: unknown key")
+
+
+def test_transport_not_built_yet_is_refused_by_the_config() -> None:
+    msg = _err({"kind": "rl", "weight_sync": {"transport": "nccl"}})
+    assert (
+        msg
+        == "weight_sync.transport=nccl is not built yet (issue 17 builds it); use object_store or cuda_ipc"
+    )
+
+
+def test_algorithm_section_is_the_algo_config() -> None:
+    from infir2_rl.algo.config import AlgorithmConfig
+
+    cfg = parse_stage_config({"kind": "rl", "algorithm": {"kl_coef": 0.05, "kl_type": "low_var_kl"}})
+    assert isinstance(cfg.algorithm, AlgorithmConfig) and cfg.algorithm.needs_reference
+    assert _err({"kind": "rl", "algorithm": {"mis_veto": 1e-4}}).startswith("algorithm.mis_veto: unknown key")
+    assert _err({"kind": "rl", "algorithm": {"tis_low": 3.0}}).startswith("algorithm.tis_low=3.0")
 
 
 def test_rl_sampling_must_be_plain_softmax() -> None:
@@ -173,12 +224,9 @@ def test_demo_precision_switch_sets_every_stage(precision: str) -> None:
         if cfg is None:
             continue
         assert cfg.seed == 3
-        if cfg.kind == "sft":
-            assert cfg.trainer.fp8 is (precision == "unified_fp8")
-        else:
-            assert cfg.weight_sync.mode == precision
-            assert cfg.trainer.fp8 is (precision == "unified_fp8")
-            assert cfg.rollout.fp8 is (precision != "bf16")
+        assert cfg.train_fp8 is (precision == "unified_fp8")
+        if cfg.kind == "rl":
+            assert cfg.precision == precision and cfg.rollout_fp8 is (precision != "bf16")
             assert cfg.updates_per_rollout == 2  # the demo's 256 samples in two optimizer steps
 
 

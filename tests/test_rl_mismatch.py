@@ -40,8 +40,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _measure(model_dir: Path, trainer_fp8: bool) -> MismatchStats:
     trainer = TorchTrainer(
         ModelConfig(path=str(model_dir), dtype="float32"),
-        TrainerConfig(fp8=trainer_fp8, global_batch_size=16, micro_batch_size=16),
+        TrainerConfig(micro_batch_size=16),
         OptimizerConfig(),
+        fp8=trainer_fp8,
         total_steps=1,
         device="cpu",
     )
@@ -70,8 +71,9 @@ def test_fp8_disabled_forward_is_the_dense_trainer(model_dir: Path) -> None:
     trainers = [
         TorchTrainer(
             ModelConfig(path=str(model_dir), dtype="float32"),
-            TrainerConfig(fp8=fp8, global_batch_size=4, micro_batch_size=4),
+            TrainerConfig(micro_batch_size=4),
             OptimizerConfig(),
+            fp8=fp8,
             total_steps=1,
             device="cpu",
         )

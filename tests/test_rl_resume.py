@@ -93,14 +93,14 @@ def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, r
         model,
         data.rl_train,
         tmp_path / mode,
-        f"weight_sync.mode={mode}",
+        f"precision={mode}",
         "rollout.over_sampling_prompts=2",
         "rollout.max_response_len=12",
         "rollout.num_steps=2",
         "trainer.global_batch_size=8",
         "trainer.micro_batch_size=8",
     )
-    assert cfg.trainer.fp8 is False and cfg.rollout.fp8 is (mode != "bf16")
+    assert cfg.train_fp8 is False and cfg.rollout_fp8 is (mode != "bf16")
     result = run_rl_stage(cfg)
     assert result.last_step == 2
     steps = _steps(tmp_path / mode)

@@ -54,7 +54,7 @@ def _length_parity(response: str, label: str) -> float:
 def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_cluster: None, cfg: RlStageConfig) -> None:
     placement = reserve_for(cfg.placement, num_trainers=0, num_engines=1)
     engines = create_engines(cfg, placement)
-    assert len(engines) == 1 and cfg.rollout.fp8
+    assert len(engines) == 1 and cfg.rollout_fp8
     _, tokenizer = load_model(cfg.model.path)
     prompts = [
         type("P", (), {"prompt_ids": tokenizer(f"{a} + {a} =")["input_ids"], "label": str(a % 2)})()
@@ -90,7 +90,7 @@ def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_cluster: None, cfg:
 
 
 def test_engine_actor_class_runs_without_ray(cfg: RlStageConfig) -> None:
-    engine = RolloutEngine(cfg.rollout, cfg.model.path, device="cpu")
+    engine = RolloutEngine(cfg.rollout, cfg.model.path, fp8=cfg.rollout_fp8, device="cpu")
     assert engine.health().fp8 and engine.health().weight_version == 0
 
 

@@ -113,7 +113,8 @@ name: sft_job
 run_dir: {run_dir}
 model: {{path: {model}}}
 data: {{train_path: {tmp_path}/data/sft_train.jsonl, test_path: {tmp_path}/data/sft_test.jsonl}}
-trainer: {{global_batch_size: 8, micro_batch_size: 4, fp8: true}}
+precision: fp8
+trainer: {{global_batch_size: 8, micro_batch_size: 4}}
 checkpoint: {{save_every: 10}}
 metrics: {{progress_bar: false}}
 """

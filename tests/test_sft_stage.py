@@ -38,7 +38,8 @@ def stage(assets: tuple[Path, Path], run_dir: Path, **sections: dict[str, Any]) 
     base: dict[str, dict[str, Any]] = {
         "model": {"path": str(model)},
         "data": {"train_path": str(data / "sft_train.jsonl"), "test_path": str(data / "sft_test.jsonl")},
-        "trainer": {"global_batch_size": 8, "micro_batch_size": 2, "fp8": True},  # 6 steps per epoch
+        "precision": "fp8",
+        "trainer": {"global_batch_size": 8, "micro_batch_size": 2},  # 6 steps per epoch
         "optimizer": {"lr": 3e-3, "min_lr": 3e-4},
         "checkpoint": {"save_every": 3, "keep_last": 1},
         "metrics": {"tensorboard": True, "ray_metrics": False, "progress_bar": False},

@@ -39,8 +39,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TokenBatch]:
 def make_trainer(model: Path, fp8: bool = False, total_steps: int = 10, **optim: float) -> TorchTrainer:
     return TorchTrainer(
         ModelConfig(path=str(model)),
-        TrainerConfig(fp8=fp8),
+        TrainerConfig(),
         OptimizerConfig(warmup_ratio=0.0, **optim),
+        fp8=fp8,
         total_steps=total_steps,
     )
 
@@ -133,7 +134,7 @@ def test_export_weights_are_hf_named_and_fp8_exact(assets: tuple[Path, TokenBatc
 
 
 def test_export_for_a_bf16_engine_is_plain_and_loads(assets: tuple[Path, TokenBatch]) -> None:
-    """weight_sync.mode=bf16: the trainer exports its plain tensors and a BF16 (non-FP8) engine takes them."""
+    """precision=bf16: the trainer exports its plain tensors and a BF16 (non-FP8) engine takes them."""
     from infir2_rl.engines.native.engine import NativeEngine
     from infir2_rl.weight_sync.buckets import build_buckets
 

@@ -26,7 +26,7 @@ def test_bf16_fp8_training_on_a_gpu(tmp_path: Path) -> None:
 
     def make() -> TorchTrainer:
         return TorchTrainer(
-            ModelConfig(path=str(model)), TrainerConfig(fp8=True), OptimizerConfig(), total_steps=8
+            ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(), fp8=True, total_steps=8
         )
 
     trainer = make()

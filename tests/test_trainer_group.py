@@ -55,11 +55,11 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def stage_cfg(model: Path, num_workers: int, **trainer: object) -> SftStageConfig:
     return SftStageConfig(
         model={"path": str(model)},
+        precision="bf16",
         trainer={
             "num_workers": num_workers,
             "global_batch_size": 8,
             "micro_batch_size": 2,
-            "fp8": False,
             **trainer,
         },
     )

@@ -75,6 +75,8 @@ class TrainerSpec:
     torch_threads: int = 0
     # Hold a frozen reference model for the KL penalty (RL with algorithm.kl_coef > 0 only).
     reference: bool = False
+    # Train the decoder linears in blockwise FP8 (the stage's precision: `train_fp8`).
+    fp8: bool = True
 
     @classmethod
     def from_stage(
@@ -90,6 +92,7 @@ class TrainerSpec:
             fsdp=fsdp,
             torch_threads=cfg.placement.trainer_threads,
             reference=isinstance(cfg, RlStageConfig) and cfg.algorithm.needs_reference,
+            fp8=cfg.train_fp8,
         )
 
 
@@ -123,6 +126,7 @@ class TrainerWorker:
             self.spec.model,
             self.spec.trainer,
             self.spec.optimizer,
+            fp8=self.spec.fp8,
             total_steps=self.spec.total_steps,
             seed=self.spec.seed,
             fsdp=self.spec.fsdp,

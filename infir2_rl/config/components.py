@@ -34,20 +34,26 @@ class DataConfig(_Config):
     test_path: str | None = "runs/demo/assets/data/sft_test.jsonl"
     # File format; "auto" picks by extension (.jsonl/.json -> jsonl, .parquet -> parquet).
     format: Literal["auto", "jsonl", "parquet"] = "auto"
+    # Held-out examples used per evaluation (None = the whole test file).
+    num_eval_examples: int | None = Field(default=200, ge=1)
+    # Shuffle the training data each epoch (seeded by the stage seed).
+    shuffle: bool = True
+
+
+class SftDataConfig(DataConfig):
     # Key of the chat message list in SFT rows.
     messages_key: str = "messages"
+    # Longest SFT sequence kept (prompt + answer), in tokens; longer rows are skipped and counted.
+    max_seq_len: int = Field(default=512, ge=2)
+
+
+class RlDataConfig(DataConfig):
     # Key of the prompt (chat message list or plain string) in RL rows.
     input_key: str = "prompt"
     # Key of the reference answer in RL rows.
     label_key: str = "label"
     # Longest prompt kept, in tokens; longer rows are skipped and counted.
     max_prompt_tokens: int = Field(default=256, ge=1)
-    # Longest SFT sequence kept (prompt + answer), in tokens; longer rows are skipped and counted.
-    max_seq_len: int = Field(default=512, ge=2)
-    # Held-out examples used per evaluation (None = the whole test file).
-    num_eval_examples: int | None = Field(default=200, ge=1)
-    # Shuffle the training data each epoch (seeded by the stage seed).
-    shuffle: bool = True
 
 
 class OptimizerConfig(_Config):
@@ -81,33 +87,23 @@ class OptimizerConfig(_Config):
 
 
 class TrainerConfig(_Config):
-    # Trainer backend: "torch" (transformers + FSDP2, runs anywhere) or "megatron" (megatron-core +
-    # Transformer Engine, GPU clusters; shipped in docker/).
+    # Trainer backend: "torch" (transformers + FSDP2, runs anywhere) or "megatron" (megatron-core GPTModel,
+    # tensor parallel; pip install -e '.[megatron]'; runs on CPU too with megatron_spec local).
     backend: Literal["torch", "megatron"] = "torch"
-    # FP8 blockwise training (128x128 weights, 1x128 activations/gradients, e4m3) of decoder linears.
-    fp8: bool = True
     # Round FP8 scales up to powers of two (TE's default); False keeps plain amax/448 (InfiR2's RL setting).
     fp8_pow2_scales: bool = False
     # Trainer actors (data-parallel ranks); one per GPU on GPU machines.
     num_workers: int = Field(default=1, ge=1)
-    # Sequences per optimizer step, summed over all workers (RL: a divisor of the rollout batch; the
-    # default, the whole batch, is one on-policy step per rollout, a smaller one gives PPO-style mini-batches).
-    global_batch_size: int = Field(default=32, ge=1)
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)
     # Token budget of one micro-batch on one worker (padded tokens); None = fixed micro_batch_size.
     max_tokens_per_gpu: int | None = Field(default=None, ge=1)
-    # SFT: passes over the training data.
-    epochs: int = Field(default=1, ge=1)
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
-    # Evaluate (held-out loss and accuracy) every N optimizer steps; 0 = only at the end.
-    eval_every: int = Field(default=0, ge=0)
-    # SFT: also evaluate the starting model (step 0). Off where that measures nothing new: an untrained
-    # model, or a checkpoint the previous stage of a pipeline evaluated at its end (the report then takes
-    # that stage's last accuracy as this one's first).
-    eval_at_start: bool = True
-    # Megatron only: tensor-parallel size.
+    # Megatron only: layer spec. "local": megatron's local modules with the project's FP8 linears and SDPA
+    # attention (CPU and any GPU); "te": Transformer Engine's spec (docker/ image); "auto": te if it imports.
+    megatron_spec: Literal["auto", "local", "te"] = "auto"
+    # Megatron only: tensor-parallel size (allowed sizes depend on the model: config/parallel_rules.py).
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Megatron only: context-parallel size (long RL sequences).
     context_parallel_size: int = Field(default=1, ge=1)
@@ -120,14 +116,41 @@ class TrainerConfig(_Config):
     def data_parallel_size(self) -> int:
         return self.num_workers // self.model_parallel_size
 
+    @model_validator(mode="after")
+    def _check_buildable(self) -> TrainerConfig:
+        # The one place that refuses trainer setups not built yet.
+        if self.backend == "torch" and self.model_parallel_size > 1:
+            raise ValueError(
+                f"trainer.tensor_parallel_size={self.tensor_parallel_size}, trainer.context_parallel_size="
+                f"{self.context_parallel_size}: the torch backend is data-parallel only (FSDP2); set both to 1"
+            )
+        return self
+
+
+class SftTrainerConfig(TrainerConfig):
+    # Conversations per optimizer step, summed over all workers.
+    global_batch_size: int = Field(default=32, ge=1)
+    # Passes over the training data.
+    epochs: int = Field(default=1, ge=1)
+    # Evaluate (held-out loss and accuracy) every N optimizer steps; 0 = only at the end.
+    eval_every: int = Field(default=0, ge=0)
+    # Also evaluate the starting model (step 0). Off where that measures nothing new: an untrained model,
+    # or a checkpoint the previous stage of a pipeline evaluated at its end (the report then takes that
+    # stage's last accuracy as this one's first).
+    eval_at_start: bool = True
+
+
+class RlTrainerConfig(TrainerConfig):
+    # Samples per optimizer step, summed over all workers: a divisor of the rollout batch. None (default):
+    # the whole batch, one on-policy step per rollout; a smaller one gives PPO-style mini-batches.
+    global_batch_size: int | None = Field(default=None, ge=1)
+
 
 class RolloutConfig(_Config):
     # Engine backend: "native" (transformers + our FP8 W8A8 linears) or "sglang" (SGLang servers).
     backend: Literal["native", "sglang"] = "native"
     # Rollout engine actors.
     num_engines: int = Field(default=1, ge=1)
-    # Generate with blockwise FP8 W8A8 decoder linears (weights pushed by the trainer every step).
-    fp8: bool = True
     # Prompts per optimizer step (the global batch is prompts_per_step x n_samples_per_prompt).
     prompts_per_step: int = Field(default=8, ge=1)
     # Samples per prompt (the GRPO group size).
@@ -161,18 +184,24 @@ class RolloutConfig(_Config):
 
 
 class WeightSyncConfig(_Config):
-    # "unified_fp8": the trainer trains in FP8 and engines get the exact FP8 bytes it trains with.
-    # "bf16_train_fp8_rollout": trainer in BF16, weights cast to FP8 at sync (the setup Jet-RL shows
-    # diverging). "bf16": no FP8 anywhere (baseline).
-    mode: Literal["unified_fp8", "bf16_train_fp8_rollout", "bf16"] = "unified_fp8"
     # How tensors travel: Ray's object store (CPU and GPU), CUDA IPC (colocated GPU), NCCL (separate GPUs).
-    transport: Literal["object_store", "cuda_ipc", "nccl"] = "object_store"
+    # "auto": cuda_ipc when native engines share the trainer's GPUs (placement.mode=colocate), else object_store.
+    transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
     # Upper bound of one bucket of tensors, in MiB.
     bucket_size_mb: int = Field(default=512, ge=1)
     # Decoder layers read back from an engine after every push and compared byte for byte (0 = off).
     self_check_layers: int = Field(default=2, ge=0)
     # Seconds a push may take before it is reported as hung.
     timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_buildable(self) -> WeightSyncConfig:
+        # The one place that refuses transports not built yet; issue 17 (NCCL) lifts its line here.
+        if self.transport == "nccl":
+            raise ValueError(
+                "weight_sync.transport=nccl is not built yet (issue 17 builds it); use object_store or cuda_ipc"
+            )
+        return self
 
 
 class PlacementConfig(_Config):

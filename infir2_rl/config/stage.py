@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -15,11 +15,27 @@ from infir2_rl.config.components import (
     ModelConfig,
     OptimizerConfig,
     PlacementConfig,
+    RlDataConfig,
+    RlTrainerConfig,
     RolloutConfig,
+    SftDataConfig,
+    SftTrainerConfig,
     TrainerConfig,
     WeightSyncConfig,
     _Config,
 )
+
+# Keys that moved, with where they went: a config that still sets one fails with this hint.
+_PRECISION_HINT = (
+    "the stage's top-level `precision` (SFT: fp8 | bf16; RL: unified_fp8 | bf16_train_fp8_rollout | bf16)"
+)
+RETIRED_KEYS = {
+    ("trainer", "fp8"): _PRECISION_HINT,
+    ("rollout", "fp8"): _PRECISION_HINT,
+    ("weight_sync", "mode"): _PRECISION_HINT,
+}
+# Sections only one kind of stage has.
+_RL_SECTIONS = ("rollout", "algorithm", "weight_sync")
 
 
 class _StageBase(_Config):
@@ -30,6 +46,7 @@ class _StageBase(_Config):
     # Seed of data order, initialisation of anything random, and sampling.
     seed: int = 0
     model: ModelConfig = ModelConfig()
+    # Each kind narrows these to its own sections (SftDataConfig / RlDataConfig, SftTrainerConfig / ...).
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -37,9 +54,56 @@ class _StageBase(_Config):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """One sentence naming the new home of a key that moved, or the kind a misplaced key belongs to."""
+        if not isinstance(data, dict):
+            return data
+        for (section, key), hint in RETIRED_KEYS.items():
+            if isinstance(data.get(section), dict) and key in data[section]:
+                value = data[section][key]
+                raise ValueError(
+                    f"{section}.{key}={value!r} was replaced by {hint}; remove it and set precision"
+                )
+        field = cls.model_fields.get("kind")
+        kind = data.get("kind", field.default if field is not None else "sft")
+        if kind == "sft":
+            for section in _RL_SECTIONS:
+                if section in data:
+                    raise ValueError(
+                        f"{section}: a section of RL stages only (kind: rl); remove it from this SFT stage"
+                    )
+        own = {"sft": (SftDataConfig, SftTrainerConfig), "rl": (RlDataConfig, RlTrainerConfig)}.get(kind)
+        other = {"sft": (RlDataConfig, RlTrainerConfig), "rl": (SftDataConfig, SftTrainerConfig)}.get(kind)
+        if own is None or other is None:
+            return data
+        for section, mine, theirs in (("data", own[0], other[0]), ("trainer", own[1], other[1])):
+            keys = data.get(section)
+            if not isinstance(keys, dict):
+                continue
+            for key in keys:
+                if key not in mine.model_fields and key in theirs.model_fields:
+                    other_kind = "rl" if kind == "sft" else "sft"
+                    raise ValueError(
+                        f"{section}.{key}: a field of {other_kind.upper()} stages only (kind: {other_kind});"
+                        f" remove it from this {kind.upper()} stage"
+                    )
+        return data
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step (RL derives its default from the rollout batch)."""
+        raise NotImplementedError
+
+    @property
+    def train_fp8(self) -> bool:
+        """Whether the trainer's decoder linears train in blockwise FP8 (from the stage's precision)."""
+        raise NotImplementedError
+
     @model_validator(mode="after")
     def _check_stage(self) -> _StageBase:
-        self._check_kind()  # kind-specific rules first: they may fill derived fields checked below
+        self._check_kind()
         t = self.trainer
         model_parallel = t.tensor_parallel_size * t.context_parallel_size
         if t.num_workers % model_parallel:
@@ -47,21 +111,16 @@ class _StageBase(_Config):
                 f"trainer.num_workers={t.num_workers}: must be divisible by trainer.tensor_parallel_size x"
                 f" trainer.context_parallel_size = {model_parallel}; use a multiple of {model_parallel}"
             )
-        if t.model_parallel_size > 1 and t.backend == "torch":
-            raise ValueError(
-                f"trainer.tensor_parallel_size x context_parallel_size = {model_parallel}: the torch backend is"
-                " data-parallel only (FSDP2); set both to 1 or use trainer.backend=megatron"
-            )
         dp = t.data_parallel_size
         per_step = t.micro_batch_size * dp
-        if t.max_tokens_per_gpu is None and t.global_batch_size % per_step:
+        if t.max_tokens_per_gpu is None and self.global_batch_size % per_step:
             raise ValueError(
-                f"trainer.global_batch_size={t.global_batch_size}: must be divisible by trainer.micro_batch_size"
+                f"trainer.global_batch_size={self.global_batch_size}: must be divisible by trainer.micro_batch_size"
                 f" x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}; use a multiple of {per_step}"
             )
-        if t.global_batch_size % dp:
+        if self.global_batch_size % dp:
             raise ValueError(
-                f"trainer.global_batch_size={t.global_batch_size}: must be divisible by the data-parallel size"
+                f"trainer.global_batch_size={self.global_batch_size}: must be divisible by the data-parallel size"
                 f" {dp} so every rank gets the same number of sequences"
             )
         return self
@@ -73,11 +132,30 @@ class _StageBase(_Config):
 class SftStageConfig(_StageBase):
     # Supervised fine-tuning on chat `messages` (loss on assistant tokens only).
     kind: Literal["sft"] = "sft"
+    # "fp8": blockwise FP8 training (128x128 weights, 1x128 activations/gradients, e4m3) of the decoder
+    # linears; "bf16": no FP8 (the compute dtype of model.dtype, FP32 on CPU).
+    precision: Literal["fp8", "bf16"] = "fp8"
+    data: SftDataConfig = SftDataConfig()
+    trainer: SftTrainerConfig = SftTrainerConfig()
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.trainer.global_batch_size
+
+    @property
+    def train_fp8(self) -> bool:
+        return self.precision == "fp8"
 
 
 class RlStageConfig(_StageBase):
     # GRPO reinforcement learning with FP8 rollout engines.
     kind: Literal["rl"] = "rl"
+    # The one precision switch of an RL stage. "unified_fp8": the trainer trains in FP8 and engines get the
+    # exact FP8 bytes it trains with. "bf16_train_fp8_rollout": trainer in BF16, weights cast to FP8 at sync
+    # (the setup Jet-RL shows diverging). "bf16": no FP8 anywhere (baseline).
+    precision: Literal["unified_fp8", "bf16_train_fp8_rollout", "bf16"] = "unified_fp8"
+    data: RlDataConfig = RlDataConfig()
+    trainer: RlTrainerConfig = RlTrainerConfig()
     optimizer: OptimizerConfig = OptimizerConfig(
         lr=1e-6, min_lr=0.0, schedule="constant", warmup_ratio=0.0, weight_decay=0.1, betas=(0.9, 0.98)
     )
@@ -86,14 +164,29 @@ class RlStageConfig(_StageBase):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
 
     @property
+    def train_fp8(self) -> bool:
+        return self.precision == "unified_fp8"
+
+    @property
+    def rollout_fp8(self) -> bool:
+        """Whether engines generate with blockwise FP8 W8A8 decoder linears (pushed by the trainer each step)."""
+        return self.precision != "bf16"
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of one rollout batch: rollout.prompts_per_step x rollout.n_samples_per_prompt."""
+        return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
+
+    @property
+    def global_batch_size(self) -> int:
+        """trainer.global_batch_size, or the whole rollout batch when it is unset (one step per rollout)."""
+        return self.trainer.global_batch_size or self.samples_per_step
+
+    @property
     def updates_per_rollout(self) -> int:
-        """Optimizer steps per rollout batch: samples / trainer.global_batch_size (PPO-style mini-batches;
-        the first is on-policy, later ones see the clipped, importance-weighted ratio to the old policy)."""
-        return (
-            self.rollout.prompts_per_step
-            * self.rollout.n_samples_per_prompt
-            // self.trainer.global_batch_size
-        )
+        """Optimizer steps per rollout batch: samples / global batch (PPO-style mini-batches; the first is
+        on-policy, later ones see the clipped, importance-weighted ratio to the old policy)."""
+        return self.samples_per_step // self.global_batch_size
 
     def _check_kind(self) -> None:
         r = self.rollout
@@ -112,25 +205,12 @@ class RlStageConfig(_StageBase):
                 f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: RL sampling needs top_p=1.0 and top_k=-1"
                 " so engine log-probs are the plain tempered softmax the trainer recomputes"
             )
-        samples = r.prompts_per_step * r.n_samples_per_prompt
-        if "global_batch_size" not in self.trainer.model_fields_set:
-            object.__setattr__(self.trainer, "global_batch_size", samples)  # one step per rollout batch
-        if samples % self.trainer.global_batch_size:
+        samples = self.samples_per_step
+        if samples % self.global_batch_size:
             raise ValueError(
-                f"trainer.global_batch_size={self.trainer.global_batch_size}: must divide rollout.prompts_per_step"
+                f"trainer.global_batch_size={self.global_batch_size}: must divide rollout.prompts_per_step"
                 f" x rollout.n_samples_per_prompt = {samples} (each rollout batch is split into optimizer steps)"
             )
-        # weight_sync.mode is the one precision switch of an RL stage: trainer.fp8 and rollout.fp8 follow
-        # it unless set explicitly, and an explicit contradiction is an error.
-        want_train, want_rollout = self.weight_sync.mode == "unified_fp8", self.weight_sync.mode != "bf16"
-        for section, want in ((self.trainer, want_train), (r, want_rollout)):
-            name = "trainer" if section is self.trainer else "rollout"
-            if "fp8" in section.model_fields_set and section.fp8 != want:
-                raise ValueError(
-                    f"{name}.fp8={section.fp8} contradicts weight_sync.mode={self.weight_sync.mode!r};"
-                    f" drop {name}.fp8 (the mode sets it) or pick the matching mode"
-                )
-            object.__setattr__(section, "fp8", want)
 
 
 StageConfig = Annotated[SftStageConfig | RlStageConfig, Field(discriminator="kind")]

@@ -94,7 +94,7 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)  # autocast applies as to any nn.Linear
         fp8w = self._fp8_weight()
         w_fp8, scale_inv = fp8w.w_fp8, fp8w.scale_inv
         needs_grad = torch.is_grad_enabled() and (
@@ -102,9 +102,16 @@ class Fp8Linear(nn.Linear):
             or self.weight.requires_grad
             or (self.bias is not None and self.bias.requires_grad)
         )
+        # Under autocast the output has the autocast dtype, as nn.Linear's would: an FP32 input (the residual
+        # stream after RMSNorm) otherwise gives FP32 q/k/v/gate/up outputs, and every activation downstream
+        # (SiLU, the gate*up product) is then kept for backward in FP32, twice the bytes of the BF16 model.
+        device_type = x.device.type
+        out_dtype = (
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        )
         if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
-            return fp8_linear_forward(x, w_fp8, scale_inv, self.bias, self.pow2_scales)
-        return fp8_linear(x, self.weight, self.bias, fp8w, self.pow2_scales)
+            return fp8_linear_forward(x, w_fp8, scale_inv, self.bias, self.pow2_scales, out_dtype=out_dtype)
+        return fp8_linear(x, self.weight, self.bias, fp8w, self.pow2_scales, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3 blockwise, pow2_scales={self.pow2_scales}"

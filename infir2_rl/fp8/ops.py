@@ -105,15 +105,16 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _emulated_mm(a_deq: torch.Tensor, b_deq: torch.Tensor) -> torch.Tensor:
-    """FP32 matmul of dequantized operands; TF32 off so emulation stays a faithful reference on GPUs."""
-    if a_deq.is_cuda:
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            return a_deq @ b_deq.t()
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-    return a_deq @ b_deq.t()
+    """FP32 matmul of dequantized operands; TF32 and autocast off so emulation stays a faithful reference."""
+    with torch.autocast(a_deq.device.type, enabled=False):
+        if a_deq.is_cuda:
+            prev = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = False
+            try:
+                return a_deq @ b_deq.t()
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = prev
+        return a_deq @ b_deq.t()
 
 
 def fp8_linear_forward(
@@ -122,22 +123,24 @@ def fp8_linear_forward(
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     pow2_scales: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """W8A8 ``x @ W^T + b`` with x quantized per 1x128 tile at run time; returns ``x``'s dtype."""
+    """W8A8 ``x @ W^T + b`` with x quantized per 1x128 tile at run time; returns ``out_dtype`` (default x's)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w_fp8.shape[0]
+    dtype = out_dtype or x.dtype
     x2d = x.reshape(-1, k)
     m = x2d.shape[0]
     if m == 0:
-        return x.new_zeros(*lead, n)
+        return x.new_zeros(*lead, n, dtype=dtype)
     if gemm.fast_path_ok(x2d, n, k):
         xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, need_cols=False)
-        y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, x.dtype, bias)[:m]
+        y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, dtype, bias)[:m]
     else:
         y32 = _emulated_mm(
             fake_quantize_tiles(x2d, pow2_scales=pow2_scales), _dequantized_weight(w_fp8, w_scale_inv)
         )
-        y = _add_bias(y32, bias).to(x.dtype)
+        y = _add_bias(y32, bias).to(dtype)
     return y.view(*lead, n)
 
 
@@ -166,6 +169,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,
         fp8w: Fp8Weight,
         pow2_scales: bool,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
         w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
         lead, k = x.shape[:-1], x.shape[-1]
@@ -184,15 +188,15 @@ class _Fp8LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
                 w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
             ctx.save_for_backward(w_t, s_t, xtq, xts)
-            y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, x.dtype, bias)[:m]
+            y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, out_dtype, bias)[:m]
         else:
             ctx.save_for_backward(w_fp8, w_scale_inv, x2d if need_wgrad else None)
             if m == 0:
-                y = x2d.new_zeros(0, n)
+                y = x2d.new_zeros(0, n, dtype=out_dtype)
             else:
                 w_deq = _dequantized_weight(w_fp8, w_scale_inv)
                 x_deq = fake_quantize_tiles(x2d, pow2_scales=pow2_scales)
-                y = _add_bias(_emulated_mm(x_deq, w_deq), bias).to(x.dtype)
+                y = _add_bias(_emulated_mm(x_deq, w_deq), bias).to(out_dtype)
         return y.view(*lead, n)
 
     @staticmethod
@@ -214,7 +218,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def _fast_backward(
@@ -260,8 +264,12 @@ def fp8_linear(
     bias: torch.Tensor | None,
     fp8w: Fp8Weight,
     pow2_scales: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``."""
-    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales)
+    """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``.
+
+    ``out_dtype`` (default x's) is the output's dtype; the input gradient always comes back in x's dtype.
+    """
+    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype)
     assert isinstance(out, torch.Tensor)
     return out

@@ -130,7 +130,7 @@ def rl_step(
     mismatch = mismatch_metrics(tokens.old_logprobs[:, 1:], rollout_logp, mask, *tis).as_metrics(
         names.MISMATCH
     )
-    if cfg.metrics.dense_trainer_mismatch and cfg.trainer.fp8:
+    if cfg.metrics.dense_trainer_mismatch and cfg.train_fp8:
         with timer("dense_logprobs"):
             dense_logp = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature, fp8=False)
         dense = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis)
@@ -140,7 +140,7 @@ def rl_step(
     stats = _mean_stats(all_stats)
     actors.engines_wake()
     with timer("weight_sync"):
-        push = actors.sync.push_from(actors.trainer, cfg.rollout.fp8, version=step)
+        push = actors.sync.push_from(actors.trainer, cfg.rollout_fp8, version=step)
     metrics = {
         **batch.metrics,
         **train_metrics(stats, 0, stats.step_time_s),
@@ -158,7 +158,7 @@ def _train_on(
 ) -> list[TrainStats]:
     """``cfg.updates_per_rollout`` optimizer steps on consecutive row slices of the rollout batch (groups stay
     whole when the global batch is a multiple of the group size); old log-probs are the pre-update ones."""
-    size = cfg.trainer.global_batch_size
+    size = cfg.global_batch_size
     all_stats = []
     for start in range(0, tokens.num_sequences, size):
         part = tokens.rows(start, start + size)
