@@ -111,6 +111,13 @@ def _report(args: argparse.Namespace) -> int:
 
     if len(args.run_dir) > 1 and not args.compare_out:
         raise SystemExit("several run directories: give --compare-out DIR for the comparison plots")
+    if args.watch:
+        from infir2_rl.metrics.watch import watch
+
+        if len(args.run_dir) > 1:
+            raise SystemExit("--watch follows one run directory; give one")
+        watch(args.run_dir[0], interval_s=args.interval)
+        return 0
     paths = []
     for run_dir in args.run_dir:
         paths += make_report(run_dir)
@@ -190,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-out", default=None, help="with several runs: folder for the compare_*.png overlays"
     )
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="live view of a running run: progress bar and ETA per stage, summary, PNGs redrawn (Ctrl-C ends)",
+    )
+    p.add_argument("--interval", type=float, default=15.0, help="with --watch: seconds between refreshes")
     return parser
 
 

@@ -23,9 +23,13 @@ import pytest
 from ray_head import REPO, free_ports, job_client, ray_head, wait_for
 
 from infir2_rl.data.synthetic import make_data
+from infir2_rl.metrics import names
+from infir2_rl.metrics.grafana import panel_query, series_name
 from infir2_rl.models.factory import init_model
 
-pytestmark = pytest.mark.slow  # a Ray head, a training job, Prometheus and Chromium: about 2 minutes on 2 cores
+pytestmark = (
+    pytest.mark.slow
+)  # a Ray head, a training job, Prometheus and Chromium: about 2 minutes on 2 cores
 
 STAGE = "watch_sft"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -101,18 +105,24 @@ def test_prometheus_scrapes_our_metrics_by_name(running_stage: dict[str, str], t
     )  # fmt: skip
     found: dict[str, list[dict[str, Any]]] = {}
     try:
+        # The Grafana dashboard's own panel queries, its variables set as a user picking this stage would.
+        queries = {
+            metric: panel_query(metric).replace("$SessionName", ".+").replace("$stage", STAGE)
+            for metric in (names.TRAIN_LOSS, names.PERF_TOKENS_PER_S)
+        }
 
         def scraped() -> bool:
-            for name in ("ray_infir2_train_loss", "ray_infir2_perf_tokens_per_s"):
-                found[name] = prometheus_query(base, f'{name}{{stage="{STAGE}"}}')
+            for metric, query in queries.items():
+                found[metric] = prometheus_query(base, query)
             return all(found.values())
 
-        wait_for(scraped, 90, "Prometheus did not return ray_infir2_train_loss and tokens/s of the stage")
+        wait_for(scraped, 90, f"Prometheus did not answer {queries}")
     finally:
         os.killpg(prom.pid, signal.SIGTERM)
         output, _ = prom.communicate(timeout=30)
     for name, series in found.items():
         value = float(series[0]["value"][1])
+        assert series[0]["metric"]["__name__"] == series_name(name) == f"ray_infir2_{name.replace('/', '_')}"
         assert series[0]["metric"]["stage"] == STAGE
         assert value > 0 and value < float("inf"), (name, value, output[-2000:])
 

@@ -15,6 +15,7 @@ import torch
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, DataCursor, StageState
 from infir2_rl.config import RlStageConfig, SftStageConfig, dump_config
 from infir2_rl.metrics import MetricsLogger, names, progress
+from infir2_rl.metrics.watch import write_stage_plan
 from infir2_rl.types import TrainStats
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,9 @@ def metrics_logger(cfg: SftStageConfig | RlStageConfig, run_dir: Path) -> Metric
 
 
 def progress_bar(cfg: SftStageConfig | RlStageConfig, total_steps: int) -> Any:
-    """A tqdm bar on interactive terminals (never in Ray job logs); off when metrics.progress_bar is false."""
+    """A tqdm bar on interactive terminals (never in Ray job logs); off when metrics.progress_bar is false.
+    The step count is also written to RUN_DIR/progress.json for `infir2-rl report RUN_DIR --watch`."""
+    write_stage_plan(Path(cfg.run_dir), total_steps)
     return progress(total_steps, cfg.name, None if cfg.metrics.progress_bar else False)
 
 
