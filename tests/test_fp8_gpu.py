@@ -212,3 +212,21 @@ def test_cast_on_gpu_matches_cpu_and_transformers_reads_it(tmp_path: Path) -> No
             return
     print(f"transformers FP8 forward vs ours: rel diff {_rel(theirs_logits, ours_logits):.4f}")
     assert _rel(theirs_logits, ours_logits) < 0.1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_quantizers_give_a_non_finite_block_scale_nan(bad: float, pow2: bool) -> None:
+    # Triton's max/minimum drop NaN, so the kernels count non-finite values explicitly (quant_triton.py).
+    w = torch.randn(256, 384, device=CUDA, dtype=torch.bfloat16)
+    w[5, 200] = bad  # weight block (0, 1)
+    _, s = quant_triton.quantize_weight(w, pow2)
+    _, s_ref = quantize_weight_blockwise_eager(w, pow2_scales=pow2)
+    assert s[0, 1].isnan() and torch.equal(s.isnan(), s_ref.isnan())
+    assert torch.equal(s[~s.isnan()], s_ref[~s_ref.isnan()])
+    x = torch.randn(40, 384, device=CUDA, dtype=torch.bfloat16)
+    x[3, 130] = bad  # row tile (3, 1); token tile (0, column 130)
+    _, xs = quantize_activation(x, pow2_scales=pow2)
+    assert xs[3, 1].isnan() and int(xs.isnan().sum()) == 1
+    _, st = quant_triton.quantize_cols(x, pow2)
+    assert st[0, 130].isnan() and int(st.isnan().sum()) == 1
