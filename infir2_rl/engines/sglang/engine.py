@@ -271,11 +271,26 @@ class SglangEngine:
         self._checksum = checksum
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str | None = None,
+        backend: str = "nccl",
+        timeout_s: float | None = None,
     ) -> None:
-        """Join the trainer's NCCL group (see the module docstring; call on every engine while the trainer joins)."""
-        body = P.init_group_payload(master_address, master_port, rank_offset, world_size, self.group_name)
-        self._post_checked("/init_weights_update_group", body)
+        """Join the trainer's weight group (see the module docstring; call on every engine while the trainer
+        joins): TP rank r of this server becomes group rank ``rank_offset + r``. ``timeout_s`` bounds the HTTP
+        call (SGLang 0.5.15's request has no timeout field of its own)."""
+        if group_name is not None:
+            self.group_name = group_name
+        body = P.init_group_payload(
+            master_address, master_port, rank_offset, world_size, self.group_name, backend
+        )
+        reply = self._request("POST", "/init_weights_update_group", body, timeout=timeout_s)
+        if not isinstance(reply, dict) or not reply.get("success", False):
+            raise P.SglangError(f"SGLang /init_weights_update_group failed: {reply}")
 
     def update_weights_from_distributed(
         self, version: int, index: int, num_buckets: int, names: Sequence[str], metas: Sequence[tuple[torch.dtype, Sequence[int]]]

@@ -256,7 +256,12 @@ def nccl_group_layout(num_engines: int, tensor_parallel_size: int) -> tuple[int,
 
 
 def init_group_payload(
-    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
 ) -> dict[str, Any]:
     return {
         "master_address": master_address,
@@ -264,7 +269,7 @@ def init_group_payload(
         "rank_offset": rank_offset,
         "world_size": world_size,
         "group_name": group_name,
-        "backend": "nccl",
+        "backend": backend,
     }
 
 
