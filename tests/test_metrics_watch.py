@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,22 @@ def test_progress_and_eta_from_metrics_and_plan(tmp_path: Path) -> None:
     write_records(
         stage, [{"step": s, "time": 1050.0 + 2 * (s - 1), names.TRAIN_LOSS: 3.0 - s} for s in range(1, 5)]
     )
-    write_stage_plan(stage, 10)
+    (stage / "progress.json").write_text(json.dumps({"total_steps": 10, "started": 990.0}))
     row = stage_progress(stage, now=1060.0)
     assert (row.step, row.total_steps, row.finished) == (4, 10, False)
     assert row.eta_s == pytest.approx(6 * 2.0)  # 6 steps left at 2 s each; step 0's eval not counted
-    assert row.elapsed_s == pytest.approx(60.0)
+    assert row.elapsed_s == pytest.approx(70.0)  # since the loop started
     assert row.latest == {names.EVAL_ACCURACY: 0.1, names.TRAIN_LOSS: -1.0}
+
+
+def test_eta_after_one_step_and_plan_written_by_the_stage(tmp_path: Path) -> None:
+    stage = tmp_path / "sft"
+    write_stage_plan(stage.parent, 7)  # a stage writes its plan into its own run dir
+    plan = json.loads((stage.parent / "progress.json").read_text())
+    assert plan["total_steps"] == 7 and abs(plan["started"] - time.time()) < 60
+    write_records(stage, [{"step": 1, "time": 130.0}])
+    (stage / "progress.json").write_text(json.dumps({"total_steps": 7, "started": 100.0}))
+    assert stage_progress(stage, now=131.0).eta_s == pytest.approx(6 * 30.0)
 
 
 def test_resumed_attempt_replaces_the_old_and_final_marks_done(tmp_path: Path) -> None:
@@ -49,7 +60,17 @@ def test_resumed_attempt_replaces_the_old_and_final_marks_done(tmp_path: Path) -
     assert row.eta_s == pytest.approx(3 * 4.0)
     (stage / "final").mkdir()
     done = stage_progress(stage, now=9999.0)
-    assert done.finished and done.eta_s is None and done.elapsed_s == pytest.approx(508.0 - 110.0)
+    assert done.finished and done.eta_s is None and done.elapsed_s == pytest.approx(508.0 - 500.0)
+
+
+def test_restart_from_the_last_checkpoint_counts_only_the_new_attempt(tmp_path: Path) -> None:
+    stage = tmp_path / "rl"
+    write_records(stage, [{"step": s, "time": 100.0 + 10 * s} for s in range(1, 6)])  # killed after step 5
+    # resumed from step 5's checkpoint at t=900: no step goes back, the plan's restart time tells
+    (stage / "progress.json").write_text(json.dumps({"total_steps": 10, "started": 900.0}))
+    write_records(stage, [{"step": s, "time": 900.0 + 3 * (s - 5)} for s in range(6, 8)])
+    row = stage_progress(stage, now=907.0)
+    assert (row.step, row.eta_s, row.elapsed_s) == (7, pytest.approx(3 * 3.0), pytest.approx(7.0))
 
 
 def test_pipeline_stages_in_start_order_and_watch_writes_pngs(tmp_path: Path) -> None:

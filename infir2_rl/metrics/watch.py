@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ FINAL_DIR = "final"  # the stage's published checkpoint (stages/common.py): pres
 
 
 def write_stage_plan(run_dir: Path, total_steps: int) -> None:
-    """Record how many steps the stage will run, for the watcher's progress bar (one small atomic write)."""
+    """Record how many steps the stage will run and when its loop (re)started, for the watcher's progress
+    bar and clock (one small atomic write)."""
     tmp = run_dir / f".{PLAN_FILE}.tmp"
-    tmp.write_text(json.dumps({"total_steps": int(total_steps)}))
+    tmp.write_text(json.dumps({"total_steps": int(total_steps), "started": time.time()}))
     tmp.replace(run_dir / PLAN_FILE)
 
 
@@ -46,7 +48,7 @@ class StageProgress:
     step: int
     total_steps: int | None
     finished: bool
-    # Seconds since the stage's latest (re)start, and the estimated seconds left (None until 2 steps are logged).
+    # Seconds since the stage's latest (re)start, and the estimated seconds left (None before the first step).
     elapsed_s: float
     eta_s: float | None
     # Newest value of a few headline metrics (loss, reward, accuracy) where logged.
@@ -56,10 +58,14 @@ class StageProgress:
 HEADLINE = (names.TRAIN_LOSS, names.ROLLOUT_REWARD_MEAN, names.EVAL_ACCURACY)
 
 
-def _planned_steps(stage_dir: Path) -> int | None:
+def _read_plan(stage_dir: Path) -> dict[str, float]:
     plan = stage_dir / PLAN_FILE
-    if plan.is_file():
-        return int(json.loads(plan.read_text())["total_steps"])
+    return {k: float(v) for k, v in json.loads(plan.read_text()).items()} if plan.is_file() else {}
+
+
+def _planned_steps(stage_dir: Path, plan: dict[str, float]) -> int | None:
+    if "total_steps" in plan:
+        return int(plan["total_steps"])
     config = stage_dir / "config.yaml"
     if config.is_file():
         cfg: dict[str, Any] = yaml.safe_load(config.read_text()) or {}
@@ -74,8 +80,10 @@ def stage_progress(stage_dir: Path, now: float | None = None) -> StageProgress:
     """Progress of one stage directory from its metrics.jsonl (records of a resumed attempt replace the old)."""
     now = time.time() if now is None else now
     times: dict[int, float] = {}  # first record time of each step of the latest attempt
-    attempt_start = 0  # first step of the latest (re)start: the ETA's rate is measured from there
+    attempt_start = 0  # first step after the last time the step count went back (a resume)
     latest: dict[str, float] = {}
+    plan = _read_plan(stage_dir)
+    restarted = plan.get("started", -math.inf)
     for line in (stage_dir / JSONL_NAME).read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
@@ -85,17 +93,24 @@ def stage_progress(stage_dir: Path, now: float | None = None) -> StageProgress:
         if times and step < max(times):  # resumed from an earlier checkpoint: a new attempt
             times = {s: t for s, t in times.items() if s < step}
             attempt_start = step
-        times.setdefault(step, when)
+        if (
+            step not in times or times[step] < restarted <= when
+        ):  # a step re-logged after a restart counts anew
+            times[step] = when
         latest |= {k: float(record[k]) for k in HEADLINE if isinstance(record.get(k), (int, float))}
     trained = sorted(s for s in times if s > 0)
     step = trained[-1] if trained else 0
-    total = _planned_steps(stage_dir)
+    total = _planned_steps(stage_dir, plan)
     finished = (stage_dir / FINAL_DIR).is_dir()
-    start = min(times.values()) if times else now
+    # The loop's latest (re)start as the stage recorded it, else the first record of the latest attempt.
+    start = plan.get("started", min((t for s, t in times.items() if s >= attempt_start), default=now))
+    timed = sorted(s for s, t in times.items() if s > 0 and t >= start)  # steps of the latest attempt
     eta = None
-    timed = [s for s in trained if s >= attempt_start]
-    if len(timed) >= 2 and total is not None and not finished:
-        seconds_per_step = (times[timed[-1]] - times[timed[0]]) / (timed[-1] - timed[0])
+    if timed and total is not None and not finished:
+        if len(timed) >= 2:  # steady state: from the attempt's first step to its last
+            seconds_per_step = (times[timed[-1]] - times[timed[0]]) / (timed[-1] - timed[0])
+        else:  # one step so far: its time since the loop started (a step-0 evaluation included)
+            seconds_per_step = times[timed[0]] - start
         eta = max(total - step, 0) * seconds_per_step
     elapsed = (max(times.values()) if finished and times else now) - start
     return StageProgress(stage_dir.name, step, total, finished, elapsed, eta, latest)
