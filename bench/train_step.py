@@ -1,6 +1,7 @@
 """One optimizer step of the torch trainer, BF16 vs blockwise FP8, on a random Qwen2.5-1.5B-shape model.
 
     python bench/train_step.py [--batch 1 --seq 8192] [--steps 10] [--profile] [--out PATH] [--tiny]
+                               [--backend torch|megatron]
 
 What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
 on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
@@ -15,7 +16,9 @@ decoder linears and lm_head; hidden = heads x head_dim; the second term is causa
 The model is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built on the GPU
 and saved once (BF16 safetensors) under /tmp/infir2_bench, since the trainer loads from a directory.
 ``--profile`` runs torch.profiler over one more step per mode and groups the CUDA kernels by category.
-``--tiny`` runs the tiny preset on CPU (FP8 emulated) to check the script.
+``--tiny`` runs the tiny preset on CPU (FP8 emulated) to check the script. ``--backend megatron`` times
+``MegatronTrainer`` (megatron-core GPTModel, local spec: the project's FP8 linears, SDPA attention, TP=1)
+on the same model, batch and loss.
 """
 
 from __future__ import annotations
@@ -163,8 +166,12 @@ def sync(device: torch.device) -> None:
 
 
 def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from transformers import AutoConfig
+
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+    from infir2_rl.trainers.megatron.layers import ParallelLinear
+    from infir2_rl.trainers.megatron.trainer import MegatronTrainer
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     gc.collect()
@@ -174,15 +181,28 @@ def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.devi
     leftover_gb = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     # A small constant lr keeps random weights finite over the run (a skipped update would be cheaper).
     optim = OptimizerConfig(lr=1e-5, min_lr=0.0, schedule="constant", warmup_ratio=0.0)
-    trainer = TorchTrainer(
-        ModelConfig(path=str(path)),
-        TrainerConfig(),
-        optim,
-        fp8=fp8,
-        total_steps=args.warmup + args.steps + 1,
-        device=device,
-    )
-    cfg = trainer.model.config
+    trainer: Any
+    if args.backend == "megatron":
+        trainer = MegatronTrainer(
+            ModelConfig(path=str(path)),
+            TrainerConfig(backend="megatron", megatron_spec="local"),
+            optim,
+            total_steps=args.warmup + args.steps + 1,
+            device=device,
+            fp8=fp8,
+        )
+        fp8_linears = sum(m.fp8 for m in trainer.model.modules() if isinstance(m, ParallelLinear))
+    else:
+        trainer = TorchTrainer(
+            ModelConfig(path=str(path)),
+            TrainerConfig(),
+            optim,
+            fp8=fp8,
+            total_steps=args.warmup + args.steps + 1,
+            device=device,
+        )
+        fp8_linears = len(trainer.fp8_linears)
+    cfg = AutoConfig.from_pretrained(path)
     batch = sft_batch(args.batch, args.seq, cfg.vocab_size)
     units, loss_fn = num_target_tokens(batch), SftLossFn()
     times, skipped, losses = [], 0, []
@@ -196,16 +216,22 @@ def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.devi
         skipped += stats.skipped
         losses.append(stats.loss)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    n_matmul = sum(m.weight.numel() for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
     tokens = args.batch * args.seq
-    attn_width = cfg.num_attention_heads * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn_width = cfg.num_attention_heads * head_dim
+    # Weights of every matmul (q, k, v, o, gate, up, down per layer, and the lm_head), from the config so
+    # that both backends count the same work.
+    kv_width = cfg.num_key_value_heads * head_dim
+    per_layer = (
+        cfg.hidden_size * (2 * attn_width + 2 * kv_width) + 3 * cfg.hidden_size * cfg.intermediate_size
     )
+    n_matmul = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
     flops = 6 * n_matmul * tokens + 6 * args.batch * args.seq**2 * cfg.num_hidden_layers * attn_width
     step_s = statistics.median(times)
     out: dict[str, Any] = {
         "fp8": fp8,
-        "fp8_linears": len(trainer.fp8_linears),
+        "backend": args.backend,
+        "fp8_linears": fp8_linears,
         "step_ms": dict(median=1e3 * step_s, min=1e3 * min(times), max=1e3 * max(times), n=len(times)),
         "peak_memory_gb": peak_gb,
         "leftover_before_build_gb": leftover_gb,
@@ -238,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile one more step per mode")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
+    parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="trainer backend")
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.seq, args.warmup, args.steps = 2, 64, 1, 3
@@ -254,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(args.tiny)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
     print(
-        f"# {name} | torch {torch.__version__} | {path.name} | {args.batch} x {args.seq} tokens | "
+        f"# {name} | torch {torch.__version__} | {args.backend} backend | {path.name} | {args.batch} x {args.seq} tokens | "
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     results = {mode: run_mode(path, mode == "fp8", args, device) for mode in ("bf16", "fp8")}
@@ -286,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             print_kernels(f"profile of one {mode} step", r["profile"])
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     if args.out:
-        report = dict(device=name, torch=torch.__version__, batch=args.batch, seq=args.seq, results=results)
+        report = dict(
+            device=name, torch=torch.__version__, backend=args.backend, batch=args.batch, seq=args.seq
+        )
+        report["results"] = results
         report |= {"ratios_fp8_over_bf16": ratios, "goals_max": GOALS}
         write_report(args.out, report)
     return 0

@@ -38,9 +38,10 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[TokenBa
 
 
 def make(backend: str, model: Path, fp8: bool, total_steps: int = 20) -> TorchTrainer | MegatronTrainer:
-    args = (ModelConfig(path=str(model)), TrainerConfig(fp8=fp8), OptimizerConfig(warmup_ratio=0.0, lr=2e-3))
-    cls = MegatronTrainer if backend == "megatron" else TorchTrainer
-    return cls(*args, total_steps=total_steps)
+    args = (ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(warmup_ratio=0.0, lr=2e-3))
+    if backend == "megatron":
+        return MegatronTrainer(*args, total_steps=total_steps, fp8=fp8)
+    return TorchTrainer(*args, total_steps=total_steps, fp8=fp8)
 
 
 def test_hf_mapping_round_trips_both_norm_layouts_and_interleaves_qkv_per_group(assets: tuple) -> None:

@@ -28,16 +28,13 @@ from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.transport import IpcBucket, share_buckets
 
 if TYPE_CHECKING:
+    from infir2_rl.trainers.megatron.trainer import MegatronTrainer
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-MEGATRON_MESSAGE = (
-    "trainer.backend='megatron' runs only in the GPU-cluster image (docker/: megatron-core + Transformer"
-    " Engine) and is not available in this install; use trainer.backend=torch"
-)
 
 
 def pack_tensors(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, str]]:
@@ -97,15 +94,13 @@ class TrainerSpec:
 
 
 class TrainerWorker:
-    """One trainer rank: wraps the configured TrainerBackend (only `torch` ships in this install)."""
+    """One trainer rank: wraps the configured TrainerBackend (`torch` or `megatron`)."""
 
     def __init__(self, spec: TrainerSpec, rank: int, world_size: int) -> None:
-        if spec.trainer.backend == "megatron":
-            raise NotImplementedError(MEGATRON_MESSAGE)
         self.spec, self.rank, self.world_size = spec, rank, world_size
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
-        self._backend: TorchTrainer | None = None
+        self._backend: TorchTrainer | MegatronTrainer | None = None
         # The last cuda_ipc export: views of GPU buffers engines may still read (see export_ipc_buckets).
         self._export: list[WeightBucket] = []
 
@@ -122,6 +117,19 @@ class TrainerWorker:
         if self.world_size > 1:
             init_process_group(master_addr, master_port, self.rank, self.world_size)
         torch.manual_seed(self.spec.seed)
+        if self.spec.trainer.backend == "megatron":
+            from infir2_rl.trainers.megatron.trainer import MegatronTrainer
+
+            self._backend = MegatronTrainer(
+                self.spec.model,
+                self.spec.trainer,
+                self.spec.optimizer,
+                total_steps=self.spec.total_steps,
+                seed=self.spec.seed,
+                reference=self.spec.reference,
+                fp8=self.spec.fp8,
+            )
+            return str(self._backend.device)
         self._backend = TorchTrainer(
             self.spec.model,
             self.spec.trainer,
@@ -135,7 +143,7 @@ class TrainerWorker:
         return str(self._backend.device)
 
     @property
-    def backend(self) -> TorchTrainer:
+    def backend(self) -> TorchTrainer | MegatronTrainer:
         if self._backend is None:
             raise RuntimeError("TrainerWorker.setup() must be called before use")
         return self._backend

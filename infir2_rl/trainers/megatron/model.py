@@ -134,7 +134,8 @@ def layer_spec(spec: str, fp8: bool, pow2_scales: bool) -> Any:
 def build_gpt_model(
     arch: Arch, *, spec: str, fp8: bool, pow2_scales: bool, tp: int, cp: int = 1, recompute: bool = False
 ) -> Any:
-    """GPTModel returning full-vocab logits ``[b, s, padded_vocab]`` (parallel_output=False)."""
+    """GPTModel returning this TP rank's vocab shard of the logits ``[b, s, padded_vocab / tp]``
+    (`layers.gather_vocab` makes them whole)."""
     from megatron.core.models.gpt import GPTModel
 
     shims.install()
@@ -144,7 +145,7 @@ def build_gpt_model(
         transformer_layer_spec=layer_spec(spec, fp8, pow2_scales),
         vocab_size=padded_vocab(arch, tp),
         max_sequence_length=arch.max_positions,
-        parallel_output=False,
+        parallel_output=True,
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),

@@ -32,7 +32,7 @@ from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.megatron import checkpoint as ckpt
 from infir2_rl.trainers.megatron import hf_mapping as hfm
-from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear
+from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_vocab
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.torch import distributed as D
@@ -61,6 +61,7 @@ class MegatronTrainer:
         seed: int = 0,
         device: str | torch.device | None = None,
         reference: bool = False,
+        fp8: bool = True,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
@@ -76,8 +77,8 @@ class MegatronTrainer:
         self.rank, self.world_size = D.rank_and_world()
         self.compute_dtype = resolve_compute_dtype(model_cfg.dtype, self.device)
         self.optimizer_cfg = optimizer_cfg
-        self.fp8, self.pow2_scales = trainer_cfg.fp8, trainer_cfg.fp8_pow2_scales
-        self.spec = resolve_spec(trainer_cfg.megatron_spec, trainer_cfg.fp8)
+        self.fp8, self.pow2_scales = fp8, trainer_cfg.fp8_pow2_scales
+        self.spec = resolve_spec(trainer_cfg.megatron_spec, fp8)
         if self.spec == "te":
             raise NotImplementedError(ckpt.TE_NOT_RUN)
         self.tp, cp = trainer_cfg.tensor_parallel_size, trainer_cfg.context_parallel_size
@@ -226,7 +227,7 @@ class MegatronTrainer:
         ids = batch.input_ids
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         with self.autocast():
-            logits = self.model(ids, positions, None)
+            logits = gather_vocab(self.model(ids, positions, None), self.tp_group)
         return logits[..., : self.arch.vocab_size]
 
     def _scores(
