@@ -141,3 +141,18 @@ def test_packed_rows_never_attend_across_sequences() -> None:
         alone = _score(model, ids[1:2, :4], mask[1:2, :4], select[1:2, :4], packed=False, need_entropy=False)
     torch.testing.assert_close(packed[1, :4], alone.logprobs_BL[0], rtol=1e-5, atol=1e-6)
     assert torch.all(packed[1, 4:] == 0)
+
+
+def test_packed_token_budget_sums_real_tokens() -> None:
+    from infir2_rl.trainers.microbatch import micro_batches, packed_token_budget
+    from infir2_rl.types import TokenBatch
+
+    assert packed_token_budget([5, 3, 2, 6, 1], 8) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="max_tokens_per_gpu=4"):
+        packed_token_budget([3, 5], 4)
+    ids, mask, select = ragged_batch()  # lengths 9, 4, 7
+    batch = TokenBatch(input_ids=ids, attention_mask=mask, loss_mask=select.float())
+    packed = micro_batches(batch, 8, max_tokens_per_gpu=13, packed=True)
+    padded = micro_batches(batch, 8, max_tokens_per_gpu=13)
+    assert [b.num_sequences for b in packed] == [2, 1]  # 9 + 4 real tokens fit 13; padded 2 x 9 would not
+    assert [b.num_sequences for b in padded] == [1, 1, 1]

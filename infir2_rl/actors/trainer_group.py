@@ -91,7 +91,9 @@ class TrainerGroup:
     def _shards(self, batch: TokenBatch) -> list[list[TokenBatch]]:
         t = self.trainer_cfg
         mp = self.model_parallel
-        shards = shard_micro_batches(batch, self.num_workers // mp, t.micro_batch_size, t.max_tokens_per_gpu)
+        shards = shard_micro_batches(
+            batch, self.num_workers // mp, t.micro_batch_size, t.max_tokens_per_gpu, t.pack_sequences
+        )
         return [shards[rank // mp] for rank in range(self.num_workers)]
 
     # ------------------------------------------------------------------ trainer API

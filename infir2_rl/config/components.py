@@ -96,8 +96,13 @@ class TrainerConfig(_Config):
     num_workers: int = Field(default=1, ge=1)
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)
-    # Token budget of one micro-batch on one worker (padded tokens); None = fixed micro_batch_size.
+    # Token budget of one micro-batch on one worker (padded tokens, or real tokens when packed); None =
+    # fixed micro_batch_size.
     max_tokens_per_gpu: int | None = Field(default=None, ge=1)
+    # Torch backend: run each micro-batch as one packed row of its real tokens (no padding computed; attention
+    # stays within each sequence through a block-diagonal mask from position_ids). Same loss and gradients
+    # as padded up to rounding; pays when lengths differ a lot (RL responses).
+    pack_sequences: bool = False
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
     # Megatron only: layer spec. "local": megatron's local modules with the project's FP8 linears and SDPA

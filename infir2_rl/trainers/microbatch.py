@@ -6,7 +6,9 @@ runs of rows, each trimmed to its own longest row so padding is not computed. Or
 the split is deterministic and `merge_rows` puts per-row results back in place.
 
 Two micro-batch rules (trainer config): a fixed number of rows (`micro_batch_size`), or a token
-budget (`max_tokens_per_gpu`): as many rows as fit with rows x longest row <= budget.
+budget (`max_tokens_per_gpu`): as many rows as fit with rows x longest row <= budget, or, when the
+trainer packs micro-batches (`pack_sequences`: it computes only real tokens), with the sum of the rows'
+lengths <= budget.
 """
 
 from __future__ import annotations
@@ -52,8 +54,29 @@ def shard_bounds(num_rows: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def packed_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group indices, in order, so each group's summed length <= `max_tokens` (one packed row each)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for index, length in enumerate(lengths):
+        if length > max_tokens:
+            raise ValueError(
+                f"row {index} has {length} tokens > trainer.max_tokens_per_gpu={max_tokens}: raise the budget "
+                "or lower the maximum sequence length"
+            )
+        if current and total + length > max_tokens:
+            groups.append(current)
+            current, total = [], 0
+        current.append(index)
+        total += length
+    if current:
+        groups.append(current)
+    return groups
+
+
 def micro_batches(
-    batch: TokenBatch, micro_batch_size: int, max_tokens_per_gpu: int | None = None
+    batch: TokenBatch, micro_batch_size: int, max_tokens_per_gpu: int | None = None, packed: bool = False
 ) -> list[TokenBatch]:
     """Split `batch` (one rank's shard) into micro-batches by row count or by token budget."""
     num_rows = batch.num_sequences
@@ -63,17 +86,23 @@ def micro_batches(
         groups = [
             list(range(i, min(i + micro_batch_size, num_rows))) for i in range(0, num_rows, micro_batch_size)
         ]
+    elif packed:
+        groups = packed_token_budget(row_lengths(batch), max_tokens_per_gpu)
     else:
         groups = batch_by_token_budget(row_lengths(batch), max_tokens_per_gpu)
     return [select_rows(batch, g[0], g[-1] + 1) for g in groups]
 
 
 def shard_micro_batches(
-    batch: TokenBatch, world_size: int, micro_batch_size: int, max_tokens_per_gpu: int | None = None
+    batch: TokenBatch,
+    world_size: int,
+    micro_batch_size: int,
+    max_tokens_per_gpu: int | None = None,
+    packed: bool = False,
 ) -> list[list[TokenBatch]]:
     """Per rank, its list of micro-batches of the global `batch`."""
     return [
-        micro_batches(select_rows(batch, start, stop), micro_batch_size, max_tokens_per_gpu)
+        micro_batches(select_rows(batch, start, stop), micro_batch_size, max_tokens_per_gpu, packed)
         if stop > start
         else []
         for start, stop in shard_bounds(batch.num_sequences, world_size)

@@ -98,7 +98,7 @@ class TorchTrainer:
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Packed micro-batches (trainer.pack_sequences): see scoring.py.
-        self.pack_sequences = False
+        self.pack_sequences = trainer_cfg.pack_sequences
         self.fp8_linears: list[str] = []
         self.pow2_scales = trainer_cfg.fp8_pow2_scales
         if fp8:
