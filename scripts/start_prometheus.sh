@@ -5,7 +5,9 @@
 #
 #   scripts/start_prometheus.sh            # in the foreground; Ctrl-C stops it
 #
-# Environment (defaults in brackets): RAY_TEMP_DIR [/tmp/ray] Ray's --temp-dir; PROMETHEUS_LISTEN
+# Environment (defaults in brackets): RAY_SESSION_DIR [RAY_TEMP_DIR/session_latest] the Ray session to
+# scrape (a local run prints its own; session_latest is the newest Ray started on the machine, which
+# with several Ray instances may be another one); RAY_TEMP_DIR [/tmp/ray] Ray's --temp-dir; PROMETHEUS_LISTEN
 # [127.0.0.1:9090] address of Prometheus's UI and HTTP API; PROMETHEUS_DATA [RAY_TEMP_DIR/prometheus]
 # its config and time-series storage; SCRAPE_INTERVAL [10s]. Extra flags go to `prometheus`.
 # Our metrics are the `ray_infir2_*` series, tagged by stage, e.g. ray_infir2_rollout_reward_mean{stage="rl_stage1"}.
@@ -17,9 +19,12 @@ if ! command -v prometheus >/dev/null 2>&1; then
   exit 2
 fi
 temp_dir="${RAY_TEMP_DIR:-/tmp/ray}"
-discovery="${temp_dir}/session_latest/prom_metrics_service_discovery.json"
+session="${RAY_SESSION_DIR:-${temp_dir}/session_latest}"
+# Ray's dashboard writes the file (a Ray started without its dashboard has none)
+discovery="${session}/prom_metrics_service_discovery.json"
 if [[ ! -f "${discovery}" ]]; then
-  echo "no Ray session in ${temp_dir} (missing ${discovery}): start Ray first, or set RAY_TEMP_DIR to its --temp-dir" >&2
+  echo "no ${discovery}: start Ray (with its dashboard) first, or set RAY_SESSION_DIR to the run's session" \
+    "directory (a local run prints it) or RAY_TEMP_DIR to Ray's --temp-dir" >&2
   exit 2
 fi
 # session_latest is a link to the current session; the file is resolved now, as Prometheus watches a file

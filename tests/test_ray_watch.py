@@ -41,11 +41,14 @@ def test_user_disabled_auth_is_respected_loudly(
 def test_instructions_name_url_token_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/secrets/ray_token")
-    text = watch_instructions("127.0.0.1:8265", "10.0.0.5:6379", "token")
+    text = watch_instructions("127.0.0.1:8265", "10.0.0.5:6379", "token", "/tmp/ray/session_x")
     assert "http://127.0.0.1:8265" in text
     assert "`ray get-auth-token`" in text and "/secrets/ray_token" in text
     assert "export RAY_AUTH_MODE=token" in text
     assert "ray status --address 10.0.0.5:6379" in text
-    assert "infir2-rl report RUN_DIR --watch" in text and "scripts/start_prometheus.sh" in text
-    plain = watch_instructions(None, "10.0.0.5:6379", "disabled")
+    assert (
+        "infir2-rl report RUN_DIR --watch" in text
+        and "RAY_SESSION_DIR=/tmp/ray/session_x scripts/start_prometheus.sh" in text
+    )
+    plain = watch_instructions(None, "10.0.0.5:6379", "disabled", "/tmp/ray/session_x")
     assert "RAY_AUTH_MODE" not in plain and "get-auth-token" not in plain and "dashboard:  off" in plain

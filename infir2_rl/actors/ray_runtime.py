@@ -38,7 +38,10 @@ def ensure_ray() -> None:
         )
         dashboard_url = context.dashboard_url if dashboard else None
         gcs_address = ray.get_runtime_context().gcs_address
-        log.info("%s", watch_instructions(dashboard_url or None, gcs_address, auth_mode))
+        node = ray._private.worker._global_node  # the node this driver started; holds the session dir
+        assert node is not None
+        session_dir = node.get_session_dir_path()
+        log.info("%s", watch_instructions(dashboard_url or None, gcs_address, auth_mode, session_dir))
     log.info("Ray resources: %s", ray.cluster_resources())
 
 

@@ -56,7 +56,7 @@ def token_location() -> str:
     return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
 
 
-def watch_instructions(dashboard_url: str | None, gcs_address: str, auth_mode: str) -> str:
+def watch_instructions(dashboard_url: str | None, gcs_address: str, auth_mode: str, session_dir: str) -> str:
     """The lines printed once a local Ray instance is up: dashboard, authentication, CLI, metrics, report.
 
     The CLI lines name this instance's address: with several Ray instances on one machine (other users,
@@ -81,7 +81,8 @@ def watch_instructions(dashboard_url: str | None, gcs_address: str, auth_mode: s
     else:
         lines.append(f"  ray CLI:    {commands}")
     lines.append(
-        "  metrics:    scripts/start_prometheus.sh  (Prometheus on 127.0.0.1:9090, ray_infir2_* series)"
+        f"  metrics:    RAY_SESSION_DIR={session_dir} scripts/start_prometheus.sh"
+        "  (Prometheus on 127.0.0.1:9090, ray_infir2_* series)"
     )
     lines.append("  live plots: infir2-rl report RUN_DIR --watch  (progress, ETA and PNGs, no server)")
     return "\n".join(lines)
