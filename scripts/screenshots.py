@@ -40,15 +40,20 @@ def dashboard(url: str, out: Path, page: str, wait_text: str) -> None:
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    token = os.environ.get("RAY_AUTH_TOKEN") or subprocess.run(
-        ["ray", "get-auth-token"], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    token = (
+        os.environ.get("RAY_AUTH_TOKEN")
+        or subprocess.run(
+            ["ray", "get-auth-token"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     driver = browser(1400, 900)
     try:
         wait = WebDriverWait(driver, 60)
         driver.get(url)
         field = wait.until(
-            ec.element_to_be_clickable((By.CSS_SELECTOR, "input[placeholder='Enter your authentication token']"))
+            ec.element_to_be_clickable(
+                (By.CSS_SELECTOR, "input[placeholder='Enter your authentication token']")
+            )
         )
         field.send_keys(token, Keys.ENTER)
         wait.until(ec.invisibility_of_element_located((By.ID, "token-auth-dialog-description")))
@@ -68,7 +73,9 @@ def report(run_dir: Path, out: Path) -> None:
     make_report(run_dir)
     console = Console(record=True, width=170, file=open(os.devnull, "w"))  # noqa: SIM115
     rows = [stage_progress(d) for d in run_stages(run_dir)]
-    console.print(Group(progress_table(rows), summary_table(summarize(run_dir), title=f"Run summary: {run_dir}")))
+    console.print(
+        Group(progress_table(rows), summary_table(summarize(run_dir), title=f"Run summary: {run_dir}"))
+    )
     html = Path(tempfile.mkdtemp()) / "report.html"
     html.write_text(console.export_html(inline_styles=True))
     driver = browser(1400, 600)
