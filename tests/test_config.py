@@ -45,7 +45,7 @@ def test_7b_recipe_values() -> None:
     for rl in (rl1, rl2):
         assert rl.kind == "rl" and rl.precision == "unified_fp8" and rl.train_fp8 and rl.rollout_fp8
         assert (rl.rollout.prompts_per_step, rl.rollout.n_samples_per_prompt) == (128, 16)
-        assert rl.trainer.global_batch_size == 2048 and rl.rollout.over_sampling_prompts == 384
+        assert rl.global_batch_size == 2048 and rl.rollout.over_sampling_prompts == 384
         assert (rl.algorithm.eps_clip_low, rl.algorithm.eps_clip_high, rl.algorithm.kl_coef) == (
             0.2,
             0.28,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -47,6 +47,7 @@ class _StageBase(_Config):
     # Seed of data order, initialisation of anything random, and sampling.
     seed: int = 0
     model: ModelConfig = ModelConfig()
+    default_kind: ClassVar[str] = "sft"  # the kind of a stage dict that names none
     # Each kind narrows these to its own sections (SftDataConfig / RlDataConfig, SftTrainerConfig / ...).
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -67,25 +68,24 @@ class _StageBase(_Config):
                 raise ValueError(
                     f"{section}.{key}={value!r} was replaced by {hint}; remove it and set precision"
                 )
-        field = cls.model_fields.get("kind")
-        kind = data.get("kind", field.default if field is not None else "sft")
+        kind = data.get("kind", cls.default_kind)
         if kind == "sft":
             for section in _RL_SECTIONS:
                 if section in data:
                     raise ValueError(
                         f"{section}: a section of RL stages only (kind: rl); remove it from this SFT stage"
                     )
-        own = {"sft": (SftDataConfig, SftTrainerConfig), "rl": (RlDataConfig, RlTrainerConfig)}.get(kind)
-        other = {"sft": (RlDataConfig, RlTrainerConfig), "rl": (SftDataConfig, SftTrainerConfig)}.get(kind)
-        if own is None or other is None:
+        own = _KIND_SECTIONS.get(kind)
+        if own is None:
             return data
-        for section, mine, theirs in (("data", own[0], other[0]), ("trainer", own[1], other[1])):
+        other_kind = "rl" if kind == "sft" else "sft"
+        for section, mine in own.items():
             keys = data.get(section)
             if not isinstance(keys, dict):
                 continue
+            theirs = _KIND_SECTIONS[other_kind][section]
             for key in keys:
                 if key not in mine.model_fields and key in theirs.model_fields:
-                    other_kind = "rl" if kind == "sft" else "sft"
                     raise ValueError(
                         f"{section}.{key}: a field of {other_kind.upper()} stages only (kind: {other_kind});"
                         f" remove it from this {kind.upper()} stage"
@@ -140,6 +140,7 @@ class _StageBase(_Config):
 class SftStageConfig(_StageBase):
     # Supervised fine-tuning on chat `messages` (loss on assistant tokens only).
     kind: Literal["sft"] = "sft"
+    default_kind: ClassVar[str] = "sft"
     # "fp8": blockwise FP8 training (128x128 weights, 1x128 activations/gradients, e4m3) of the decoder
     # linears; "bf16": no FP8 (the compute dtype of model.dtype, FP32 on CPU).
     precision: Literal["fp8", "bf16"] = "fp8"
@@ -158,6 +159,7 @@ class SftStageConfig(_StageBase):
 class RlStageConfig(_StageBase):
     # GRPO reinforcement learning with FP8 rollout engines.
     kind: Literal["rl"] = "rl"
+    default_kind: ClassVar[str] = "rl"
     # The one precision switch of an RL stage. "unified_fp8": the trainer trains in FP8 and engines get the
     # exact FP8 bytes it trains with. "bf16_train_fp8_rollout": trainer in BF16, weights cast to FP8 at sync
     # (the setup Jet-RL shows diverging). "bf16": no FP8 anywhere (baseline).
@@ -222,6 +224,11 @@ class RlStageConfig(_StageBase):
 
 
 StageConfig = Annotated[SftStageConfig | RlStageConfig, Field(discriminator="kind")]
+# Each kind's own data and trainer sections (a field of the other kind's is refused by name).
+_KIND_SECTIONS: dict[str, dict[str, type[_Config]]] = {
+    "sft": {"data": SftDataConfig, "trainer": SftTrainerConfig},
+    "rl": {"data": RlDataConfig, "trainer": RlTrainerConfig},
+}
 
 
 class PipelineStage(_Config):

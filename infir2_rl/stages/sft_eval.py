@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from infir2_rl.algo.sft_loss import sft_loss
-from infir2_rl.config import DataConfig
+from infir2_rl.config import SftDataConfig
 from infir2_rl.data.batching import collate_sft
 from infir2_rl.data.datasets import SftExample, load_sft_examples
 from infir2_rl.data.readers import read_records
@@ -66,7 +66,7 @@ class Evaluates(Protocol):
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]: ...
 
 
-def load_eval_set(data: DataConfig, tokenizer: Any) -> SftEvalSet | None:
+def load_eval_set(data: SftDataConfig, tokenizer: Any) -> SftEvalSet | None:
     """Tokenize the first `data.num_eval_examples` held-out rows (None when there is no test file)."""
     if data.test_path is None:
         return None
