@@ -219,8 +219,8 @@ def run_demo(
     precision: str | None = None,
 ) -> dict[str, Path]:
     """Build the model (random weights of `preset`) and data if absent, run the demo pipeline, print the
-    summary, draw the report. `precision` (a weight_sync mode) overrides the configs' FP8 settings in
-    every stage; None keeps them. The GPU comparison runs this with `configs/gpu/pipeline_100m.yaml`."""
+    summary, draw the report. `precision` (an RL stage's precision value) overrides the `precision` of
+    every stage (SFT: fp8 only for unified_fp8); None keeps them. The GPU comparison runs this with `configs/gpu/pipeline_100m.yaml`."""
     from infir2_rl.data.synthetic import make_data
     from infir2_rl.metrics.report import make_report, print_summary, summarize
     from infir2_rl.models.factory import init_model

@@ -46,7 +46,7 @@ def check_tensor_parallel(hf: dict[str, Any], tp: int, fp8: bool) -> None:
         allowed = allowed_tensor_parallel_sizes(hf, fp8)
         raise ValueError(
             f"trainer.tensor_parallel_size={tp} does not fit this model ({problem}); it allows {allowed}"
-            f"{' with trainer.fp8=true' if fp8 else ''}"
+            f"{' with FP8 training (precision fp8 / unified_fp8)' if fp8 else ''}"
         )
 
 

@@ -62,7 +62,7 @@ def resolve_spec(setting: str, fp8: bool) -> str:
 
         if not hasattr(te_recipe, "Float8BlockScaling"):
             raise ValueError(
-                "trainer.fp8=true with trainer.megatron_spec=te needs Transformer Engine with Float8BlockScaling"
+                "FP8 training (precision fp8 / unified_fp8) with trainer.megatron_spec=te needs Transformer Engine with Float8BlockScaling"
                 " (TE >= 2.3); this TE lacks it, so FP8 would not be blockwise: use trainer.megatron_spec=local"
             )
     return spec
