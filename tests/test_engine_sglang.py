@@ -298,3 +298,12 @@ def test_flat_bytes_packs_tensors_back_to_back() -> None:
         ("a", 0, 24),
         ("b", 24, 34),
     ]
+
+
+def test_sglang_engines_need_the_byte_self_check_off() -> None:
+    from infir2_rl.actors.rollout_engine import create_engines
+    from infir2_rl.config.loader import parse_stage_config
+
+    cfg = parse_stage_config({"kind": "rl", "rollout": {"backend": "sglang"}})
+    with pytest.raises(ValueError, match="weight_sync.self_check_layers=2: SGLang engines cannot read back"):
+        create_engines(cfg, placement=None)  # type: ignore[arg-type]  # refused before any placement is used
