@@ -8,8 +8,7 @@ weights use the global unit count, so the result does not depend on the number o
         stats = group.train_step(batch, loss_fn, total_units)
         logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
         ref   = group.forward_ref_logprobs(batch, temperature)  # the same under the reference (kl_coef > 0)
-        sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource;
-                                                            # weight_sync.transport=nccl: rank 0 broadcasts)
+        sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource)
         group.save(path); group.load(path); group.save_hf(path)
         group.shutdown()
 """
@@ -32,7 +31,6 @@ from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
 from infir2_rl.trainers.microbatch import merge_rows, shard_micro_batches
 from infir2_rl.types import LossFn, TokenBatch, TrainStats
-from infir2_rl.weight_sync.broadcast import BucketMeta
 from infir2_rl.weight_sync.transport import IpcBucket, merge_ipc_buckets
 
 log = logging.getLogger(__name__)
@@ -55,9 +53,7 @@ class TrainerGroup:
         if cfg.trainer.backend == "megatron":
             from infir2_rl.trainers.megatron.model import resolve_spec
 
-            resolve_spec(
-                cfg.trainer.megatron_spec, cfg.train_fp8
-            )  # refuses what cannot run, before any actor
+            resolve_spec(cfg.trainer.megatron_spec, cfg.train_fp8)  # refuses what cannot run, before any actor
             self.model_parallel = cfg.trainer.model_parallel_size
         self.num_workers = cfg.trainer.num_workers
         self.trainer_cfg = cfg.trainer
@@ -147,10 +143,8 @@ class TrainerGroup:
 
     def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
         """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective);
-        ``fp8=False`` for BF16 engines (precision bf16)."""
-        if (
-            self.fsdp or self.model_parallel > 1
-        ):  # collective: FSDP gathers shards, megatron TP gathers shards
+        ``fp8=False`` for BF16 engines (weight_sync.mode bf16)."""
+        if self.fsdp or self.model_parallel > 1:  # collective: FSDP gathers shards, megatron TP gathers shards
             return unpack_tensors(self._all("export_weights", fp8)[0])
         return unpack_tensors(ray.get(self.workers[0].export_weights.remote(fp8)))
 
@@ -158,21 +152,6 @@ class TrainerGroup:
         """weight_sync.transport=cuda_ipc: every rank keeps its export on its GPU (until `release_export`)
         and the buckets carry each rank's CUDA IPC handles; an engine opens those of its own GPU."""
         return merge_ipc_buckets(self._all("export_ipc_buckets", fp8, max_bytes, version))
-
-    def weight_sender(self) -> Any:
-        """weight_sync.transport=nccl: the actor that is rank 0 of the weight group (trainer rank 0)."""
-        return self.workers[0]
-
-    def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:
-        """weight_sync.transport=nccl: rank 0 holds the push as flat buffers on its device (until
-        `release_export`) and returns their metadata; other ranks take part where the export is collective."""
-        if self.fsdp or self.model_parallel > 1:
-            metas: list[BucketMeta] = self._all("export_broadcast_buckets", fp8, max_bytes, version)[0]
-            return metas
-        result: list[BucketMeta] = ray.get(
-            self.workers[0].export_broadcast_buckets.remote(fp8, max_bytes, version)
-        )
-        return result
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         """CPU copies of rank 0's held export, for the weight-sync self-check."""
