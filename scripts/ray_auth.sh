@@ -10,17 +10,25 @@
 #   ray_auth_setup require    # worker / submitter: fail with the fix when no token is found
 
 ray_auth_setup() {
+  if ! command -v ray >/dev/null 2>&1; then
+    echo "infir2-rl: no \`ray\` command on PATH: activate the environment where infir2-rl is installed" >&2
+    return 1
+  fi
   export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
   if [[ "${RAY_AUTH_MODE}" != "token" ]]; then
     echo "infir2-rl: WARNING: RAY_AUTH_MODE=${RAY_AUTH_MODE}: this Ray cluster runs WITHOUT token" \
       "authentication; anyone who can reach its ports can run code on it. Unset RAY_AUTH_MODE to keep it." >&2
     return 0
   fi
+  if [[ -n "${RAY_AUTH_TOKEN_PATH:-}" && -z "${RAY_AUTH_TOKEN:-}" && ! -f "${RAY_AUTH_TOKEN_PATH}" ]]; then
+    echo "infir2-rl: RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH}: no such file; put the cluster's token there" >&2
+    return 1
+  fi
   if ray get-auth-token >/dev/null 2>&1; then
     return 0
   fi
   if [[ "$1" == "generate" ]]; then
-    ray get-auth-token --generate >/dev/null 2>&1
+    ray get-auth-token --generate >/dev/null 2>&1 || { echo "infir2-rl: \`ray get-auth-token --generate\` failed" >&2; return 1; }
     chmod 600 "${HOME}/.ray/auth_token"
     echo "infir2-rl: generated a Ray auth token in ${HOME}/.ray/auth_token; copy it to every worker and" \
       "submitting machine (same path), or export RAY_AUTH_TOKEN=\$(ray get-auth-token) there" >&2

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from infir2_rl.actors.ray_watch import choose_local_auth_mode, watch_instructions
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -52,3 +58,29 @@ def test_instructions_name_url_token_and_cli(monkeypatch: pytest.MonkeyPatch) ->
     )
     plain = watch_instructions(None, "10.0.0.5:6379", "disabled", "/tmp/ray/session_x")
     assert "RAY_AUTH_MODE" not in plain and "get-auth-token" not in plain and "dashboard:  off" in plain
+
+
+def auth_setup(mode: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`ray_auth_setup MODE` of scripts/ray_auth.sh (sourced as the cluster scripts do) with HOME=home."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    script = f". {REPO / 'scripts' / 'ray_auth.sh'}; ray_auth_setup {mode}"
+    return subprocess.run(
+        ["bash", "-c", script],
+        env={**base, "HOME": str(home), "PATH": path, **env},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_cluster_scripts_generate_or_require_the_token(tmp_path: Path) -> None:
+    missing = auth_setup("require", tmp_path)  # a worker / submitter without the head's token
+    assert missing.returncode == 1 and "copy the head's ~/.ray/auth_token" in missing.stderr
+    assert auth_setup("generate", tmp_path).returncode == 0  # the head makes one, readable by its owner only
+    token = tmp_path / ".ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 32
+    assert auth_setup("require", tmp_path).returncode == 0
+    wrong_path = auth_setup("require", tmp_path, RAY_AUTH_TOKEN_PATH=str(tmp_path / "nope"))
+    assert wrong_path.returncode == 1 and "no such file" in wrong_path.stderr
+    off = auth_setup("require", tmp_path / "empty", RAY_AUTH_MODE="disabled")
+    assert off.returncode == 0 and "WITHOUT token authentication" in off.stderr
