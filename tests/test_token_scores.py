@@ -156,3 +156,31 @@ def test_packed_token_budget_sums_real_tokens() -> None:
     padded = micro_batches(batch, 8, max_tokens_per_gpu=13)
     assert [b.num_sequences for b in packed] == [2, 1]  # 9 + 4 real tokens fit 13; padded 2 x 9 would not
     assert [b.num_sequences for b in padded] == [1, 1, 1]
+
+
+def test_varlen_attention_plumbing_equals_the_masked_packed_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU has no flash kernel: stand in a per-sequence SDPA for torch's varlen_attn and check that the
+    # attention switch, the cu_seq arguments, GQA and the output layout give the masked packed path's scores.
+    from infir2_rl.trainers.torch import varlen_attention as va
+
+    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), scale=None):  # type: ignore[no-untyped-def]
+        assert window_size == (-1, 0) and k.shape[1] == q.shape[1]  # causal, KV heads repeated
+        outs = []
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+            outs.append(
+                torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            )
+        return torch.cat([o.transpose(0, 1) for o in outs])
+
+    model = tiny_model()
+    ids, mask, select = ragged_batch()
+    with torch.no_grad():
+        masked = _score(model, ids, mask, select, packed=True, need_entropy=False).logprobs_BL
+        monkeypatch.setattr(va, "_varlen_fn", lambda: (reference_varlen, True, False))
+        monkeypatch.setattr(
+            "infir2_rl.trainers.torch.scoring.varlen_available", lambda device: va._register()
+        )
+        varlen = _score(model, ids, mask, select, packed=True, need_entropy=False).logprobs_BL
+    assert model.config._attn_implementation == "sdpa"  # switched back
+    torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)

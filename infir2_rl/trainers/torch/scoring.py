@@ -10,9 +10,10 @@ Two layouts of a micro-batch (right-padded rows, ``TokenBatch``):
 
 * padded: the B x L batch as it is, with its attention mask.
 * packed: the real tokens of all rows back to back in one row of N = sum of lengths, ``position_ids``
-  restarting at 0 for each sequence and no attention mask. transformers then builds a block-diagonal
-  causal mask from the position ids (``masking_utils.find_packed_sequence_indices``): no token attends
-  across a sequence boundary, and no padding is computed. Scores are put back in the B x L layout, so
+  restarting at 0 for each sequence and no attention mask. On CUDA attention is varlen flash attention
+  over each sequence alone (varlen_attention.py); elsewhere transformers builds a block-diagonal causal
+  mask from the position ids (``masking_utils.find_packed_sequence_indices``) for SDPA. Either way no
+  token attends across a sequence boundary, and no padding is computed. Scores are put back in the B x L layout, so
   loss functions see the same ``TokenScores`` either way.
 
 A position t is scored (token t from the hidden state at t - 1) where ``select_BL[:, t]`` is set and t is
@@ -23,13 +24,14 @@ one sequence from scoring the first token of the next.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from infir2_rl.trainers.token_scores import DEFAULT_CHUNK_TOKENS, chunked_token_scores
+from infir2_rl.trainers.torch.varlen_attention import use_varlen, varlen_available, varlen_kwargs
 from infir2_rl.types import TokenScores
 
 
@@ -85,7 +87,13 @@ def score_tokens(
         first = pos == 0
         sel = sel & ~first
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
+        attention: Any = nullcontext()
+        if varlen_available(ids.device):  # flash over each sequence alone (varlen_attention.py)
+            lengths = attention_mask_BL.sum(1)
+            kwargs |= varlen_kwargs(lengths[lengths > 0])
+            attention = use_varlen(model)
     else:
+        attention = nullcontext()
         ids, sel = input_ids_BL, select
         kwargs = {"attention_mask": attention_mask_BL}
     k = 2 if need_entropy else 1
@@ -107,7 +115,7 @@ def score_tokens(
         out[:, 1:][picked] = values
         return out
 
-    with _lm_head_forward(model, forward), autocast():
+    with _lm_head_forward(model, forward), attention, autocast():
         scores = model(input_ids=ids, use_cache=False, **kwargs).logits  # type: ignore[operator]
     if packed:
         full = scores.new_zeros(B, L, k)

@@ -1,0 +1,138 @@
+"""Packed vs padded micro-batches on an RL-shaped batch: one trainer step, 1.5B shape, BF16 and FP8.
+
+    python bench/train_packed.py [--seqs 64] [--budget 16384] [--steps 2] [--modes bf16 fp8] [--out PATH]
+
+The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
+900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
+RL loss), in random order as a rollout returns them. Padded: micro-batches of consecutive rows with rows x
+longest row <= --budget (``trainer.max_tokens_per_gpu``), each padded to its longest row. Packed
+(``trainer.pack_sequences``): consecutive rows with summed length <= --budget, one row of real tokens each.
+Tokens/s counts real tokens. Median of --steps steps after one warm-up step, synchronized wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from train_step import model_dir, sync, write_report
+
+
+def rl_batch(num: int, vocab: int, seed: int = 0) -> Any:
+    from infir2_rl.types import TokenBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(num, generator=gen) + torch.log(torch.tensor(900.0)))
+    lengths = lengths.round().clamp(200, 8192).long()
+    longest = int(lengths.max())
+    ids = torch.randint(0, vocab, (num, longest), generator=gen)
+    mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
+    loss_mask = mask.float()
+    loss_mask[:, :128] = 0
+    return TokenBatch(input_ids=ids * mask, attention_mask=mask, loss_mask=loss_mask)
+
+
+def run(path: Path, fp8: bool, packed: bool, batch: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+    from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+    from infir2_rl.trainers.microbatch import micro_batches
+    from infir2_rl.trainers.torch.trainer import TorchTrainer
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    trainer = TorchTrainer(
+        ModelConfig(path=str(path), gradient_checkpointing=args.checkpointing),
+        TrainerConfig(pack_sequences=packed, max_tokens_per_gpu=args.budget),
+        OptimizerConfig(lr=1e-5, min_lr=0.0, schedule="constant", warmup_ratio=0.0),
+        fp8=fp8,
+        total_steps=args.steps + 2,
+    )
+    parts = micro_batches(batch, 1, args.budget, packed=packed)
+    computed = sum(int(b.attention_mask.sum()) if packed else b.input_ids.numel() for b in parts)
+    units, loss_fn = num_target_tokens(batch), SftLossFn()
+    times = []
+    for i in range(args.steps + 1):
+        sync(trainer.device)
+        start = time.perf_counter()
+        stats = trainer.train_step(parts, loss_fn, units)
+        sync(trainer.device)
+        if i > 0:
+            times.append(time.perf_counter() - start)
+    real = int(batch.attention_mask.sum())
+    step_s = statistics.median(times)
+    out = {
+        "fp8": fp8,
+        "packed": packed,
+        "micro_batches": len(parts),
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "step_s": dict(median=step_s, min=min(times), max=max(times), n=len(times)),
+        "tokens_per_s": real / step_s,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "loss": stats.loss,
+    }
+    del trainer
+    gc.collect()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64, help="sequences in the batch")
+    parser.add_argument("--budget", type=int, default=16384, help="trainer.max_tokens_per_gpu")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per case (median)")
+    parser.add_argument("--modes", nargs="*", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--checkpointing", action="store_true", help="model.gradient_checkpointing")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/train_packed.py needs a CUDA GPU.")
+        return 1
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = model_dir(tiny=False)
+    from transformers import AutoConfig
+
+    batch = rl_batch(args.seqs, AutoConfig.from_pretrained(path).vocab_size)
+    lengths = batch.attention_mask.sum(1)
+    print(
+        f"# {torch.cuda.get_device_name()} | {args.seqs} sequences, lengths {int(lengths.min())}..{int(lengths.max())} "
+        f"(median {int(lengths.median())}, mean {float(lengths.float().mean()):.0f}) | budget {args.budget} tokens"
+    )
+    results = [
+        run(path, mode == "fp8", packed, batch, args) for mode in args.modes for packed in (False, True)
+    ]
+    print(
+        f"\n{'mode':<5} {'layout':<7} | {'micro':>5} | {'computed':>9} | {'step s':>7} | {'tok/s':>8} | {'peak GiB':>8}"
+    )
+    for r in results:
+        print(
+            f"{'fp8' if r['fp8'] else 'bf16':<5} {'packed' if r['packed'] else 'padded':<7} | {r['micro_batches']:5d} | "
+            f"{r['computed_tokens']:9d} | {r['step_s']['median']:7.2f} | {r['tokens_per_s']:8.0f} | {r['peak_memory_gb']:8.2f}"
+        )
+    for i in range(0, len(results), 2):
+        padded, packed = results[i], results[i + 1]
+        print(
+            f"packed/padded tokens/s ({'fp8' if packed['fp8'] else 'bf16'}): {packed['tokens_per_s'] / padded['tokens_per_s']:.2f} (goal >= 1.5)"
+        )
+    write_report(
+        args.out,
+        {
+            "device": torch.cuda.get_device_name(),
+            "args": vars(args) | {"out": str(args.out)},
+            "results": results,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

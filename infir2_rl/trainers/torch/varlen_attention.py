@@ -1,0 +1,131 @@
+"""Varlen (flash) attention for packed micro-batches on CUDA, as a transformers attention implementation.
+
+A packed micro-batch is one row of N tokens holding several sequences (scoring.py). transformers' SDPA path
+turns its position ids into a block-diagonal N x N boolean mask, which SDPA can only run with the
+memory-efficient kernel over the whole N x N square: every sequence attends over (and pays for) the full
+packed row. ``torch.nn.attention.varlen.varlen_attn`` runs flash attention over each sequence alone from the
+cumulative lengths ``cu_seq`` (N + 1 offsets): the work of the sequences' own causal triangles, no mask.
+
+``use_varlen(model, cu_seq, max_len)`` switches a model's attention to it for one call; transformers then
+builds no mask (a custom implementation has no mask function) and hands the extra keyword arguments to the
+attention of every layer. Where it is unavailable (CPU, a torch without the module) the packed path keeps
+SDPA with the block-diagonal mask, and ``varlen_available`` says why once, loudly.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+NAME = "infir2_varlen"
+
+
+@functools.cache
+def _varlen_fn() -> tuple[Any, bool, bool] | None:
+    """(varlen_attn, takes window_size, takes enable_gqa), or None when this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "window_size" in params, "enable_gqa" in params
+
+
+def varlen_available(device: torch.device) -> bool:
+    """True when packed micro-batches on ``device`` can use varlen flash attention (logged once if not)."""
+    if device.type != "cuda":
+        return False
+    if _varlen_fn() is None:
+        _warn_once(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+        return False
+    return _register()
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning(
+        "packed micro-batches use SDPA with a block-diagonal mask (slower: every token attends over the whole "
+        "packed row): %s",
+        reason,
+    )
+
+
+@functools.cache
+def _register() -> bool:
+    try:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, _varlen_attention_forward)
+    except Exception as exc:  # an older transformers without the registry
+        _warn_once(f"transformers cannot register an attention implementation ({exc})")
+        return False
+    return True
+
+
+def _varlen_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention signature: q (1, Hq, N, D), k/v (1, Hkv, N, D) -> (1, N, Hq, D)."""
+    fn = _varlen_fn()
+    cu_seq, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if fn is None or cu_seq is None or max_len is None or query.shape[0] != 1:
+        raise RuntimeError(
+            f"{NAME} attention needs one packed row and cu_seq_lens_q / max_length_q (use scoring.score_tokens)"
+        )
+    varlen_attn, has_window, has_gqa = fn
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
+    groups = q.shape[1] // k.shape[1]
+    extra: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
+    if groups > 1:
+        if has_gqa:
+            extra["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if scaling is not None and "scale" in inspect.signature(varlen_attn).parameters:
+        extra["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
+        raise RuntimeError(f"{NAME}: this torch's varlen_attn takes no scale and the model uses {scaling}")
+    out = varlen_attn(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seq, cu_seq, max_len, max_len, **extra
+    )
+    return out[None], None
+
+
+@contextmanager
+def use_varlen(model: nn.Module) -> Iterator[None]:
+    """Within the block the model's attention is varlen flash attention (pass cu_seq_lens_q etc. to it)."""
+    config = model.config  # type: ignore[union-attr]
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def varlen_kwargs(lengths: Tensor) -> dict[str, Any]:
+    """Model keyword arguments of a packed row of sequences of these lengths."""
+    cu_seq = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu_seq[1:] = lengths.cumsum(0)
+    max_len = int(lengths.max())
+    return {
+        "cu_seq_lens_q": cu_seq,
+        "cu_seq_lens_k": cu_seq,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
