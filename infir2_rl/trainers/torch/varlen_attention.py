@@ -109,7 +109,7 @@ def _varlen_attention_forward(
 @contextmanager
 def use_varlen(model: nn.Module) -> Iterator[None]:
     """Within the block the model's attention is varlen flash attention (pass cu_seq_lens_q etc. to it)."""
-    config = model.config  # type: ignore[union-attr]
+    config: Any = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME
     try:
