@@ -1,6 +1,13 @@
 """Decode throughput of the native rollout engine, BF16 vs FP8 W8A8, on a random Qwen2.5-1.5B-shape model.
 
-    python bench/rollout.py [--batch-sizes 16 32 64 128 256] [--repeats 3] [--profile] [--out PATH] [--tiny]
+    python bench/rollout.py [--batch-sizes 16 32 64 128 256] [--repeats 3] [--profile] [--peers] [--rl]
+                            [--out PATH] [--tiny]
+
+On CUDA the engine decodes through its model runner (CUDA graphs, continuous batching; see
+``infir2_rl/engines/native/``). ``--peers`` adds transformers ``generate`` (eager dynamic cache at
+--peer-batches, static cache + torch.compile at --compile-batches) on the same model in this process;
+``--rl`` adds the RL-shaped workload (64 prompts x 16 samples, long-tailed lengths up to 2,048) and the
+transformers estimate for it (``rollout_peers.py`` says how each is measured).
 
 What is timed: ``NativeEngine.generate`` on B requests of --prompt-len random token ids each, sampled at
 temperature 1.0 with no stop tokens, so all B rows decode exactly --new-tokens tokens in one batch.
@@ -15,13 +22,14 @@ is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built
 ``--profile`` runs torch.profiler at --profile-batch over a call with 1 + k new tokens and one with 1,
 and subtracts the two (what remains is k decode steps): device kernels by category, the top kernels, and
 the CPU/Python gap = unprofiled wall time of the k steps - their summed device kernel time (one stream,
-so kernels do not overlap; a gap means the GPU waited for the host). ``--tiny`` runs the tiny preset on
-CPU (FP8 emulated) to check the script.
+so kernels do not overlap; a gap means the GPU waited for the host); GPU-busy fraction = kernel time / wall.
+``--tiny`` runs the tiny preset on CPU (FP8 emulated; runner path without graphs) to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -29,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import rollout_peers as peers
 import torch
 from train_step import kernel_times, model_dir, print_kernels, summarize_kernels, sync, write_report
 
@@ -67,6 +76,8 @@ def time_batch(engines: dict[str, Any], batch: int, args: argparse.Namespace) ->
     first_reqs = requests(batch, args.prompt_len, 1, vocab)
     full: dict[str, list[float]] = {m: [] for m in engines}
     first: dict[str, list[float]] = {m: [] for m in engines}
+    for engine in engines.values():  # graph capture and FP8 GEMM choice of this batch size stay untimed
+        timed_generate(engine, full_reqs)
     for _ in range(args.repeats):  # the engines alternate, so drifts (clocks, heat) hit both alike
         for mode, engine in engines.items():
             full[mode].append(timed_generate(engine, full_reqs))
@@ -118,7 +129,89 @@ def profile_decode(
         summary["decode_steps"] = steps
         summary["wall_ms"] = wall_ms
         summary["cpu_python_gap_ms"] = wall_ms - summary["total_ms"]
+        summary["gpu_busy_fraction"] = summary["total_ms"] / wall_ms if wall_ms > 0 else float("nan")
         out[mode] = summary
+    return out
+
+
+def time_attention() -> dict[str, float]:
+    """Decode attention alone, 1.5B shape (12 heads, 2 KV heads, D 128), one layer: Triton vs SDPA, in us."""
+    from infir2_rl.engines.native import attention
+
+    out = {}
+    for batch, ctx in ((64, 256), (256, 256), (64, 2048), (256, 2048)):
+        k = torch.randn(batch + 1, 2, ctx, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, 12, 128, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(batch, device="cuda")
+        lengths = torch.full((batch,), ctx, device="cuda")
+        for impl in ("triton", "sdpa"):
+            attention.decode(q, k, v, slots, lengths, impl)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                attention.decode(q, k, v, slots, lengths, impl)
+            end.record()
+            end.synchronize()
+            out[f"{impl} b{batch} ctx{ctx}"] = 1e3 * start.elapsed_time(end) / 20
+        floor_us = 2 * k[:batch].numel() * 2 / 3.35e12 * 1e6
+        print(
+            f"attention b{batch} ctx{ctx}: triton {out[f'triton b{batch} ctx{ctx}']:.1f} us, "
+            f"sdpa {out[f'sdpa b{batch} ctx{ctx}']:.1f} us (K+V read once at 3.35 TB/s: {floor_us:.1f} us)"
+        )
+    return out
+
+
+def run_rl(engines: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The RL-shaped workload on each engine (rollout_peers.rl_workload); prints one line per engine."""
+    engine = next(iter(engines.values()))
+    reqs = peers.rl_requests(
+        engine.vocab_size, args.rl_prompts, 16, args.prompt_len, args.rl_max_new, args.rl_mean_len
+    )
+    out: dict[str, Any] = {"prompts": args.rl_prompts, "samples": 16, "max_new_tokens": args.rl_max_new}
+    for mode, eng in engines.items():
+        eng.generate(reqs[:1])  # cache of the workload's length, graphs of its batch sizes
+        res = peers.rl_workload(eng, reqs, args.rl_repeats)
+        out[mode] = res
+        lens = res["response_len"]
+        print(
+            f"RL workload {mode}: {res['wall_s']['median']:.2f} s ({res['wall_s']['min']:.2f}-"
+            f"{res['wall_s']['max']:.2f}), {res['tokens_per_s']:.0f} tok/s, {res['tokens']} tokens, "
+            f"length mean {lens['mean']:.0f} median {lens['median']:.0f} max {lens['max']} ({lens['at_max']} at max)"
+        )
+    return out
+
+
+def run_peers(path: str, args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    """transformers generate, eager and static+compile (rollout_peers.hf_step_ms), and the RL estimate."""
+    out: dict[str, Any] = {}
+    for name, static, batches in (
+        ("hf_eager", False, args.peer_batches),
+        ("hf_static_compile", True, args.compile_batches),
+    ):
+        try:
+            res = peers.hf_step_ms(path, batches, args.prompt_len, args.new_tokens, args.repeats, static)
+        except Exception as exc:  # a peer that fails is reported as such, loudly, not skipped
+            print(f"PEER FAILED: {name}: {type(exc).__name__}: {exc}")
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        out[name] = res
+        for batch, r in res.items():
+            print(
+                f"{name} batch {batch}: {r['decode_step_ms']:.2f} ms/step ({r['step_ms_min']:.2f}-"
+                f"{r['step_ms_max']:.2f}), {r['tokens_per_s']:.0f} tok/s, warm-up {r['warmup_s']:.0f} s"
+            )
+    static = out.get("hf_static_compile", {})
+    if "rl" in report and 256 in static:
+        step = static[256]["decode_step_ms"]
+        for mode in ("bf16", "fp8"):
+            rl = report["rl"][mode]
+            est = peers.hf_rl_estimate_s(rl["lengths"], 256, step, 0.0)
+            rl["hf_static_compile_estimate_s"] = est
+            rl["speedup_vs_hf_static_compile"] = est / rl["wall_s"]["median"]
+            print(
+                f"RL workload {mode}: transformers static+compile estimate {est:.1f} s -> {est / rl['wall_s']['median']:.2f}x"
+            )
     return out
 
 
@@ -133,10 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=16, help="decode steps of --profile")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
+    parser.add_argument("--peers", action="store_true", help="transformers generate, eager and compiled")
+    parser.add_argument("--peer-batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--compile-batches", type=int, nargs="*", default=[256])
+    parser.add_argument(
+        "--attention", action="store_true", help="time Triton split-K vs SDPA decode attention"
+    )
+    parser.add_argument("--rl", action="store_true", help="the RL-shaped workload")
+    parser.add_argument("--rl-repeats", type=int, default=2)
+    parser.add_argument("--rl-prompts", type=int, default=64)
+    parser.add_argument("--rl-mean-len", type=int, default=450, help="~mean response length (stop set size)")
+    parser.add_argument("--rl-max-new", type=int, default=2048)
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch_sizes, args.prompt_len, args.new_tokens, args.repeats = [2, 4], 8, 8, 2
         args.profile_batch, args.profile_steps = 4, 4
+        args.rl_prompts, args.rl_mean_len, args.rl_max_new = 4, 20, 40
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
         print("bench/rollout.py needs a CUDA GPU (Hopper for the FP8 fast path); use --tiny on CPU.")
@@ -150,11 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     from infir2_rl.engines.native.engine import NativeEngine
 
     hf_logging.disable_progress_bar()
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("infir2_rl.engines.native").setLevel(logging.INFO)  # FP8 GEMM choices, graph captures
     start = time.perf_counter()
     path = model_dir(args.tiny)
     max_batch = max(args.batch_sizes + [args.profile_batch])
     engines = {
-        mode: NativeEngine(str(path), fp8=mode == "fp8", device=device, max_batch_size=max_batch)
+        mode: NativeEngine(
+            str(path), fp8=mode == "fp8", device=device, max_batch_size=max_batch, decode_path="runner"
+        )
         for mode in ("bf16", "fp8")
     }
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
@@ -191,10 +300,20 @@ def main(argv: list[str] | None = None) -> int:
             steps = summary["decode_steps"]
             print_kernels(
                 f"profile, {mode}, {steps} decode steps at batch {args.profile_batch} "
-                f"(unprofiled wall {summary['wall_ms']:.2f} ms, {summary['wall_ms'] / steps:.2f} ms/step)",
+                f"(unprofiled wall {summary['wall_ms']:.2f} ms, {summary['wall_ms'] / steps:.2f} ms/step, "
+                f"GPU busy {100 * summary['gpu_busy_fraction']:.0f}%)",
                 summary,
                 {"CPU/Python gap": summary["cpu_python_gap_ms"]},
             )
+        write_report(args.out, report)
+    if args.attention and device.type == "cuda":
+        report["attention_us"] = time_attention()
+    if args.rl:
+        report["rl"] = run_rl(engines, args)
+        write_report(args.out, report)
+    if args.peers and device.type == "cuda":
+        report["peers"] = run_peers(str(path), args, report)
+        write_report(args.out, report)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     write_report(args.out, report)
     return 0

@@ -14,7 +14,8 @@ The GEMM (``FusedLinear.__call__``):
   values, FP32 matmul), i.e. exactly what ``Fp8InferenceLinear`` computes.
 * FP8 on a Hopper GPU: per (M, N, K), the faster of cuBLASLt ``scaled_mm`` blockwise (quantize kernel +
   GEMM, ``fp8.ops``) and the fused Triton kernel of ``fp8_gemm`` in each of its candidate launch shapes,
-  timed once per shape by ``Fp8GemmChooser`` (CUDA events, median of repeated runs, outside any graph).
+  timed once per shape by ``Fp8GemmChooser`` (CUDA events, median of repeated runs, outside any graph),
+  for decode sizes (M <= ``DECODE_MAX_ROWS``); prefill GEMMs (compute-bound) always take cuBLASLt.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from infir2_rl.fp8.ops import fp8_linear_forward
 logger = logging.getLogger(__name__)
 
 _CUBLAS = "cublas scaled_mm"
+DECODE_MAX_ROWS = 512  # GEMMs with more rows (prefill) always take cuBLASLt; the chooser times decode sizes
 
 
 def _round_up(a: int, b: int) -> int:
@@ -153,6 +155,8 @@ class FusedLinear:
         assert self.scale is not None
         pow2_scales = self.pow2_scales
         if self.chooser is None or not fp8_gemm.available(x.device):
+            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
+        if x.shape[0] > DECODE_MAX_ROWS:  # prefill: compute-bound, cuBLASLt's large-tile kernels
             return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
         choice = self.chooser.pick(x, self.weight, self.scale, self.bias)
         if choice == _CUBLAS:

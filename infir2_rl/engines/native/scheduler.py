@@ -69,7 +69,7 @@ class Scheduler:
         length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
         length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
         self.cache = self.runner.new_cache(self.num_slots, length)
-        self.state = DecodeState(self.num_slots, length, max_stops, self.runner.device)
+        self.state = DecodeState(self.num_slots, max_response, max_stops, self.runner.device)
         self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs)
 
     def release(self) -> None:
