@@ -140,3 +140,32 @@ def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(
     # The second mini-batch is trained after the first update: its ratio to the old policy is off 1, which
     # the first (on-policy) one never is; with lr 1e-2 the PPO clip engages on some tokens.
     assert max(steps[s]["train/pg_clip_frac"] for s in (1, 2)) > 0
+
+
+@pytest.mark.slow  # 167 s on the shared 2-core machine (a Ray stage with a reference model)
+def test_kl_and_entropy_terms_run_and_are_logged(tmp_path: Path, ray_cluster: object) -> None:
+    """algorithm.kl_coef > 0 builds the reference model and logs train/kl (0 while the policy is still the
+    reference, > 0 after an update); entropy_coef > 0 logs train/entropy of the tempered distribution."""
+    model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
+    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
+    cfg = _rl_config(
+        model,
+        data.rl_train,
+        tmp_path / "kl",
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_type=low_var_kl",
+        "algorithm.entropy_coef=0.01",
+        "rollout.over_sampling_prompts=2",
+        "rollout.max_response_len=12",
+        "rollout.num_steps=2",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=8",
+        "optimizer.lr=1e-3",
+    )
+    assert run_rl_stage(cfg).last_step == 2
+    steps = _steps(tmp_path / "kl")
+    for step in (1, 2):
+        assert names.TRAIN_KL in steps[step] and steps[step][names.TRAIN_ENTROPY] > 0, steps[step]
+        assert steps[step]["time/ref_logprobs_s"] > 0
+    assert abs(steps[1][names.TRAIN_KL]) < 1e-6  # one update per step: step 1 trains the reference itself
+    assert steps[2][names.TRAIN_KL] > 1e-7
