@@ -75,6 +75,17 @@ def check_stage_data(cfg: SftStageConfig | RlStageConfig) -> None:
         check_fills_batch(report, cfg.rollout.prompts_per_step, "rollout.prompts_per_step")
 
 
+def check_prompts_fill_step(cfg: RlStageConfig, num_prompts: int) -> None:
+    """After loading (token lengths known): enough prompts for one step without repeating any."""
+    need = cfg.rollout.prompts_per_step
+    if num_prompts < need:
+        raise BadInput(
+            f"data.train_path={cfg.data.train_path!r}: {num_prompts} usable prompts after loading, fewer than one"
+            f" step of rollout.prompts_per_step={need}: a step would repeat prompts; add rows or lower"
+            " rollout.prompts_per_step (or raise data.max_prompt_tokens if rows were too long)"
+        )
+
+
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(data, dict):
         out: dict[str, Any] = {}

@@ -31,6 +31,7 @@ class TrainerRank(Protocol):
     model: Any
     tokenizer: Any
     optimizer: Any
+    optimizer_cfg: Any
     scheduler: Any
     device: torch.device
     fsdp: bool
@@ -175,10 +176,31 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
                 f" unexpected {sorted(unexpected)[:5]}); resume with the model the checkpoint was written from"
             )
         trainer.optimizer.load_state_dict(train_state["optimizer"])
-    trainer.scheduler.load_state_dict(train_state["scheduler"])
+    restore_schedule(trainer, int(train_state["scheduler"]["last_epoch"]))
     set_rng_state(train_state["rng"])
     trainer.step = int(train_state["step"])
     trainer.num_skipped = int(train_state["num_skipped"])
+
+
+def restore_schedule(trainer: TrainerRank, last_epoch: int) -> None:
+    """Put the lr schedule at the saved position, with this run's optimizer settings.
+
+    A saved LambdaLR also holds the peak lr and the schedule's parameters of the run that wrote it, and the
+    optimizer's saved param groups its betas, eps and weight decay: loading those kept the old values when a
+    resume changed them (issue 16: resumed with lr=1e-2, the run went on at 3e-4). The schedule here is the
+    one built from this run's config, moved to the saved step; the lr is computed with LambdaLR's own
+    expression, so an unchanged config gives bit-identical learning rates. A changed config is refused
+    before this point unless ``checkpoint.allow_config_change`` is set (stages/guards.py).
+    """
+    cfg, sched = trainer.optimizer_cfg, trainer.scheduler
+    sched.last_epoch = last_epoch
+    for group, base_lr, factor in zip(
+        trainer.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
+    ):
+        group["betas"], group["eps"], group["weight_decay"] = tuple(cfg.betas), cfg.eps, cfg.weight_decay
+        group["initial_lr"] = base_lr
+        group["lr"] = base_lr * factor(last_epoch)
+    sched._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
 
 
 @torch.no_grad()
