@@ -134,12 +134,13 @@ def test_fields_of_the_other_kind_are_refused() -> None:
     assert _err({"kind": "sft", "trainer": {"bogus": 1}}).startswith("trainer.bogus: unknown key")
 
 
-def test_transport_not_built_yet_is_refused_by_the_config() -> None:
-    msg = _err({"kind": "rl", "weight_sync": {"transport": "nccl"}})
-    assert (
-        msg
-        == "weight_sync.transport=nccl is not built yet (issue 17 builds it); use object_store or cuda_ipc"
-    )
+def test_every_transport_name_is_accepted_and_others_are_not() -> None:
+    for name in ("auto", "object_store", "cuda_ipc", "nccl"):
+        assert (
+            parse_stage_config({"kind": "rl", "weight_sync": {"transport": name}}).weight_sync.transport
+            == name
+        )
+    assert _err({"kind": "rl", "weight_sync": {"transport": "rdma"}}).startswith("weight_sync.transport")
 
 
 def test_algorithm_section_is_the_algo_config() -> None:

@@ -25,14 +25,13 @@ from infir2_rl.models.factory import init_model, load_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import StaleWeightsError
 from infir2_rl.weight_sync.buckets import build_buckets
-from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
+from infir2_rl.weight_sync.service import WeightSyncService, make_transport, same_bytes
 from infir2_rl.weight_sync.transport import (
     CudaIpcTransport,
     IpcBucket,
     ObjectStoreTransport,
     TensorSource,
     flatten,
-    make_transport,
     merge_ipc_buckets,
     share_buckets,
     unflatten,

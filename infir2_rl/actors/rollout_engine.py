@@ -107,6 +107,13 @@ class RolloutEngine:
     def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
         return self.backend.read_weights(names)
 
+    # weight_sync.transport=nccl (the protocol and argument order: weight_sync/nccl.py).
+    def init_weights_update_group(self, *args: Any) -> None:
+        self.backend.init_weights_update_group(*args)  # type: ignore[attr-defined]
+
+    def update_weights_from_distributed(self, *args: Any) -> None:
+        self.backend.update_weights_from_distributed(*args)  # type: ignore[attr-defined]
+
     def abort(self) -> None:
         self.backend.abort()
 

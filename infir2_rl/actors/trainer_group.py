@@ -8,7 +8,8 @@ weights use the global unit count, so the result does not depend on the number o
         stats = group.train_step(batch, loss_fn, total_units)
         logp  = group.forward_logprobs(batch, temperature)  # B x L, aligned like batch.input_ids
         ref   = group.forward_ref_logprobs(batch, temperature)  # the same under the reference (kl_coef > 0)
-        sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource)
+        sync.push_from(group, fp8, version)                 # weight export for WeightSyncService (WeightSource;
+                                                            # weight_sync.transport=nccl: rank 0 broadcasts)
         group.save(path); group.load(path); group.save_hf(path)
         group.shutdown()
 """
@@ -31,6 +32,7 @@ from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
 from infir2_rl.trainers.microbatch import merge_rows, shard_micro_batches
 from infir2_rl.types import LossFn, TokenBatch, TrainStats
+from infir2_rl.weight_sync.broadcast import BucketMeta
 from infir2_rl.weight_sync.transport import IpcBucket, merge_ipc_buckets
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,21 @@ class TrainerGroup:
         """weight_sync.transport=cuda_ipc: every rank keeps its export on its GPU (until `release_export`)
         and the buckets carry each rank's CUDA IPC handles; an engine opens those of its own GPU."""
         return merge_ipc_buckets(self._all("export_ipc_buckets", fp8, max_bytes, version))
+
+    def weight_sender(self) -> Any:
+        """weight_sync.transport=nccl: the actor that is rank 0 of the weight group (trainer rank 0)."""
+        return self.workers[0]
+
+    def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:
+        """weight_sync.transport=nccl: rank 0 holds the push as flat buffers on its device (until
+        `release_export`) and returns their metadata; other ranks take part where the export is collective."""
+        if self.fsdp or self.model_parallel > 1:
+            metas: list[BucketMeta] = self._all("export_broadcast_buckets", fp8, max_bytes, version)[0]
+            return metas
+        result: list[BucketMeta] = ray.get(
+            self.workers[0].export_broadcast_buckets.remote(fp8, max_bytes, version)
+        )
+        return result
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         """CPU copies of rank 0's held export, for the weight-sync self-check."""

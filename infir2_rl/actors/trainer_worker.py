@@ -7,6 +7,9 @@ rank 0, then `setup(addr, port)` on every rank at once (joins the process group,
 Weight export: `export_weights` returns CPU tensors (the object-store transport); `export_ipc_buckets`
 (weight_sync.transport=cuda_ipc) keeps this rank's buckets on its GPU and returns CUDA IPC handles of
 them, holding the shared buffers until `release_export` or the next export, so they outlive the push.
+`export_broadcast_buckets` (weight_sync.transport=nccl) holds flat buffers on rank 0 that
+`broadcast_bucket` sends into the weight group rank 0 hosts and joins (`open_weight_group`,
+`join_weight_group`; the protocol is in weight_sync/nccl.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from infir2_rl.config import ModelConfig, OptimizerConfig, RlStageConfig, SftSta
 from infir2_rl.metrics import names
 from infir2_rl.trainers.torch.distributed import free_port, init_process_group
 from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
+from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.transport import IpcBucket, share_buckets
 
@@ -103,6 +107,8 @@ class TrainerWorker:
         self._backend: TorchTrainer | MegatronTrainer | None = None
         # The last cuda_ipc export: views of GPU buffers engines may still read (see export_ipc_buckets).
         self._export: list[WeightBucket] = []
+        # weight_sync.transport=nccl: the weight group (rank 0) and the flat buffers of the push in flight.
+        self._broadcast = BroadcastExport()
 
     def master_address(self) -> tuple[str, int]:
         """This node's IP and a free port, for the rendezvous of the process group (called on rank 0)."""
@@ -201,8 +207,33 @@ class TrainerWorker:
             }
         )
 
+    def open_weight_group(self, timeout_s: float) -> tuple[str, int, str]:
+        """Rank 0: host the weight group's store; ``(address, port, backend)`` for the engines."""
+        import ray
+
+        return self._broadcast.open_group(ray.util.get_node_ip_address(), self.backend.device, timeout_s)
+
+    def join_weight_group(self, world_size: int, backend: str, group_name: str, timeout_s: float) -> None:
+        """Rank 0: join the weight group as its rank 0 (returns when every engine has joined)."""
+        self._broadcast.join_group(world_size, backend, group_name, timeout_s)
+
+    def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:
+        """This rank's weights as flat buckets on its device, held on rank 0 until `release_export`
+        (other ranks take part in a collective export and hold nothing)."""
+        self.release_export()
+        metas = self._broadcast.export(
+            self.backend.export_weights(fp8), max_bytes, version, keep=self.rank == 0
+        )
+        self._export = self._broadcast.held
+        return metas
+
+    def broadcast_bucket(self, index: int, timeout_s: float) -> None:
+        """Rank 0: send held bucket ``index`` into the weight group."""
+        self._broadcast.broadcast(index, timeout_s)
+
     def release_export(self) -> None:
         self._export = []
+        self._broadcast.release()
 
     def save(self, directory: str) -> None:
         self.backend.save(Path(directory))

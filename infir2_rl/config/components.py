@@ -189,24 +189,17 @@ class RolloutConfig(_Config):
 
 
 class WeightSyncConfig(_Config):
-    # How tensors travel: Ray's object store (CPU and GPU), CUDA IPC (colocated GPU), NCCL (separate GPUs).
+    # How tensors travel: Ray's object store (CPU and GPU), CUDA IPC (colocated GPU), NCCL broadcast from trainer
+    # rank 0 (engines on GPUs of their own, placement.mode=disaggregate; on CPU the same code runs over gloo).
     # "auto": cuda_ipc when native engines share the trainer's GPUs (placement.mode=colocate), else object_store.
     transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
     # Upper bound of one bucket of tensors, in MiB.
     bucket_size_mb: int = Field(default=512, ge=1)
     # Decoder layers read back from an engine after every push and compared byte for byte (0 = off).
     self_check_layers: int = Field(default=2, ge=0)
-    # Seconds a push may take before it is reported as hung.
+    # Seconds a push may take before it is reported as hung (nccl: also each collective's limit inside the
+    # trainer and engine processes, so a dead engine fails the push instead of hanging the trainer).
     timeout_s: float = Field(default=600.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check_buildable(self) -> WeightSyncConfig:
-        # The one place that refuses transports not built yet; issue 17 (NCCL) lifts its line here.
-        if self.transport == "nccl":
-            raise ValueError(
-                "weight_sync.transport=nccl is not built yet (issue 17 builds it); use object_store or cuda_ipc"
-            )
-        return self
 
 
 class PlacementConfig(_Config):

@@ -5,7 +5,9 @@ engines colocated on GPUs, or in bundles of their own).
 
 Weights reach the engines through `WeightSyncService.push_from` (the first push here, then every step) by the
 transport `resolve_transport` picks: `auto` is CUDA IPC for native engines colocated on GPUs, else the object
-store; `cuda_ipc` is refused unless native engines are colocated on GPUs.
+store; `cuda_ipc` is refused unless native engines are colocated on GPUs; `nccl` (chosen by name only: `auto`
+does not pick it until it has run on two GPUs) is refused for engines colocated on the trainer's GPUs, where
+NCCL cannot pair two processes of one GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from infir2_rl.metrics import names
 from infir2_rl.reward.protocol import load_reward_fn
 from infir2_rl.rollout.manager import RolloutManager
 from infir2_rl.rollout.prompts import PromptSource
-from infir2_rl.weight_sync.service import WeightSyncService
+from infir2_rl.weight_sync.service import WeightSyncService, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,19 @@ def resolve_transport(cfg: RlStageConfig, colocate: bool) -> str:
             f"weight_sync.transport=cuda_ipc needs native engines colocated with the trainer on GPUs ({here}"
             f"{'' if colocate else ', not colocated on GPUs'}): set weight_sync.transport=object_store or auto"
         )
+    if chosen == "nccl" and colocate:
+        raise ValueError(
+            "weight_sync.transport=nccl with engines colocated on the trainer's GPUs: NCCL cannot connect two"
+            " processes on one GPU; set placement.mode=disaggregate, or weight_sync.transport=auto (CUDA IPC)"
+        )
     return chosen
+
+
+def _weight_sync(cfg: RlStageConfig, engines: list[Any], transport: str) -> WeightSyncService:
+    sync_cfg = cfg.weight_sync.model_copy(update={"transport": transport})
+    # nccl: an SGLang engine has one rank in the weight group per TP rank.
+    ranks = cfg.rollout.tensor_parallel_size if cfg.rollout.backend == "sglang" else 1
+    return WeightSyncService(engines, sync_cfg, make_transport(sync_cfg, ranks_per_engine=ranks))
 
 
 def start_rl_actors(
@@ -162,7 +176,7 @@ def start_rl_actors(
         engines=engines,
         manager=manager,
         prompts=prompts,
-        sync=WeightSyncService(engines, cfg.weight_sync.model_copy(update={"transport": transport})),
+        sync=_weight_sync(cfg, engines, transport),
         placement=placement,
         pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
         colocated_gpu=colocate,

@@ -12,6 +12,9 @@ its dtype (a BF16 engine takes FP32 master weights). Unknown names, FP8 bytes fo
 plain weight for an FP8 linear, or a shape change are errors: a silent skip is how peers shipped wrong
 weights (verl#7986). An ``IpcBucket`` (``weight_sync.transport: cuda_ipc``) is opened on the model's GPU
 first (``transport.open_ipc_bucket``), loaded the same way, and dropped once the copies have finished.
+With ``weight_sync.transport: nccl`` the engine joins the trainer's weight group (``join_group``) and
+``receive`` takes each bucket's broadcast into a flat buffer on the model's device (``broadcast.py``), then
+loads it the same way: received first, checked after, so a refused bucket still keeps the group in step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from torch import Tensor, nn
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
 from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
+from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_bucket
+from infir2_rl.weight_sync.group import WeightGroup
 from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
 
 
@@ -58,10 +63,37 @@ class WeightReceiver:
         self.gate = VersionGate()
         self.fp8_modules = {n: m for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)}
         self._halves: dict[str, dict[str, Tensor]] = {}
+        # weight_sync.transport=nccl: this engine's membership of the trainer's weight group.
+        self.group: WeightGroup | None = None
 
     @property
     def version(self) -> int:
         return self.gate.version
+
+    def join_group(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        """Join the trainer's weight group as ``rank`` (returns when every member has joined)."""
+        if self.group is not None:
+            self.group.close()
+        self.group = WeightGroup.join(
+            address, port, rank, world_size, backend=backend, group_name=group_name, timeout_s=timeout_s
+        )
+
+    def receive(
+        self, version: int, index: int, num_buckets: int, names: Sequence[str], metas: Sequence[TensorMeta]
+    ) -> None:
+        """Receive one broadcast bucket from the weight group and load it."""
+        meta = BucketMeta(version, index, num_buckets, list(names), list(metas))
+        device = next(iter(self._named_tensors().values())).device
+        self.load(receive_bucket(self.group, meta, device))
 
     def _named_tensors(self) -> dict[str, Tensor]:
         # Rebuilt per call: Module.to() replaces buffer objects, so a cached map would go stale.
@@ -97,7 +129,7 @@ class WeightReceiver:
             if leaf == "weight" and tensor.dtype != FP8_DTYPE:
                 raise ValueError(
                     f"{name}: got {tensor.dtype} for an FP8 engine linear; send FP8 bytes + weight_scale_inv"
-                    " (weight_sync.mode unified_fp8 or bf16_train_fp8_rollout)"
+                    " (precision unified_fp8 or bf16_train_fp8_rollout)"
                 )
             halves = self._halves.setdefault(prefix, {})
             halves[leaf] = tensor
@@ -111,7 +143,7 @@ class WeightReceiver:
             raise ValueError(f"{name}: the engine's model has no tensor of that name (sent by the trainer)")
         if tensor.dtype == FP8_DTYPE:
             raise ValueError(
-                f"{name}: got FP8 bytes for a non-FP8 engine tensor; set weight_sync.mode=bf16 for a BF16 engine"
+                f"{name}: got FP8 bytes for a non-FP8 engine tensor; set precision=bf16 for a BF16 engine"
             )
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(

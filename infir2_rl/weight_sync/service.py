@@ -33,7 +33,15 @@ from torch import Tensor
 from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.types import PushStats, WeightSyncError
-from infir2_rl.weight_sync.transport import Push, TensorSource, Transport, WeightSource, make_transport
+from infir2_rl.weight_sync.nccl import NcclTransport
+from infir2_rl.weight_sync.transport import (
+    CudaIpcTransport,
+    ObjectStoreTransport,
+    Push,
+    TensorSource,
+    Transport,
+    WeightSource,
+)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -52,6 +60,22 @@ def same_bytes(sent: Tensor, held: Tensor) -> bool:
     a = sent.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     b = held.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return torch.equal(a, b)
+
+
+def make_transport(cfg: WeightSyncConfig, ranks_per_engine: int = 1) -> Transport:
+    """The transport ``cfg.transport`` names. ``auto`` is resolved by the RL stage from the placement
+    (``stages.rl_setup.resolve_transport``); a service built without one gets the object store, which works
+    for every placement. ``ranks_per_engine``: an engine's ranks in the nccl weight group (SGLang: its TP)."""
+    if cfg.transport in ("auto", "object_store"):
+        return ObjectStoreTransport()
+    if cfg.transport == "cuda_ipc":
+        return CudaIpcTransport()
+    if cfg.transport == "nccl":
+        return NcclTransport(ranks_per_engine)
+    # The config type refuses other names; this guards a name added there but not here.
+    raise ValueError(
+        f"weight_sync.transport={cfg.transport!r}: no such transport; use object_store, cuda_ipc or nccl"
+    )
 
 
 class WeightSyncService:

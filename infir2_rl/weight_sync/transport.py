@@ -43,8 +43,9 @@ Rules that make it safe:
   buffers (one copy of the exported weights) during a push; CUDA IPC of memory from
   ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` needs a torch that can share such segments.
 
-Not implemented yet, behind the same seam: ``nccl`` (separate GPUs: broadcast each bucket from trainer rank 0
-into the engines' process group, with a timeout); the config type refuses it until it exists.
+``NcclTransport`` (``weight_sync.transport: nccl``; engines on GPUs of their own, gloo on CPU): each bucket
+is broadcast from trainer rank 0 into a process group of its own with the engines; ``nccl.py`` has the
+protocol, ``broadcast.py`` the bucket's two ends, ``group.py`` the group and its timeouts.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ import torch
 from torch import Tensor
 
 from infir2_rl.actors.remote import Call, call_all, is_actor
-from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.types import WeightBucket
+from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
 from infir2_rl.weight_sync.buckets import build_buckets
 
 # Position of the storage's device index in the args of torch's rebuild_cuda_tensor (torch 2.1 .. 2.13).
@@ -198,11 +199,13 @@ class WeightSource(Protocol):
 
 class TensorSource:
     """A ``WeightSource`` over HF-named tensors already in this process (tests, tools, benchmarks); the tensors
-    are pushed as they are, so ``fp8`` does not apply."""
+    are pushed as they are, so ``fp8`` does not apply. For the nccl transport it is its own sender (group
+    rank 0, ``broadcast.BroadcastExport``)."""
 
     def __init__(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.named = list(named_tensors)
         self._held: list[WeightBucket] = []
+        self._broadcast = BroadcastExport()
 
     def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
         return self.named
@@ -216,6 +219,25 @@ class TensorSource:
 
     def release_export(self) -> None:
         self._held = []
+        self._broadcast.release()
+
+    # ---- nccl transport (see nccl.py for the order of these calls)
+    def weight_sender(self) -> TensorSource:
+        return self
+
+    def open_weight_group(self, timeout_s: float) -> tuple[str, int, str]:
+        return self._broadcast.open_group("127.0.0.1", self.named[0][1].device, timeout_s)
+
+    def join_weight_group(self, world_size: int, backend: str, group_name: str, timeout_s: float) -> None:
+        self._broadcast.join_group(world_size, backend, group_name, timeout_s)
+
+    def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:
+        metas = self._broadcast.export(self.named, max_bytes, version)
+        self._held = self._broadcast.held
+        return metas
+
+    def broadcast_bucket(self, index: int, timeout_s: float) -> None:
+        self._broadcast.broadcast(index, timeout_s)
 
 
 def tensors_named(buckets: Sequence[WeightBucket], names: Iterable[str]) -> dict[str, Tensor]:
@@ -310,17 +332,3 @@ class CudaIpcTransport:
             source.release_export()
             raise
         return _IpcPush(buckets, source)
-
-
-def make_transport(cfg: WeightSyncConfig) -> Transport:
-    """The transport ``cfg.transport`` names. ``auto`` is resolved by the RL stage from the placement
-    (``stages.rl_setup.resolve_transport``); a service built without one gets the object store, which works
-    for every placement."""
-    if cfg.transport in ("auto", "object_store"):
-        return ObjectStoreTransport()
-    if cfg.transport == "cuda_ipc":
-        return CudaIpcTransport()
-    # The config type refuses transports that are not built; this guards a name added there but not here.
-    raise ValueError(
-        f"weight_sync.transport={cfg.transport!r}: no such transport; use object_store or cuda_ipc"
-    )

@@ -30,7 +30,9 @@ Weights. ``update_weights`` loads a bucket in place through ``weight_sync.receiv
 (FP8 bytes + scales into ``Fp8InferenceLinear.load_fp8_``, other tensors cast into their parameters;
 versions only move forward, older buckets raise ``StaleWeightsError``). With
 ``weight_sync.transport: cuda_ipc`` the bucket is an ``IpcBucket`` of handles to the colocated trainer's
-GPU tensors, copied GPU to GPU (an engine on CPU refuses it and says to use ``object_store``).
+GPU tensors, copied GPU to GPU (an engine on CPU refuses it and says to use ``object_store``). With
+``weight_sync.transport: nccl`` the engine joins the trainer's weight group (``init_weights_update_group``)
+and receives each bucket by broadcast (``update_weights_from_distributed``; ``weight_sync/nccl.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from torch import Tensor, nn
 
 from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens
 from infir2_rl.types import EngineHealth, FinishReason, GenerateRequest, Sample, WeightBucket
+from infir2_rl.weight_sync.broadcast import TensorMeta
+from infir2_rl.weight_sync.group import WEIGHT_GROUP_NAME
 from infir2_rl.weight_sync.receiver import WeightReceiver
 from infir2_rl.weight_sync.transport import IpcBucket
 
@@ -295,6 +299,28 @@ class NativeEngine:
         """Copy one bucket in place (rules in ``weight_sync.receiver``); waits for a running generate."""
         with self._lock:
             self._receiver.load(bucket)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = WEIGHT_GROUP_NAME,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join the trainer's weight group (weight_sync.transport=nccl; the protocol is in weight_sync.nccl)."""
+        self._receiver.join_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        )
+
+    def update_weights_from_distributed(
+        self, version: int, index: int, num_buckets: int, names: Sequence[str], metas: Sequence[TensorMeta]
+    ) -> None:
+        """Receive bucket ``index`` by broadcast from trainer rank 0 and load it; waits for a running generate."""
+        with self._lock:
+            self._receiver.receive(version, index, num_buckets, names, metas)
 
     def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
         """CPU copies of the engine's current tensors of those names (FP8 linears: the FP8 buffers)."""

@@ -1,0 +1,159 @@
+"""Both ends of a bucket that travels by broadcast (``weight_sync.transport: nccl``; the protocol is in ``nccl.py``).
+
+A bucket's bytes travel through the weight group (``group.py``) as one flat ``uint8`` buffer: its tensors'
+bytes back to back, no padding, in bucket order. That is SGLang's ``flattened_bucket`` layout, so an SGLang
+engine receives the same broadcast (``engines/sglang/protocol.flat_bytes`` builds the same buffer). Its
+metadata (names, dtypes, shapes) travels through Ray as a ``BucketMeta``: a few KB per bucket.
+
+Sender (``BroadcastExport``, held by trainer rank 0 or by a ``TensorSource``): ``export`` cuts the tensors into
+buckets (``buckets.build_buckets``, left on their device: the GPU under NCCL), copies each into its flat
+buffer and keeps the buffers until ``release`` (the next export, or the end of the push), so the self-check can
+read back exactly the bytes that were sent. ``broadcast(i)`` sends buffer i.
+
+Receiver (``receive_bucket``): allocates the flat buffer on its device, receives it, and views the tensors out
+of it (a tensor at an offset that is not a multiple of its element size is copied out instead: ``view``
+needs aligned storage). The engine then loads the ``WeightBucket`` like any other (``receiver.py``): it is
+received first and checked after, so a refused (stale) bucket still consumes its broadcast and the group
+stays in step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from infir2_rl.types import WeightBucket
+from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.group import WeightGroup, group_backend, host_store
+
+# Per tensor: its dtype and shape (what SGLang's update_weights_from_distributed takes as dtypes/shapes).
+TensorMeta = tuple[torch.dtype, tuple[int, ...]]
+
+
+@dataclass
+class BucketMeta:
+    """A broadcast bucket without its bytes: what the engines need to receive it."""
+
+    version: int
+    index: int
+    num_buckets: int
+    names: list[str]
+    metas: list[TensorMeta]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.metas)
+
+
+def flat_bytes(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors' bytes back to back in one uint8 tensor on their device (a copy)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten_bytes(flat: Tensor, metas: Sequence[TensorMeta]) -> list[Tensor]:
+    """The tensors of a ``flat_bytes`` buffer: views where aligned, copies where not."""
+    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in metas)
+    if total != flat.numel():
+        raise ValueError(f"flat bucket of {flat.numel()} bytes, its tensors take {total}")
+    out, offset = [], 0
+    for dtype, shape in metas:
+        num_bytes = math.prod(shape) * dtype.itemsize
+        chunk = flat[offset : offset + num_bytes]
+        if offset % dtype.itemsize:
+            chunk = chunk.clone()
+        out.append(chunk.view(dtype).view(shape))
+        offset += num_bytes
+    return out
+
+
+class BroadcastExport:
+    """The sender's side: the weight group's rank 0 and the flat buffers of the push in flight."""
+
+    def __init__(self) -> None:
+        self.group: WeightGroup | None = None
+        self._store: object = None
+        self._flats: list[Tensor] = []
+        # The buckets as views of the flat buffers: the bytes sent, read back for the self-check.
+        self.held: list[WeightBucket] = []
+
+    def open_group(self, host: str, device: torch.device, timeout_s: float) -> tuple[str, int, str]:
+        """Host the group's store: ``(host, port, backend)`` for the engines to join."""
+        self.close_group()
+        self._store, port = host_store(host, timeout_s)
+        return host, port, group_backend(device)
+
+    def join_group(self, world_size: int, backend: str, group_name: str, timeout_s: float) -> None:
+        """Join as rank 0 (returns when every engine has joined); call after ``open_group``."""
+        if self._store is None:
+            raise RuntimeError("join_group before open_group: the sender hosts the group's store")
+        self.group = WeightGroup.join(
+            "",
+            0,
+            0,
+            world_size,
+            backend=backend,
+            group_name=group_name,
+            timeout_s=timeout_s,
+            store=self._store,
+        )
+
+    def export(
+        self, named: Iterable[tuple[str, Tensor]], max_bytes: int, version: int, keep: bool = True
+    ) -> list[BucketMeta]:
+        """Cut ``named`` into flat buckets held until ``release``; ``keep=False`` (ranks that only take part
+        in a collective export) holds nothing and returns []."""
+        self.release()
+        if not keep:
+            for _ in named:  # consumed all the same: under FSDP each tensor's gather is a collective
+                pass
+            return []
+        buckets = build_buckets(named, max_bytes, version, device=None)
+        metas = []
+        for b in buckets:
+            flat = flat_bytes(b.tensors)
+            layout = [(t.dtype, tuple(t.shape)) for t in b.tensors]
+            self._flats.append(flat)
+            self.held.append(
+                WeightBucket(b.version, b.index, b.num_buckets, list(b.names), unflatten_bytes(flat, layout))
+            )
+            metas.append(BucketMeta(b.version, b.index, b.num_buckets, list(b.names), layout))
+        return metas
+
+    def broadcast(self, index: int, timeout_s: float) -> None:
+        """Send flat bucket ``index`` to every engine (they receive it in ``receive_bucket``)."""
+        if self.group is None:
+            raise RuntimeError("broadcast before the weight group was joined")
+        if not 0 <= index < len(self._flats):
+            raise ValueError(f"bucket {index}: this export holds {len(self._flats)} buckets")
+        self.group.timeout_s = timeout_s
+        b = self.held[index]
+        self.group.broadcast_(self._flats[index], f"bucket {index} of version {b.version}")
+
+    def release(self) -> None:
+        self._flats, self.held = [], []
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self._store = None, None
+
+
+def receive_bucket(group: WeightGroup | None, meta: BucketMeta, device: torch.device) -> WeightBucket:
+    """The engine's side of one bucket: receive its flat buffer on ``device`` and view its tensors."""
+    if group is None:
+        raise RuntimeError(
+            "update_weights_from_distributed before init_weights_update_group: the engine is not in the weight group"
+        )
+    if (group.backend == "nccl") != (device.type == "cuda"):
+        raise ValueError(
+            f"weight group backend {group.backend} cannot fill an engine on {device}: NCCL needs GPU engines, and"
+            " a CPU trainer (gloo) CPU engines; set weight_sync.transport=object_store"
+        )
+    flat = torch.empty(meta.num_bytes, dtype=torch.uint8, device=device)
+    group.broadcast_(flat, f"receiving bucket {meta.index} of version {meta.version}")
+    tensors = unflatten_bytes(flat, meta.metas)
+    return WeightBucket(meta.version, meta.index, meta.num_buckets, list(meta.names), tensors)

@@ -1,0 +1,86 @@
+"""weight_sync.transport=nccl over real Ray on CPU (gloo): a trainer group's rank 0 broadcasts to a native
+engine actor; pushes between train steps land byte for byte, stale versions are refused, and an engine
+that dies fails the push within the timeout while the trainer stays usable."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from infir2_rl.actors.placement import reserve_for
+from infir2_rl.actors.rollout_engine import create_engines
+from infir2_rl.actors.trainer_group import TrainerGroup
+from infir2_rl.config.stage import RlStageConfig
+from infir2_rl.data.synthetic import make_data
+from infir2_rl.models.factory import init_model
+from infir2_rl.stages.rl_setup import _weight_sync
+from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.types import WeightSyncError
+from infir2_rl.weight_sync.nccl import NcclTransport
+from infir2_rl.weight_sync.service import same_bytes
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_trainer_rank0_broadcasts_to_an_engine_actor(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from transformers import AutoTokenizer
+
+    from infir2_rl.data.datasets import load_sft_examples
+
+    root = tmp_path_factory.mktemp("nccl")
+    model = init_model(root / "model", "tiny")  # 4 layers: 1.1 MB, two 1 MiB buckets
+    cfg = RlStageConfig.model_validate(
+        {
+            "model": {"path": str(model)},
+            "rollout": {"num_engines": 1, "max_response_len": 4},
+            "placement": {"use_gpu": "no", "cpus_per_actor": 1},
+            "trainer": {"micro_batch_size": 4},
+            "weight_sync": {"transport": "nccl", "bucket_size_mb": 1, "timeout_s": 5.0},
+        }
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    examples, _ = load_sft_examples(
+        make_data(root / "data", num_sft=4, num_rl=2, num_test=2).sft_train, tokenizer
+    )
+    batch = to_token_batch(examples, tokenizer.pad_token_id)
+    placement = reserve_for(cfg.placement, num_trainers=1, num_engines=1)
+    trainer = TrainerGroup(cfg, placement, total_steps=3)
+    engines = create_engines(cfg, placement)
+    try:
+        # Started first: the 5 s timeout is for the push, not for an engine's start-up.
+        ray.get([e.health.remote() for e in engines])
+        sync = _weight_sync(cfg, engines, "nccl")
+        assert isinstance(sync.transport, NcclTransport)
+        for version in (1, 2):
+            stats = sync.push_from(trainer, fp8=True, version=version)
+            assert stats.num_buckets >= 2 and stats.num_checked > 0
+            sent = dict(
+                trainer.export_weights(fp8=True)
+            )  # the same FP8 quantization, through the object store
+            held = ray.get(engines[0].read_weights.remote(list(sent)))
+            assert all(same_bytes(t, held[n]) for n, t in sent.items())
+            assert ray.get(engines[0].health.remote()).weight_version == version
+            trainer.train_step(batch, SftLossFn(), num_target_tokens(batch))  # new weights for the next push
+        with pytest.raises(ValueError, match="pushes must increase"):
+            sync.push_from(trainer, fp8=True, version=2)
+        # An engine that dies: the push fails within the timeout instead of hanging the trainer.
+        ray.kill(engines[0])
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="bucket 0 of version 3"):
+            sync.push_from(trainer, fp8=True, version=3)
+        assert time.monotonic() - start < 60
+        assert len(trainer.export_weights(fp8=True)) == len(sent)  # the trainer still answers
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            ray.kill(e)
+        placement.remove()
