@@ -63,12 +63,17 @@ def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ra
                 "micro_batch_size": 4,
             },
             placement={"cpus_per_actor": 1},
+            # Adam's first step is lr * sign(g) wherever |g| >> eps: rounding-level differences in tiny
+            # gradients would flip whole updates. A large eps keeps the update continuous in g.
+            optimizer={"eps": 1e-3},
         )
         with placed_trainer_group(cfg, total_steps=2) as group:
             export = dict(group.export_weights(fp8=True))
             before = group.forward_logprobs(batch)
             stats = group.train_step(batch, SftLossFn(), num_target_tokens(batch))
-            after = group.forward_logprobs(batch)
+            # Dense on the masters: an FP8 re-quantization of weights that differ by rounding can move one
+            # element by a whole e4m3 step, so the FP8 forward is compared before the update only.
+            after = group.forward_logprobs(batch, fp8=False)
         results[tp] = (export, before, stats, after)
     (export_1, before_1, stats_1, after_1), (export_2, before_2, stats_2, after_2) = results[1], results[2]
     assert set(export_2) == set(export_1)
@@ -77,6 +82,7 @@ def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ra
     torch.testing.assert_close(before_2, before_1, rtol=0, atol=1e-5)
     assert stats_2.loss == pytest.approx(stats_1.loss, rel=1e-6)
     assert stats_2.grad_norm == pytest.approx(stats_1.grad_norm, rel=1e-5)
+    assert (after_1 - before_1).abs().max() > 1e-2  # the step changed the model
     torch.testing.assert_close(after_2, after_1, rtol=0, atol=1e-4)
 
 
