@@ -1,6 +1,6 @@
 """Packed vs padded micro-batches on an RL-shaped batch: one trainer step, 1.5B shape, BF16 and FP8.
 
-    python bench/train_packed.py [--seqs 64] [--budget 16384] [--steps 2] [--modes bf16 fp8] [--out PATH]
+    python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8] [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
@@ -86,7 +86,7 @@ def run(path: Path, fp8: bool, packed: bool, batch: Any, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=64, help="sequences in the batch")
-    parser.add_argument("--budget", type=int, default=16384, help="trainer.max_tokens_per_gpu")
+    parser.add_argument("--budget", type=int, default=8192, help="trainer.max_tokens_per_gpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per case (median)")
     parser.add_argument("--modes", nargs="*", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     parser.add_argument("--checkpointing", action="store_true", help="model.gradient_checkpointing")

@@ -87,7 +87,9 @@ def kernel_times(prof: Any) -> list[tuple[str, str, float, int]]:
     op_of_kernel = {k.name: e.name for e in cpu for k in e.kernels}
     out = []
     for e in events:
-        if e.device_type == DeviceType.CUDA:  # kernels, memcpy and memset
+        # Kernels, memcpy and memset; not the GPU-side spans of record_function ranges (such as
+        # "Optimizer.step#AdamW.step"), which would count the kernels inside them twice.
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             op = ops.get(getattr(e, "linked_correlation_id", -1)) or op_of_kernel.get(e.name, "")
             out.append((e.name, op, e.time_range.elapsed_us(), 1))
     if not out:

@@ -88,7 +88,17 @@ def _varlen_attention_forward(
             f"{NAME} attention needs one packed row and cu_seq_lens_q / max_length_q (use scoring.score_tokens)"
         )
     varlen_attn, has_window, has_gqa = fn
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
+    # Flash runs in BF16/FP16 only. Under autocast SDPA would cast q/k/v (FP32 after RoPE, whose cos/sin
+    # take the FP32 residual stream's dtype) to the autocast dtype; do the same here.
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise RuntimeError(
+            f"{NAME}: flash attention needs BF16/FP16 inputs, got {dtype} outside autocast (model.dtype float32 "
+            "on a GPU): use model.dtype auto/bfloat16 or trainer.pack_sequences=false"
+        )
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (N, H, D)
     groups = q.shape[1] // k.shape[1]
     extra: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
     if groups > 1:
