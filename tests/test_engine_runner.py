@@ -152,6 +152,7 @@ def test_fused_fp8_gemm_equals_the_emulated_w8a8_linear(m: int) -> None:
     from infir2_rl.fp8.quant import (
         dequantize_weight_blockwise,
         fake_quantize_tiles,
+        quantize_activation,
         quantize_weight_blockwise,
     )
 
@@ -167,6 +168,18 @@ def test_fused_fp8_gemm_equals_the_emulated_w8a8_linear(m: int) -> None:
         fake_quantize_tiles(x).double() @ dequantize_weight_blockwise(w_fp8, scale).double().t()
         + bias.double()
     )
+    x_fp8, x_scale = quantize_activation(x)
+    rows = -(-m // 16) * 16
+    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
+    q_pad[:m] = x_fp8
+    s_pad = torch.ones(x_scale.shape[1], rows, device="cuda")
+    s_pad[:, :m] = x_scale.t()
+    # Hopper's FP8 tensor-core MMA (wgmma, the BM 64 configs) accumulates each 128-long block with fewer
+    # bits than FP32 (DeepSeek-V3 report: ~14), ~1e-4 here; cuBLASLt's blockwise kernels do the same.
     for cfg in fp8_gemm.candidates(m):
         out = fp8_gemm.w8a8_fused(x, w_fp8, scale, bias, cfg)
-        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5, cfg
+        assert float((out.double() - ref).norm() / ref.norm()) < 5e-4, cfg
+        out = fp8_gemm.w8a8_fused(
+            q_pad, w_fp8, scale, bias, cfg, x_scale_t=s_pad, rows=m, out_dtype=torch.float32
+        )
+        assert float((out.double() - ref).norm() / ref.norm()) < 5e-4, ("prequantized", cfg)

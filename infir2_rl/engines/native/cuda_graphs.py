@@ -28,7 +28,7 @@ from torch import Tensor
 
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.model_runner import Qwen2Runner
-from infir2_rl.engines.sampling import RowSampling, sample_tokens
+from infir2_rl.engines.sampling import RowSampling
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def decode_step(
     positions = state.position[slots]
     logits = runner.decode(state.last_token[slots], positions, slots, cache)
     steps = state.num_generated[slots]
-    tokens, logprobs = sample_tokens(logits, state.sampling(slots), steps, truncating)
+    tokens, logprobs = runner.sample(logits, state.sampling(slots), steps, truncating)
     state.record(slots, tokens, logprobs, steps, (positions + 1).clamp(max=cache.max_len - 1))
 
 

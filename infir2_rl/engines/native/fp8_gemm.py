@@ -64,9 +64,9 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _w8a8_kernel(
-        x_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr,
-        M, N, K, KB, kb_per_split, stride_xm,
-        HAS_BIAS, SPLIT, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr,
+        M, N, K, KB, kb_per_split, stride_xm, xs_rows,
+        HAS_BIAS, SPLIT, PREQUANT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -79,11 +79,15 @@ if _HAVE_TRITON:
             ks = kb * 128 + kk
             x_mask = (rows[:, None] < M) & (ks[None, :] < K)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-            x = x.to(tl.float32)
-            ax = tl.abs(x)
-            s_x = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
-            q = tl.math.div_rn(x, tl.broadcast_to(s_x[:, None], (BM, 128)))
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            if PREQUANT:  # FP8 rows quantized by the producer (fused_ops), scales (Kb, rows) K-block-major
+                q = x
+                s_x = tl.load(xs_ptr + kb * xs_rows + rows, mask=rows < M, other=0.0)
+            else:
+                x = x.to(tl.float32)
+                ax = tl.abs(x)
+                s_x = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
+                q = tl.math.div_rn(x, tl.broadcast_to(s_x[:, None], (BM, 128)))
+                q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
             w_mask = (cols[None, :] < N) & (ks[:, None] < K)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
             s_w = tl.load(ws_ptr + (cols // 128) * KB + kb, mask=cols < N, other=0.0)
@@ -106,9 +110,17 @@ def w8a8_fused(
     bias: Tensor | None,
     cfg: GemmConfig,
     pow2_scales: bool = False,
+    x_scale_t: Tensor | None = None,
+    rows: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``quant(x) @ W^T (+ bias)`` for x (M, K) BF16 with unit last stride -> (M, N) in x's dtype."""
-    m, k = x.shape
+    """``quant(x) @ W^T (+ bias)`` for x (M, K) BF16 with unit last stride -> (M, N) in x's dtype.
+
+    With ``x_scale_t`` x is already FP8 (M_pad, K) with scales (Kb, M_pad) (``fused_ops.QuantizedRows``);
+    then ``rows`` is the real row count M and ``out_dtype`` the output dtype."""
+    prequant = x_scale_t is not None
+    m, k = (rows if rows is not None else x.shape[0]), x.shape[1]
+    dtype = out_dtype if out_dtype is not None else x.dtype
     n = w_fp8.shape[0]
     kb = triton.cdiv(k, 128)
     split = min(cfg.split_k, kb)
@@ -116,13 +128,14 @@ def w8a8_fused(
     split = triton.cdiv(kb, kb_per_split)
     grid = (triton.cdiv(m, cfg.bm), triton.cdiv(n, cfg.bn), split)
     if split == 1:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, n, dtype=dtype, device=x.device)
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _w8a8_kernel[grid](
-        x, w_fp8, w_scale_inv, bias if bias is not None else w_scale_inv, y,
-        m, n, k, kb, kb_per_split, x.stride(0), int(bias is not None), int(split > 1),
-        POW2=pow2_scales, BM=cfg.bm, BN=cfg.bn,
+        x, x_scale_t if x_scale_t is not None else w_scale_inv, w_fp8, w_scale_inv,
+        bias if bias is not None else w_scale_inv, y,
+        m, n, k, kb, kb_per_split, x.stride(0), x_scale_t.shape[1] if x_scale_t is not None else 0,
+        int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales, BM=cfg.bm, BN=cfg.bn,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if split == 1:
@@ -130,7 +143,7 @@ def w8a8_fused(
     out = y.sum(0)
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def available(device: torch.device) -> bool:

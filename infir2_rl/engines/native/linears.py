@@ -12,10 +12,11 @@ The GEMM (``FusedLinear.__call__``):
 * BF16 / FP32: ``F.linear``.
 * FP8 on CPU (tests) or without the fast path: ``fp8.ops.fp8_linear_forward`` (emulation: the same FP8
   values, FP32 matmul), i.e. exactly what ``Fp8InferenceLinear`` computes.
-* FP8 on a Hopper GPU: per (M, N, K), the faster of cuBLASLt ``scaled_mm`` blockwise (quantize kernel +
-  GEMM, ``fp8.ops``) and the fused Triton kernel of ``fp8_gemm`` in each of its candidate launch shapes,
-  timed once per shape by ``Fp8GemmChooser`` (CUDA events, median of repeated runs, outside any graph),
-  for decode sizes (M <= ``DECODE_MAX_ROWS``); prefill GEMMs (compute-bound) always take cuBLASLt.
+* FP8 on a Hopper GPU (``run_fp8``), the input either BF16 or already FP8 (quantized by its producer in
+  ``fused_ops``): per (M, N, K, input kind) the fastest of cuBLASLt ``scaled_mm`` blockwise and the Triton
+  kernel of ``fp8_gemm`` in each candidate launch shape, timed once inside a CUDA graph by
+  ``Fp8GemmChooser``, for decode sizes (M <= ``DECODE_MAX_ROWS``); prefill GEMMs (compute-bound) always
+  take cuBLASLt.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infir2_rl.engines.native import fp8_gemm
+from infir2_rl.engines.native.fused_ops import QuantizedRows
 from infir2_rl.fp8 import gemm as cublas_gemm
+from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.ops import fp8_linear_forward
 
@@ -44,63 +47,101 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+Choice = str | fp8_gemm.GemmConfig
+Activation = Tensor | QuantizedRows
+
+
+def run_fp8(
+    choice: Choice, x: Activation, w: Tensor, s: Tensor, bias: Tensor | None, pow2: bool, dtype: torch.dtype
+) -> Tensor:
+    """One W8A8 GEMM by ``choice``: cuBLASLt ``scaled_mm`` (after the quantize kernel unless x is already
+    FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8)."""
+    if choice == _CUBLAS:
+        if isinstance(x, QuantizedRows):
+            q, s_t, m = x.q, x.s_t, x.m
+        else:
+            (q, s_t), m = quant_triton.quantize_rows(x, pow2), x.shape[0]
+        y = cublas_gemm.mm_1x128_128x128(q, s_t, w, s, dtype)[:m]
+        return y if bias is None else y + bias
+    assert isinstance(choice, fp8_gemm.GemmConfig)
+    if isinstance(x, QuantizedRows):
+        return fp8_gemm.w8a8_fused(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype)
+    return fp8_gemm.w8a8_fused(x, w, s, bias, choice, pow2)
+
+
 class Fp8GemmChooser:
-    """Picks, per GEMM shape, the fastest FP8 implementation on this GPU by timing each candidate once."""
+    """Picks, per GEMM shape and input kind, the fastest FP8 implementation on this GPU.
 
-    def __init__(self, pow2_scales: bool, repeats: int = 20) -> None:
+    Each candidate is timed inside a CUDA graph (10 calls per replay, median of 5 replays), as it runs
+    in the decode graph: launch overhead excluded, which favours neither Triton's nor cuBLAS's launcher.
+    """
+
+    def __init__(self, pow2_scales: bool) -> None:
         self.pow2_scales = pow2_scales
-        self.repeats = repeats
-        self.choice: dict[tuple[int, int, int], str | fp8_gemm.GemmConfig] = {}
-        self.timings: dict[tuple[int, int, int], dict[str, float]] = {}
+        self.choice: dict[tuple[int, int, int, bool], Choice] = {}
+        self.timings: dict[tuple[int, int, int, bool], dict[str, float]] = {}
 
-    def _time(self, fn: Callable[[], Tensor]) -> float:
+    @staticmethod
+    def _time(fn: Callable[[], Tensor], calls: int = 10, replays: int = 5) -> float:
         fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
-        for _ in range(self.repeats):
+        for _ in range(replays):
             start.record()
-            fn()
+            graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / calls)
         return statistics.median(times)
 
-    def pick(self, x: Tensor, w: Tensor, s: Tensor, bias: Tensor | None) -> str | fp8_gemm.GemmConfig:
-        key = (x.shape[0], w.shape[0], w.shape[1])
+    def pick(self, x: Activation, w: Tensor, s: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Choice:
+        prequant = isinstance(x, QuantizedRows)
+        m = x.m if isinstance(x, QuantizedRows) else x.shape[0]
+        key = (m, w.shape[0], w.shape[1], prequant)
         if key in self.choice:
             return self.choice[key]
-        options: dict[str, tuple[str | fp8_gemm.GemmConfig, Callable[[], Tensor]]] = {}
-        if cublas_gemm.fast_path_ok(x, w.shape[0], w.shape[1]):
-            options[_CUBLAS] = (_CUBLAS, lambda: fp8_linear_forward(x, w, s, bias, self.pow2_scales))
-        for cfg in fp8_gemm.candidates(x.shape[0]):
-            options[str(cfg)] = (
-                cfg,
-                functools.partial(fp8_gemm.w8a8_fused, x, w, s, bias, cfg, self.pow2_scales),
-            )
+        options: list[Choice] = [*fp8_gemm.candidates(m)]
+        if cublas_gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
+            options.insert(0, _CUBLAS)
         times = {}
-        for name, (_, fn) in options.items():
+        for option in options:
             try:
-                times[name] = self._time(fn)
+                times[str(option)] = self._time(
+                    functools.partial(run_fp8, option, x, w, s, bias, self.pow2_scales, dtype)
+                )
             except Exception as exc:  # a launch shape this GPU or Triton cannot compile: not a candidate
-                logger.warning("FP8 GEMM candidate %s failed at %s: %s", name, key, exc)
+                logger.warning("FP8 GEMM candidate %s failed at %s: %s", option, key, exc)
         if not times:
-            raise RuntimeError(f"no FP8 GEMM implementation ran at (M, N, K) = {key}")
+            raise RuntimeError(f"no FP8 GEMM implementation ran at (M, N, K, prequantized) = {key}")
         best = min(times, key=lambda name: times[name])
-        self.choice[key], self.timings[key] = options[best][0], times
-        logger.info("FP8 GEMM %s: %s (%.1f us; cuBLAS %s)", key, best, 1e3 * times[best], times.get(_CUBLAS))
+        self.choice[key] = next(o for o in options if str(o) == best)
+        self.timings[key] = times
+        logger.info(
+            "FP8 GEMM (M, N, K, prequantized) %s: %s %.1f us (cuBLAS %s us)",
+            key, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
+        )  # fmt: skip
         return self.choice[key]
 
 
 class FusedLinear:
     """One GEMM over sibling projections (list order), sharing storage with the HF modules (module doc)."""
 
-    def __init__(self, modules: list[nn.Module], chooser: Fp8GemmChooser | None) -> None:
+    def __init__(
+        self, modules: list[nn.Module], chooser: Fp8GemmChooser | None, out_dtype: torch.dtype
+    ) -> None:
         self.fp8 = isinstance(modules[0], Fp8InferenceLinear)
         if any(isinstance(m, Fp8InferenceLinear) != self.fp8 for m in modules):
             raise ValueError(
                 f"cannot fuse FP8 and non-FP8 projections: {[type(m).__name__ for m in modules]}"
             )
         self.chooser = chooser
+        self.out_dtype = out_dtype
         self.pow2_scales = bool(getattr(modules[0], "pow2_scales", False))
         has_bias = [getattr(m, "bias", None) is not None for m in modules]
         if len(set(has_bias)) > 1:
@@ -148,21 +189,21 @@ class FusedLinear:
             self.bias[sl].copy_(module.bias)  # type: ignore[arg-type]
             module.bias = nn.Parameter(self.bias[sl], requires_grad=False)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x (M, K) -> (M, out_features); the FP8 path quantizes x per 1x128 tile like the trainer."""
+    def __call__(self, x: Activation) -> Tensor:
+        """x (M, K) -> (M, out_features); the FP8 path quantizes x per 1x128 tile like the trainer (x may
+        arrive already quantized by its producer, ``fused_ops.QuantizedRows``)."""
         if not self.fp8:
+            assert isinstance(x, Tensor)
             return F.linear(x, self.weight, self.bias)
         assert self.scale is not None
-        pow2_scales = self.pow2_scales
-        if self.chooser is None or not fp8_gemm.available(x.device):
-            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
-        if x.shape[0] > DECODE_MAX_ROWS:  # prefill: compute-bound, cuBLASLt's large-tile kernels
-            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
-        choice = self.chooser.pick(x, self.weight, self.scale, self.bias)
-        if choice == _CUBLAS:
-            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2_scales)
-        assert isinstance(choice, fp8_gemm.GemmConfig)
-        return fp8_gemm.w8a8_fused(x, self.weight, self.scale, self.bias, choice, pow2_scales)
+        pow2 = self.pow2_scales
+        rows = x.m if isinstance(x, QuantizedRows) else x.shape[0]
+        if isinstance(x, Tensor) and (self.chooser is None or not fp8_gemm.available(x.device)):
+            return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2)
+        if rows > DECODE_MAX_ROWS or self.chooser is None:  # prefill: compute-bound, cuBLASLt's large tiles
+            return run_fp8(_CUBLAS, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
+        choice = self.chooser.pick(x, self.weight, self.scale, self.bias, self.out_dtype)
+        return run_fp8(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
 
     def split(self, y: Tensor) -> list[Tensor]:
         """The parts of a fused output (M, out_features), in module order."""

@@ -26,36 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from infir2_rl.engines.native import attention
+from infir2_rl.engines.native import attention, fused_ops, sampler
+from infir2_rl.engines.native.fused_ops import rms_norm_torch as rms_norm
+from infir2_rl.engines.native.fused_ops import rotate_torch as rotate
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.linears import Fp8GemmChooser, FusedLinear
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen2RMSNorm: normalize in FP32, cast back to x's dtype, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding (rotate-half convention) with cos/sin broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class _Layer:
-    def __init__(self, layer: Any, chooser: Fp8GemmChooser | None) -> None:
+    def __init__(self, layer: Any, chooser: Fp8GemmChooser | None, dtype: torch.dtype) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm: Tensor = layer.input_layernorm.weight
         self.post_norm: Tensor = layer.post_attention_layernorm.weight
-        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], chooser)
-        self.o = FusedLinear([attn.o_proj], chooser)
-        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], chooser)
-        self.down = FusedLinear([mlp.down_proj], chooser)
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], chooser, dtype)
+        self.o = FusedLinear([attn.o_proj], chooser, dtype)
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], chooser, dtype)
+        self.down = FusedLinear([mlp.down_proj], chooser, dtype)
 
 
 class Qwen2Runner:
@@ -84,7 +72,11 @@ class Qwen2Runner:
         self.final_norm: Tensor = inner.norm.weight
         head: Any = model.lm_head
         self.lm_head: Tensor = head.weight  # BF16: never quantized
-        self.layers = [_Layer(layer, self.chooser) for layer in inner.layers]
+        self.layers = [_Layer(layer, self.chooser, self.dtype) for layer in inner.layers]
+        self.fp8 = self.layers[0].qkv.fp8
+        self.pow2 = pow2
+        q_part, k_part, v_part = self.layers[0].qkv.part_slices
+        self.k_offset, self.v_offset = k_part.start, v_part.start
         self.attention_impl = attention_impl or attention.default_impl(self.device)
         with torch.no_grad():
             positions = torch.arange(self.max_positions, device=self.device)[None]
@@ -137,14 +129,28 @@ class Qwen2Runner:
 
     @torch.no_grad()
     def decode(self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache) -> Tensor:
-        """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V)."""
-        cos, sin = self.cos[positions_B][:, None], self.sin[positions_B][:, None]  # (B, 1, D)
-        lengths = positions_B + 1
+        """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V).
+
+        The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
+        and SiLU*up kernels also quantize the next GEMM's input."""
+        quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
         h = F.embedding(tokens_B, self.embed)
+        delta: Tensor | None = None
         for i, layer in enumerate(self.layers):
-            q, k, v = self._split_qkv(layer, rms_norm(h, layer.input_norm, self.eps))
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            attention.write_decode(cache.k[i], cache.v[i], slots_B, positions_B, k, v)
-            a = attention.decode(q, cache.k[i], cache.v[i], slots_B, lengths, self.attention_impl)
-            h = self._mlp(layer, h + layer.o(a))
-        return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)
+            x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2)
+            q = fused_ops.rope_write_kv(
+                layer.qkv(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
+                self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
+            )  # fmt: skip
+            a = attention.decode(q, cache.k[i], cache.v[i], slots_B, positions_B + 1, self.attention_impl)
+            x = fused_ops.add_rms_norm(h, layer.o(a), layer.post_norm, eps, quant, pow2)
+            delta = layer.down(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
+        x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
+        assert isinstance(x, Tensor)
+        return F.linear(x, self.lm_head)
+
+    def sample(
+        self, logits_BV: Tensor, params: Any, steps_B: Tensor, truncating: bool
+    ) -> tuple[Tensor, Tensor]:
+        """The sampling rule of ``engines.sampling`` (one Triton kernel on CUDA, ``sampler.py``)."""
+        return sampler.sample(logits_BV, params, steps_B, truncating)
