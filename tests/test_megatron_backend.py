@@ -61,7 +61,10 @@ def test_hf_mapping_round_trips_both_norm_layouts_and_interleaves_qkv_per_group(
     d, per_group = arch.head_dim, arch.q_per_group * arch.head_dim
     # Group 1 starts after group 0's q heads, k and v: not at row len(q) as plain q|k|v concatenation would.
     torch.testing.assert_close(qkv[per_group + 2 * d : 2 * per_group + 2 * d], q[per_group:])
-    for name in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_proj.weight"):
+    for name in (
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight",
+    ):
         full = hfm.hf_to_megatron(hf, arch)[name]
         assert torch.equal(hfm.unshard(name, [hfm.shard(name, full, r, 2) for r in range(2)]), full)
 
@@ -118,7 +121,9 @@ def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:
     hf_dir = tmp_path / "ckpt" / "hf"
     torch_tr = make("torch", hf_dir, fp8=True)
     mega = make("megatron", hf_dir, fp8=True)
-    torch.testing.assert_close(mega.forward_logprobs(batches[:1])[0], torch_tr.forward_logprobs(batches[:1])[0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        mega.forward_logprobs(batches[:1])[0], torch_tr.forward_logprobs(batches[:1])[0], rtol=0, atol=2e-5
+    )
 
 
 def test_greedy_generation_uses_the_current_weights(assets: tuple) -> None:

@@ -86,7 +86,9 @@ def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ra
     torch.testing.assert_close(after_2, after_1, rtol=0, atol=1e-4)
 
 
-def test_rl_stage_runs_two_steps_with_weight_sync_into_the_native_engine(tmp_path: Path, ray_local: None) -> None:
+def test_rl_stage_runs_two_steps_with_weight_sync_into_the_native_engine(
+    tmp_path: Path, ray_local: None
+) -> None:
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
     run_dir = tmp_path / "rl"

@@ -139,6 +139,6 @@ def generate_greedy(
     """Greedy completions of this rank's prompts through an HF replica (built per call; all TP ranks call)."""
     replica = _HfReplica(trainer)
     try:
-        return io.generate_greedy(replica, prompts, max_new_tokens)
+        return io.generate_greedy(replica, prompts, max_new_tokens)  # type: ignore[arg-type]  # reads a subset
     finally:
         del replica

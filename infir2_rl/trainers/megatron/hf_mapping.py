@@ -124,12 +124,11 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: Arch, fused_norms: bool = Fal
         out[norm1] = hf[f"{h}input_layernorm.weight"]
         out[norm2] = hf[f"{h}post_attention_layernorm.weight"]
         a = f"{h}self_attn."
-        qkv = [hf[f"{a}{p}_proj.weight"] for p in "qkv"]
-        out[f"{m}self_attention.linear_qkv.weight"] = interleave_qkv(*qkv, arch)
+        w = {p: hf[f"{a}{p}_proj.weight"] for p in "qkv"}
+        out[f"{m}self_attention.linear_qkv.weight"] = interleave_qkv(w["q"], w["k"], w["v"], arch)
         if arch.qkv_bias:
-            out[f"{m}self_attention.linear_qkv.bias"] = interleave_qkv(
-                *[hf[f"{a}{p}_proj.bias"] for p in "qkv"], arch
-            )
+            b = {p: hf[f"{a}{p}_proj.bias"] for p in "qkv"}
+            out[f"{m}self_attention.linear_qkv.bias"] = interleave_qkv(b["q"], b["k"], b["v"], arch)
         out[f"{m}self_attention.linear_proj.weight"] = hf[f"{a}o_proj.weight"]
         mlp = f"{h}mlp."
         out[f"{m}mlp.linear_fc1.weight"] = torch.cat(

@@ -47,13 +47,13 @@ def quantize_for_training(w: Tensor, pow2_scales: bool) -> Fp8Weight:
 
 def _concat(parts: list[Fp8Weight]) -> Fp8Weight:
     """Parts stacked along N; valid when each part but the last has a multiple of 128 rows."""
-    w_t = [p.w_fp8_t for p in parts]
-    s_t = [p.scale_inv_t for p in parts]
+    w_t = [p.w_fp8_t for p in parts if p.w_fp8_t is not None]
+    s_t = [p.scale_inv_t for p in parts if p.scale_inv_t is not None]
     return Fp8Weight(
         torch.cat([p.w_fp8 for p in parts]),
         torch.cat([p.scale_inv for p in parts]),
-        torch.cat(w_t, dim=1) if all(t is not None for t in w_t) else None,  # type: ignore[misc]
-        torch.cat(s_t, dim=1) if all(t is not None for t in s_t) else None,  # type: ignore[misc]
+        torch.cat(w_t, dim=1) if len(w_t) == len(parts) else None,
+        torch.cat(s_t, dim=1) if len(s_t) == len(parts) else None,
     )
 
 
@@ -115,7 +115,8 @@ class ParallelLinear(nn.Module):
             (output_size // tp, input_size) if self.column else (output_size, input_size // tp)
         )
         self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=config.params_dtype))
-        init_method(self.weight)
+        if getattr(config, "perform_initialization", True):
+            init_method(self.weight)
         set_tensor_model_parallel_attributes(self.weight, True, 0 if self.column else 1, 1)
         self.bias: nn.Parameter | None = None
         if bias:
@@ -126,6 +127,8 @@ class ParallelLinear(nn.Module):
         self.parts = part_rows(role, config, out_local)
         order = torch.cat(self.parts)
         self.identity_order = bool(torch.equal(order, torch.arange(out_local)))
+        self._order: Tensor
+        self._inverse: Tensor
         self.register_buffer("_order", order, persistent=False)
         self.register_buffer("_inverse", torch.argsort(order), persistent=False)
         self.single_gemm = all(len(p) % 128 == 0 for p in self.parts[:-1])

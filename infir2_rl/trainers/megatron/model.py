@@ -90,6 +90,8 @@ def transformer_config(arch: Arch, *, spec: str, fp8: bool, tp: int, cp: int, re
         context_parallel_size=cp,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
+        # Every weight is loaded from an HF checkpoint right after construction: no random init.
+        perform_initialization=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
