@@ -1,9 +1,15 @@
 """The native rollout engine: batched sampling on a transformers model with a KV cache, FP8 W8A8 optional.
 
-A thin layer over transformers, not a new inference engine: the model is the HF causal LM (decoder
-linears swapped for ``Fp8InferenceLinear`` in FP8 mode, built from the same quantizer the trainer
-uses), the KV cache is transformers' ``DynamicCache``, and this file only adds the decode loop, the
-sampling rule of ``sampling.py`` and weight loading.
+The model is the HF causal LM (decoder linears swapped for ``Fp8InferenceLinear`` in FP8 mode, built
+from the same quantizer the trainer uses). Two decode paths, one sampling rule (``sampling.py``):
+
+* ``decode_path="runner"`` (``"auto"`` picks it on CUDA for Qwen2 models): the engine's own model runner
+  (``model_runner.py``: fused QKV and gate|up sharing the HF model's tensors, ``fused_ops.py`` kernels,
+  ``attention.py``), a slot KV cache (``kv_cache.py``), the decode step captured in CUDA graphs per padded
+  batch size (``cuda_graphs.py``, ``cuda_graphs=False`` runs it eagerly) and continuous batching with a
+  shared prefill per prompt (``scheduler.py``). On CPU it runs the same math eagerly (tests).
+* ``decode_path="eager"`` (``"auto"`` on CPU: CI and the demo): the loop below over transformers'
+  ``DynamicCache``, unchanged.
 
 Why not transformers' continuous batching (checked in transformers 5.23,
 ``generation/continuous_batching``): ``generate_batch`` / ``ContinuousBatchingManager`` can return
@@ -26,8 +32,8 @@ cost nothing. ``abort()`` (thread-safe) makes the running ``generate`` return at
 finish "abort" for unfinished rows. Rows do not join a running chunk (no continuous batching): a chunk
 runs until its longest row ends. Shared prompt prefixes of the n samples are recomputed per row.
 
-Weights. ``update_weights`` loads a bucket in place through ``weight_sync.receiver.WeightReceiver``
-(FP8 bytes + scales into ``Fp8InferenceLinear.load_fp8_``, other tensors cast into their parameters;
+Weights (both paths: the runner's fused buffers are the HF modules' tensors). ``update_weights`` loads a
+bucket in place through ``weight_sync.receiver.WeightReceiver`` (FP8 bytes + scales into ``Fp8InferenceLinear.load_fp8_``, other tensors cast into their parameters;
 versions only move forward, older buckets raise ``StaleWeightsError``). With
 ``weight_sync.transport: cuda_ipc`` the bucket is an ``IpcBucket`` of handles to the colocated trainer's
 GPU tensors, copied GPU to GPU (an engine on CPU refuses it and says to use ``object_store``). With
