@@ -72,6 +72,25 @@ class Scheduler:
         self.state = DecodeState(self.num_slots, max_response, max_stops, self.runner.device)
         self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs)
 
+    def prepare(self, requests: Sequence[GenerateRequest]) -> float:
+        """Allocate for ``requests`` and capture the graph of every padded batch size now (else each is
+        captured on first use); returns the capture seconds (benchmarks keep it out of timed calls)."""
+        self._ensure(*self._sizes(requests))
+        assert self.decoder is not None
+        if self.decoder.use_graphs:
+            for size in self.decoder.sizes:
+                if (size, False) not in self.decoder.graphs:
+                    self.decoder.capture(size, False)
+        return self.decoder.capture_s
+
+    @staticmethod
+    def _sizes(requests: Sequence[GenerateRequest]) -> tuple[int, int, int]:
+        return (
+            max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests),
+            max(r.params.max_new_tokens for r in requests),
+            max(len(r.params.stop_token_ids) for r in requests),
+        )
+
     def release(self) -> None:
         """Drop the KV cache, decode state and graphs (weights stay where they are)."""
         self.cache = self.state = self.decoder = None
@@ -83,11 +102,7 @@ class Scheduler:
         self, requests: Sequence[GenerateRequest], abort: threading.Event, on_steps: Callable[[int], None]
     ) -> list[Sample]:
         """All samples of ``requests`` in request order then sample index."""
-        self._ensure(
-            max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests),
-            max(r.params.max_new_tokens for r in requests),
-            max(len(r.params.stop_token_ids) for r in requests),
-        )
+        self._ensure(*self._sizes(requests))
         assert self.state is not None and self.decoder is not None
         state, decoder = self.state, self.decoder
         vocab = self.runner.vocab_size
