@@ -74,11 +74,18 @@ def run(group: TrainerGroup, batches: list[TokenBatch]) -> tuple[list[float], li
 def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> None:
     model, batches = assets
     results = {}
-    for num_workers, fsdp, budget in ((1, None, None), (2, None, None), (2, True, 150)):
+    runs = (
+        (1, None, None, "auto"),
+        (2, None, None, "auto"),
+        (2, True, 150, "auto"),
+        (2, True, None, "bfloat16"),
+    )
+    for num_workers, fsdp, budget, gather in runs:
         # budget: token-budget micro-batches give the FSDP ranks unequal forward counts (dummy padding).
-        cfg = stage_cfg(model, num_workers, max_tokens_per_gpu=budget)
+        # gather: trainer.fsdp_param_dtype ("auto" gathers the FP32 masters on CPU; bfloat16 is the GPU default).
+        cfg = stage_cfg(model, num_workers, max_tokens_per_gpu=budget, fsdp_param_dtype=gather)
         with placed_trainer_group(cfg, total_steps=5, fsdp=fsdp) as group:
-            results[(num_workers, fsdp)] = run(group, batches)
+            results[(num_workers, fsdp, gather)] = run(group, batches)
             if num_workers == 2 and fsdp is None:
                 # One row for two ranks: rank 1 has no micro-batch and no loss metrics of its own.
                 one_row = select_rows(batches[0], 0, 1)
@@ -91,14 +98,20 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
                 assert exported[2][0].endswith("weight_scale_inv")
             peak = group.train_step(batches[0], SftLossFn(), num_target_tokens(batches[0])).metrics
             assert peak["perf/peak_memory_gb"] > 0
-    losses_1, norms_1, logp_1 = results[(1, None)]
-    for key in ((2, None), (2, True)):
+    losses_1, norms_1, logp_1 = results[(1, None, "auto")]
+    for key in ((2, None, "auto"), (2, True, "auto")):
         losses, norms, logp = results[key]
         # Same global batches -> same global-mean loss; only the summation order differs.
         assert losses == pytest.approx(losses_1, rel=1e-5), key
         assert norms == pytest.approx(norms_1, rel=1e-4), key
         torch.testing.assert_close(logp, logp_1, rtol=1e-4, atol=1e-4)
     assert losses_1[2] < losses_1[0]
+    # BF16 gather on two FSDP ranks (FP32 masters, FP32 reduction): the same steps within BF16 rounding
+    # (measured 2026-11-23: losses within 3e-4 relative, grad norms 0.5 %, log-probs 9e-3).
+    losses, norms, logp = results[(2, True, "bfloat16")]
+    assert losses == pytest.approx(losses_1, rel=3e-3) and norms == pytest.approx(norms_1, rel=2e-2)
+    torch.testing.assert_close(logp, logp_1, rtol=0, atol=5e-2)
+    assert losses != pytest.approx(losses_1, rel=1e-6)  # BF16 really was gathered
 
 
 @pytest.mark.usefixtures("ray_local")

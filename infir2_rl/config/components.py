@@ -94,6 +94,10 @@ class TrainerConfig(_Config):
     fp8_pow2_scales: bool = False
     # Trainer actors (data-parallel ranks); one per GPU on GPU machines.
     num_workers: int = Field(default=1, ge=1)
+    # torch backend, FSDP2 (several GPU workers): the dtype the forward all-gathers from the FP32 master shards.
+    # "auto": bfloat16 on GPUs computing in bfloat16 (half the gather traffic), float32 on CPU. The masters,
+    # optimizer state and gradient reduction stay FP32 either way (trainers/torch/distributed.py).
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)
     # Token budget of one micro-batch on one worker (padded tokens, or real tokens when packed); None =

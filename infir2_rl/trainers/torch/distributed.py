@@ -10,7 +10,20 @@ Two ways to keep data-parallel replicas in step, chosen by device:
   Every all-gather is a collective: all ranks must run the same number of forwards, which the
   trainer guarantees by padding the shorter ranks with zero-weight dummy micro-batches.
 
-Gradient reduction stays in FP32 (the parameters are FP32 masters).
+What FSDP2 gathers (`trainer.fsdp_param_dtype`, resolved by `resolve_fsdp_param_dtype`): the sharded
+parameters are always the FP32 masters (AdamW and its moments stay FP32). With `bfloat16` (`auto` on a GPU
+whose compute dtype is bfloat16) each shard is cast to BF16 before the all-gather
+(`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`): half the all-gather bytes, and no
+per-forward FP32 -> BF16 cast of the weights under autocast. The gradients come out of the backward in BF16
+and are reduce-scattered in FP32 into FP32 gradient shards (accumulation over micro-batches stays FP32).
+What changes numerically, all of it BF16 rounding that autocast already applied to the GEMM inputs: the
+norm weights and embeddings are BF16 in the forward (so is the residual stream, as in the rollout engine),
+the per-micro-batch weight gradient is rounded to BF16 before its FP32 reduction, and an `Fp8Linear`
+quantizes the gathered BF16 weight (its 128x128 amax and e4m3 rounding see BF16(master) instead of the FP32
+master). `TorchTrainer.export_weights` quantizes BF16(master) the same way under FSDP, so the rollout gets
+the bytes the trainer trains with. `float32` (`auto` on CPU) gathers the masters as they are: bit-for-bit
+the single-worker numbers up to summation order, which is what the CPU tests pin. BF16 gather on GPUs was
+not measured (no machine with two GPUs yet): bench/two_gpu.sh runs it beside float32.
 """
 
 from __future__ import annotations
@@ -79,23 +92,37 @@ def all_reduce_max_int(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def apply_fsdp2(model: nn.Module) -> None:
+def resolve_fsdp_param_dtype(setting: str, device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
+    """`trainer.fsdp_param_dtype`: `auto` gathers BF16 on a GPU that computes in BF16, else FP32."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" and compute_dtype == torch.bfloat16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
+def apply_fsdp2(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, lm_head), over all ranks.
 
-    Parameters stay FP32 (the masters); compute runs under autocast, so all-gathers move FP32.
-    A MixedPrecisionPolicy(param_dtype=bf16) would halve that traffic; not done here so that
-    the FP8 weight cache and the optimizer see one set of FP32 tensors on every path.
+    The shards are the FP32 masters; ``param_dtype`` is what the forward gathers (see the module docstring).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(
             f"{type(model).__name__}: FSDP2 needs a decoder with `model.layers` (HF causal LM layout)"
         )
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
+    )
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def gathered_like_forward(full: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+    """A full FP32 master as the FSDP forward sees it (rounded to ``param_dtype``): what an ``Fp8Linear``
+    quantizes, so an export that quantizes this sends the bytes the trainer trains with."""
+    return full if full.dtype == param_dtype or not full.is_floating_point() else full.to(param_dtype)
 
 
 def is_fsdp(model: nn.Module) -> bool:

@@ -6,7 +6,7 @@ It runs the trainer's precision flow, so the KL measures drift of the weights an
 FP32 parameters, forwards under the trainer's autocast dtype, and the same blockwise-FP8 decoder linears
 (``Fp8Linear``, same scale rounding) when the trainer trains in FP8. It has no optimizer, no gradients
 (``requires_grad=False`` on every parameter) and stays in eval mode; under FSDP2 it is sharded like the
-trained model, so each rank holds 1/N of it.
+trained model (and gathers the same ``trainer.fsdp_param_dtype``), so each rank holds 1/N of it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def load_reference_model(
-    model_cfg: ModelConfig, *, fp8: bool, pow2_scales: bool, device: torch.device, fsdp: bool
+    model_cfg: ModelConfig,
+    *,
+    fp8: bool,
+    pow2_scales: bool,
+    device: torch.device,
+    fsdp: bool,
+    param_dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
     """The frozen reference model from ``model_cfg.path`` (see the module docstring)."""
     from transformers import AutoModelForCausalLM
@@ -41,7 +47,7 @@ def load_reference_model(
         swap_to_fp8_training(model, pow2_scales=pow2_scales)
     model.to(device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
     if fsdp:
-        D.apply_fsdp2(model)
+        D.apply_fsdp2(model, param_dtype)
     model.eval()
     log.info("reference model for the KL penalty: %s (fp8=%s, fsdp=%s)", model_cfg.path, fp8, fsdp)
     return model

@@ -110,8 +110,12 @@ class TorchTrainer:
         model.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
         if fsdp is None:
             fsdp = self.device.type == "cuda" and self.world_size > 1
+        # What FSDP2 gathers for the forward (trainer.fsdp_param_dtype; distributed.py says what changes).
+        self.fsdp_param_dtype = D.resolve_fsdp_param_dtype(
+            trainer_cfg.fsdp_param_dtype, self.device, self.compute_dtype
+        )
         if fsdp:
-            D.apply_fsdp2(model)
+            D.apply_fsdp2(model, self.fsdp_param_dtype)
         self.model: PreTrainedModel = model
         self.fsdp = D.is_fsdp(model)
         self.model.train()
@@ -129,6 +133,7 @@ class TorchTrainer:
                 pow2_scales=self.pow2_scales,
                 device=self.device,
                 fsdp=self.fsdp,
+                param_dtype=self.fsdp_param_dtype,
             )
 
     # ------------------------------------------------------------------ forward helpers
@@ -334,7 +339,8 @@ class TorchTrainer:
                 full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
                 prefix, _, leaf = io.hf_name(name).rpartition(".")
                 if fp8 and leaf == "weight" and prefix.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
-                    w_fp8, scale_inv = quantize_weight_blockwise(full, pow2_scales=self.pow2_scales)
+                    as_trained = D.gathered_like_forward(full, self.fsdp_param_dtype)
+                    w_fp8, scale_inv = quantize_weight_blockwise(as_trained, pow2_scales=self.pow2_scales)
                     yield f"{prefix}.weight", w_fp8
                     yield f"{prefix}.weight_scale_inv", scale_inv
                 else:
