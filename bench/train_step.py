@@ -97,6 +97,12 @@ def kernel_times(prof: Any) -> list[tuple[str, str, float, int]]:
     return out
 
 
+def host_ops(prof: Any, top: int = 12) -> list[tuple[str, float, int]]:
+    """(op name, self CPU ms, calls) of the ops that cost the host most in the profiled step."""
+    rows = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def category(kernel: str, op: str) -> str:
     """Category of a kernel from its name and the op that launched it (the top-kernel list shows the result)."""
     k, o = kernel.lower(), op.lower()
@@ -252,6 +258,7 @@ def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.devi
             trainer.train_step([batch], loss_fn, units)
             sync(device)
         out["profile"] = summarize_kernels(kernel_times(prof))
+        out["profile"]["host_top"] = host_ops(prof)
     del trainer
     gc.collect()
     return out
@@ -313,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     for mode, r in results.items():
         if "profile" in r:
             print_kernels(f"profile of one {mode} step", r["profile"])
+            busy = r["profile"]["total_ms"] / r["step_ms"]["median"]
+            print(f"  device kernels / median step time: {busy:.2f} (below 1: the GPU waits for the host)")
+            print("  top host ops by self CPU time (profiled step, ms, calls):")
+            for name, ms, calls in r["profile"]["host_top"]:
+                print(f"  {ms:9.3f} ms {calls:6d}x  {name[:90]}")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     if args.out:
         report = dict(
