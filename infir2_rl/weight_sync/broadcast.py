@@ -127,6 +127,7 @@ class BroadcastExport:
         """Send flat bucket ``index`` to every engine (they receive it in ``receive_bucket``)."""
         if self.group is None:
             raise RuntimeError("broadcast before the weight group was joined")
+        self.group.refuse_if_broken(f"bucket {index}")
         if not 0 <= index < len(self._flats):
             raise ValueError(f"bucket {index}: this export holds {len(self._flats)} buckets")
         self.group.timeout_s = timeout_s

@@ -96,7 +96,9 @@ class WeightGroup:
         try:
             if store is None:
                 store = TCPStore(master_address, master_port, None, False, timeout)
-            prefixed = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
+            prefixed = PrefixStore(
+                f"{device}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+            )
             pg = _make_backend(backend, prefixed, rank, world_size, timeout)
         except (RuntimeError, TimeoutError) as exc:  # DistStoreError / gloo connect errors are RuntimeErrors
             raise WeightSyncError(
@@ -114,10 +116,7 @@ class WeightGroup:
         """Broadcast ``tensor`` from rank 0 into every rank's ``tensor`` in place, within ``timeout_s``."""
         from torch.distributed import BroadcastOptions
 
-        if self.broken is not None:
-            raise WeightSyncError(
-                f"{what}: the weight group broke earlier ({self.broken}); restart the stage to rebuild it"
-            )
+        self.refuse_if_broken(what)
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         try:
@@ -128,6 +127,12 @@ class WeightGroup:
                 f"{what}: the broadcast failed or took more than weight_sync.timeout_s={self.timeout_s}"
                 f" (a peer died or never joined): {exc}"
             ) from exc
+
+    def refuse_if_broken(self, what: str) -> None:
+        if self.broken is not None:
+            raise WeightSyncError(
+                f"{what}: the weight group broke earlier ({self.broken}); restart the stage to rebuild it"
+            )
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
