@@ -9,11 +9,11 @@ Protocol (who calls what, in which order; ``Any`` objects are Ray actor handles 
 1. Once, at the first push (the RL stage's first push is at stage start), after every engine answered
    ``health()`` (so joining does not wait on an engine's start-up): the driver asks the source for
    its sender (``source.weight_sender()``: trainer rank 0, ``TrainerWorker``) and calls
-   ``sender.open_weight_group()`` -> ``(host, port, backend)``: the sender hosts the group's TCPStore on a
-   free port; backend nccl when the trainer is on a GPU, gloo on CPU. Then, concurrently:
+   ``sender.open_weight_group(timeout_s)`` -> ``(host, port, backend)``: the sender hosts the group's TCPStore
+   on a free port; backend nccl when the trainer is on a GPU, gloo on CPU. Then, concurrently:
    ``sender.join_weight_group(world_size, backend, group_name, timeout_s)`` (rank 0) and on engine i
-   ``engine.init_weights_update_group(host, port, rank_offset_i, world_size, group_name=..., backend=...,
-   timeout_s=...)``. Ranks: 0 the sender, then each engine's ranks (``ranks_per_engine``: 1 for a native
+   ``engine.init_weights_update_group(host, port, rank_offset_i, world_size, group_name, backend, timeout_s)``
+   (positional; an engine backend must accept all seven). Ranks: 0 the sender, then each engine's ranks (``ranks_per_engine``: 1 for a native
    engine, the TP size for SGLang, whose TP rank r takes ``rank_offset + r``); all calls return once every
    rank has joined (``group.py``: store layout, timeouts).
 2. Every push: ``source.export_broadcast_buckets(fp8, max_bytes, version)`` -> ``BucketMeta``s (collective
