@@ -117,8 +117,9 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
 @pytest.mark.usefixtures("ray_local")
 def test_bad_trainer_settings_fail_before_actors_start(assets: tuple[Path, list[TokenBatch]]) -> None:
     model, _ = assets
-    with pytest.raises(ValueError, match="docker/"):
-        TrainerGroup(stage_cfg(model, 1, backend="megatron"), None, total_steps=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="trainer.megatron_spec=te"):
+        cfg = stage_cfg(model, 1, backend="megatron", megatron_spec="te")
+        TrainerGroup(cfg, None, total_steps=1)  # type: ignore[arg-type]
     cfg = SftStageConfig(
         model={"path": str(model)}, trainer={"num_workers": 3, "global_batch_size": 6, "micro_batch_size": 2}
     )

@@ -110,7 +110,7 @@ class TrainerConfig(_Config):
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
     # Megatron only: layer spec. "local": megatron's local modules with the project's FP8 linears and SDPA
-    # attention (CPU and any GPU); "te": Transformer Engine's spec (docker/ image); "auto": te if it imports.
+    # attention (CPU and any GPU); "te": Transformer Engine's spec (not built yet: refused); "auto": local.
     megatron_spec: Literal["auto", "local", "te"] = "auto"
     # Megatron only: tensor-parallel size (allowed sizes depend on the model: config/parallel_rules.py).
     tensor_parallel_size: int = Field(default=1, ge=1)

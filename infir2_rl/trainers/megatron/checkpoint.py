@@ -25,11 +25,6 @@ from infir2_rl.trainers.torch import checkpoint_io as io
 if TYPE_CHECKING:
     from infir2_rl.trainers.megatron.trainer import MegatronTrainer
 
-TE_NOT_RUN = (
-    "trainer.megatron_spec=te builds megatron's Transformer Engine spec, but its train step (megatron DDP,"
-    " distributed optimizer) is not implemented in this repository yet; use trainer.megatron_spec=local"
-)
-
 
 def read_weights(hf_dir: Path) -> dict[str, Tensor]:
     """An HF directory's tensors in FP32 (the masters), whatever dtype the checkpoint was saved in."""

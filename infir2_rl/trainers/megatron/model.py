@@ -7,8 +7,8 @@
   off: FP8 is ours, so it cannot silently fall back to BF16.
 * ``te``: megatron's Transformer Engine spec with ``fp8="e4m3"``, ``fp8_recipe="blockwise"``
   (TE's Float8BlockScaling: 128x128 weight blocks, 1x128 activation tiles, FP32 scales). Needs
-  ``transformer_engine``; `resolve_spec` refuses it otherwise. Written against megatron-core's TE spec API;
-  not run in this repository's CI or on its GPU machine (no TE there).
+  ``transformer_engine``. Only the model construction is written (against megatron-core's TE spec API) and
+  it was never run (no TE on the machines used); `resolve_spec` refuses ``te`` until the train step exists.
 
 Parameters are FP32 masters; BF16 compute runs under autocast (the torch backend's convention), so the two
 backends compute the same numbers from the same weights.
@@ -16,6 +16,7 @@ backends compute the same numbers from the same weights.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -26,6 +27,10 @@ from infir2_rl.trainers.megatron import shims
 from infir2_rl.trainers.megatron.hf_mapping import Arch, padded_vocab
 from infir2_rl.trainers.megatron.layers import ParallelLinear, SdpaAttention
 
+TE_NOT_BUILT = (
+    "trainer.megatron_spec=te builds megatron's Transformer Engine spec, but its train step (megatron DDP,"
+    " distributed optimizer, TE's FP8 bytes in the export) is not written yet; use trainer.megatron_spec=local"
+)
 MEGATRON_MISSING = (
     "trainer.backend=megatron needs megatron-core, which is not installed: pip install -e '.[megatron]'"
     " (megatron-core 0.16 on Python 3.11, up to 0.19 on 3.12), or use trainer.backend=torch"
@@ -39,33 +44,19 @@ def megatron_available() -> bool:
     )
 
 
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def resolve_spec(setting: str, fp8: bool) -> str:
-    """``auto`` -> ``te`` when Transformer Engine imports, else ``local``; refuses what cannot run.
+    """The layer spec to build: ``local`` for ``local`` and ``auto``; refuses what cannot run.
 
-    Every refusal is one sentence naming the field, raised before any actor starts (TrainerGroup calls
-    this on the driver) and again in each worker (whose image may differ from the driver's).
+    ``te`` is refused until its train step exists (see TE_NOT_BUILT), so ``auto`` means ``local`` for now,
+    also where Transformer Engine imports. Every refusal is one sentence naming the field, raised before any
+    actor starts (TrainerGroup calls this on the driver) and again in each worker (whose image may differ).
+    ``fp8`` is accepted for symmetry with the te path, where it selects TE's blockwise recipe.
     """
     if not megatron_available():
         raise ValueError(MEGATRON_MISSING)
-    if setting == "te" and not te_available():
-        raise ValueError(
-            "trainer.megatron_spec=te needs transformer_engine, which does not import here (it ships in the"
-            " docker/ image); use trainer.megatron_spec=local (our FP8 linears) or auto"
-        )
-    spec = setting if setting != "auto" else ("te" if te_available() else "local")
-    if spec == "te" and fp8:
-        import transformer_engine.common.recipe as te_recipe
-
-        if not hasattr(te_recipe, "Float8BlockScaling"):
-            raise ValueError(
-                "FP8 training (precision fp8 / unified_fp8) with trainer.megatron_spec=te needs Transformer Engine with Float8BlockScaling"
-                " (TE >= 2.3); this TE lacks it, so FP8 would not be blockwise: use trainer.megatron_spec=local"
-            )
-    return spec
+    if setting == "te":
+        raise ValueError(TE_NOT_BUILT)
+    return "local"
 
 
 def transformer_config(arch: Arch, *, spec: str, fp8: bool, tp: int, cp: int, recompute: bool) -> Any:
@@ -128,7 +119,8 @@ def layer_spec(spec: str, fp8: bool, pow2_scales: bool) -> Any:
     attention = layer.submodules.self_attention.submodules
     attention.linear_qkv = attention.linear_proj = linear
     attention.core_attention = SdpaAttention
-    mlp = layer.submodules.mlp.submodules
+    mlp_spec = layer.submodules.mlp  # a ModuleSpec up to megatron-core 0.16, a functools.partial from 0.17
+    mlp = mlp_spec.keywords["submodules"] if isinstance(mlp_spec, functools.partial) else mlp_spec.submodules
     mlp.linear_fc1 = mlp.linear_fc2 = linear
     return layer
 

@@ -72,6 +72,11 @@ class MegatronTrainer:
                 "algorithm.kl_coef > 0 needs a reference model, which trainer.backend=megatron does not hold yet;"
                 " set algorithm.kl_coef=0 or use trainer.backend=torch"
             )
+        if trainer_cfg.pack_sequences:
+            raise ValueError(
+                "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
+                " trainer.backend=megatron"
+            )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         _ensure_process_group(self.device)
         self.rank, self.world_size = D.rank_and_world()
@@ -79,8 +84,6 @@ class MegatronTrainer:
         self.optimizer_cfg = optimizer_cfg
         self.fp8, self.pow2_scales = fp8, trainer_cfg.fp8_pow2_scales
         self.spec = resolve_spec(trainer_cfg.megatron_spec, fp8)
-        if self.spec == "te":
-            raise NotImplementedError(ckpt.TE_NOT_RUN)
         self.tp, cp = trainer_cfg.tensor_parallel_size, trainer_cfg.context_parallel_size
         if cp > 1:
             raise ValueError(
