@@ -185,6 +185,7 @@ def release_resume(engine: Any) -> dict[str, float]:
     """Colocated memory: release + resume wall time, memory freed, and graph capture time of the last call."""
     decoder = getattr(engine._scheduler, "decoder", None)
     out = {"graph_capture_s_total": decoder.capture_s if decoder is not None else 0.0}
+    del decoder  # a live reference would keep the KV cache and graphs from being freed
     if engine.device.type != "cuda":
         return out
     sync(engine.device)
