@@ -16,6 +16,7 @@ finish "abort" after their first token (as in the eager path).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,6 +29,11 @@ from infir2_rl.engines.native.model_runner import Qwen2Runner
 from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens
 from infir2_rl.types import FinishReason, GenerateRequest, Sample
 
+logger = logging.getLogger(__name__)
+
+KV_MEMORY_FRACTION = (
+    0.8  # of the GPU memory free at allocation time, for the KV cache (the rest: graphs, activations)
+)
 _LEN_QUANTUM = 256  # cache length is rounded up to this, so similar calls reuse the cache and graphs
 
 
@@ -43,7 +49,8 @@ class Scheduler:
         sync_every: int = 16,
         max_prefill_tokens: int = 16384,
     ) -> None:
-        self.runner, self.num_slots, self.use_graphs = runner, num_slots, use_graphs
+        self.runner, self.max_slots, self.use_graphs = runner, num_slots, use_graphs
+        self.num_slots = num_slots  # may be lowered per allocation to fit the KV cache in free GPU memory
         self.pad_token_id, self.sync_every, self.max_prefill_tokens = (
             pad_token_id,
             sync_every,
@@ -68,6 +75,7 @@ class Scheduler:
         self.release()
         length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
         length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
+        self.num_slots = self._slots_that_fit(length)
         self.cache = self.runner.new_cache(self.num_slots, length)
         self.state = DecodeState(self.num_slots, max_response, max_stops, self.runner.device)
         self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs)
@@ -90,6 +98,29 @@ class Scheduler:
             max(r.params.max_new_tokens for r in requests),
             max(len(r.params.stop_token_ids) for r in requests),
         )
+
+    def _slots_that_fit(self, length: int) -> int:
+        """``max_slots``, or fewer when their KV cache would take more than KV_MEMORY_FRACTION of the free GPU
+        memory (long responses, or a colocated trainer): fewer rows then decode at once, loudly logged."""
+        if self.runner.device.type != "cuda":
+            return self.max_slots
+        free, _ = torch.cuda.mem_get_info(self.runner.device)
+        r = self.runner
+        per_slot = 2 * r.num_layers * r.num_kv_heads * length * r.head_dim * torch.finfo(r.dtype).bits // 8
+        fit = int(KV_MEMORY_FRACTION * free) // per_slot - 1  # minus the scratch slot
+        if fit < 1:
+            raise RuntimeError(
+                f"the KV cache of one sequence of {length} positions ({per_slot / 2**30:.2f} GiB) does not fit in "
+                f"{KV_MEMORY_FRACTION:.0%} of the free GPU memory ({free / 2**30:.1f} GiB): lower max_new_tokens"
+            )
+        if fit < self.max_slots:
+            logger.warning(
+                "native engine: KV cache for %d rows of %d positions needs %.1f GiB, %.0f%% of free GPU memory "
+                "is %.1f GiB: decoding %d rows at a time instead of max_batch_size=%d",
+                self.max_slots, length, self.max_slots * per_slot / 2**30, 100 * KV_MEMORY_FRACTION,
+                KV_MEMORY_FRACTION * free / 2**30, fit, self.max_slots,
+            )  # fmt: skip
+        return min(fit, self.max_slots)
 
     def release(self) -> None:
         """Drop the KV cache, decode state and graphs (weights stay where they are)."""
