@@ -58,7 +58,7 @@ def _actor_death(exc: BaseException) -> str:
     reason = re.search(r"(The actor is dead because[^.]*\.)", text)
     exit_detail = re.search(r"Worker exit detail: ([^.]*\.)", text)
     parts = [p.group(1) for p in (reason, exit_detail) if p]
-    return f"{who} died: " + (" ".join(parts) if parts else first_line(text))
+    return f"{who} died: " + (" ".join(parts) if parts else first_line(text)).rstrip(".")
 
 
 def _remote_cause(exc: BaseException) -> BaseException | None:
