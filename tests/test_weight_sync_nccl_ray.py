@@ -4,8 +4,11 @@ that dies fails the push within the timeout while the trainer stays usable."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
@@ -13,9 +16,13 @@ import ray
 from infir2_rl.actors.placement import reserve_for
 from infir2_rl.actors.rollout_engine import create_engines
 from infir2_rl.actors.trainer_group import TrainerGroup
+from infir2_rl.config import load_stage_config
 from infir2_rl.config.stage import RlStageConfig
 from infir2_rl.data.synthetic import make_data
+from infir2_rl.metrics import names
 from infir2_rl.models.factory import init_model
+from infir2_rl.pipeline import REPO_ROOT
+from infir2_rl.stages.rl import run_rl_stage
 from infir2_rl.stages.rl_setup import _weight_sync
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
 from infir2_rl.types import WeightSyncError
@@ -88,3 +95,41 @@ def test_trainer_rank0_broadcasts_to_an_engine_actor(tmp_path_factory: pytest.Te
         for e in engines:
             ray.kill(e)
         placement.remove()
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_an_rl_stage_pushes_through_the_broadcast_group(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The RL stage end to end with weight_sync.transport=nccl (gloo on CPU): its first push at start-up and one
+    per step go through the group, and the engine samples from the trainer's exact FP8 weights."""
+    model = init_model(tmp_path / "tiny", "tiny", seed=0)
+    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
+    overrides = [
+        f"model.path={model}",
+        f"data.train_path={data.rl_train}",
+        "data.test_path=null",
+        f"run_dir={tmp_path / 'rl'}",
+        "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.over_sampling_prompts=2",
+        "rollout.max_response_len=12",
+        "rollout.num_steps=2",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=8",
+        "metrics.progress_bar=false",
+        "placement.cpus_per_actor=1",
+        "weight_sync.transport=nccl",
+    ]
+    cfg = load_stage_config(REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml", overrides)
+    assert isinstance(cfg, RlStageConfig) and cfg.rollout_fp8 and cfg.train_fp8
+    with caplog.at_level(logging.INFO, logger="infir2_rl"):
+        assert run_rl_stage(cfg).last_step == 2
+    assert "first push (nccl)" in caplog.text and "weight group 'infir2_weight_sync' formed" in caplog.text
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 2 and all(r[names.WEIGHT_SYNC_PUSH_S] > 0 for r in steps)
+    # Step 2 sampled from the weights pushed after step 1 (every push also passed the byte self-check):
+    # unified FP8 on CPU, trainer and engine agree up to summation order (measured 2026-11-23: mean
+    # |dlogp| 1.8e-7, K3 4.5e-14), where the FP8-off trainer differs by ~1e-2.
+    assert steps[1][names.MISMATCH_ABS_LOGP_DIFF_MEAN] < 1e-4, steps[1]
