@@ -64,8 +64,9 @@ def test_logprobs_equal_the_torch_backend_in_bf16(assets: tuple, fp8: bool) -> N
     ref, got = torch_tr.forward_logprobs(batches[:2]), mega.forward_logprobs(batches[:2])
     for a, b in zip(ref, got, strict=True):
         diff = (a - b).abs()
-        # BF16 compute: the two backends differ in attention kernels and GEMM order, not in the weights.
-        assert diff.max() < 0.1 and diff.mean() < 5e-3, (diff.max(), diff.mean())
+        # BF16 compute: the two backends differ in attention kernels and GEMM order, not in the weights; FP8
+        # re-rounds those differences to e4m3 steps (one H100 run measured mean 0.0075 with FP8, under 5e-3 without).
+        assert diff.max() < 0.1 and diff.mean() < (1.5e-2 if fp8 else 5e-3), (diff.max(), diff.mean())
     if fp8:
         ref_export, got_export = dict(torch_tr.export_weights()), dict(mega.export_weights())
         assert set(got_export) == set(ref_export)
