@@ -46,7 +46,7 @@ def dashboard(url: str, out: Path, page: str, wait_text: str) -> None:
             ["ray", "get-auth-token"], capture_output=True, text=True, check=True
         ).stdout.strip()
     )
-    driver = browser(1400, 900)
+    driver = browser(1400, 660)
     try:
         wait = WebDriverWait(driver, 60)
         driver.get(url)
@@ -66,19 +66,20 @@ def dashboard(url: str, out: Path, page: str, wait_text: str) -> None:
 
 def report(run_dir: Path, out: Path) -> None:
     from rich.console import Console, Group
+    from rich.terminal_theme import MONOKAI
 
     from infir2_rl.metrics.report import make_report, summarize, summary_table
     from infir2_rl.metrics.watch import progress_table, run_stages, stage_progress
 
     make_report(run_dir)
-    console = Console(record=True, width=170, file=open(os.devnull, "w"))  # noqa: SIM115
+    console = Console(record=True, width=150, file=open(os.devnull, "w"))  # noqa: SIM115
     rows = [stage_progress(d) for d in run_stages(run_dir)]
     console.print(
         Group(progress_table(rows), summary_table(summarize(run_dir), title=f"Run summary: {run_dir}"))
     )
     html = Path(tempfile.mkdtemp()) / "report.html"
-    html.write_text(console.export_html(inline_styles=True))
-    driver = browser(1400, 600)
+    html.write_text(console.export_html(theme=MONOKAI, inline_styles=True))
+    driver = browser(1480, 600)
     try:
         driver.get(html.as_uri())
         driver.save_screenshot(str(out))
