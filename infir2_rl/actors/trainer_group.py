@@ -55,7 +55,8 @@ class TrainerGroup:
         if cfg.trainer.backend == "megatron":
             from infir2_rl.trainers.megatron.model import resolve_spec
 
-            resolve_spec(cfg.trainer.megatron_spec, cfg.train_fp8)  # refuses what cannot run, before any actor
+            # Refuses what cannot run (no megatron-core, te spec, context parallelism) before any actor starts.
+            resolve_spec(cfg.trainer.megatron_spec, cfg.train_fp8, cfg.trainer.context_parallel_size)
             self.model_parallel = cfg.trainer.model_parallel_size
         self.num_workers = cfg.trainer.num_workers
         self.trainer_cfg = cfg.trainer
@@ -145,8 +146,9 @@ class TrainerGroup:
 
     def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
         """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective);
-        ``fp8=False`` for BF16 engines (weight_sync.mode bf16)."""
-        if self.fsdp or self.model_parallel > 1:  # collective: FSDP gathers shards, megatron TP gathers shards
+        ``fp8=False`` for BF16 engines (precision bf16)."""
+        # Collective: FSDP gathers shards, megatron TP gathers shards.
+        if self.fsdp or self.model_parallel > 1:
             return unpack_tensors(self._all("export_weights", fp8)[0])
         return unpack_tensors(ray.get(self.workers[0].export_weights.remote(fp8)))
 

@@ -112,12 +112,9 @@ class _StageBase(_Config):
                 f"trainer.num_workers={t.num_workers}: must be divisible by trainer.tensor_parallel_size x"
                 f" trainer.context_parallel_size = {model_parallel}; use a multiple of {model_parallel}"
             )
+        # Megatron: the TP sizes the model allows; what needs the runtime (megatron-core, the spec) is checked
+        # by TrainerGroup before any actor starts.
         if t.backend == "megatron":
-            if t.context_parallel_size > 1 and t.megatron_spec != "te":
-                raise ValueError(
-                    f"trainer.context_parallel_size={t.context_parallel_size}: only trainer.megatron_spec=te"
-                    " has context parallelism; set it to 1 or use the te spec"
-                )
             check_model_dir(self.model.path, t.tensor_parallel_size, self.train_fp8)
         dp = t.data_parallel_size
         per_step = t.micro_batch_size * dp

@@ -44,7 +44,7 @@ def megatron_available() -> bool:
     )
 
 
-def resolve_spec(setting: str, fp8: bool) -> str:
+def resolve_spec(setting: str, fp8: bool, context_parallel_size: int = 1) -> str:
     """The layer spec to build: ``local`` for ``local`` and ``auto``; refuses what cannot run.
 
     ``te`` is refused until its train step exists (see TE_NOT_BUILT), so ``auto`` means ``local`` for now,
@@ -56,6 +56,11 @@ def resolve_spec(setting: str, fp8: bool) -> str:
         raise ValueError(MEGATRON_MISSING)
     if setting == "te":
         raise ValueError(TE_NOT_BUILT)
+    if context_parallel_size > 1:
+        raise ValueError(
+            f"trainer.context_parallel_size={context_parallel_size}: the local megatron spec has no context"
+            " parallelism (only the te spec would, and it is not built yet); set it to 1"
+        )
     return "local"
 
 

@@ -83,13 +83,8 @@ class MegatronTrainer:
         self.compute_dtype = resolve_compute_dtype(model_cfg.dtype, self.device)
         self.optimizer_cfg = optimizer_cfg
         self.fp8, self.pow2_scales = fp8, trainer_cfg.fp8_pow2_scales
-        self.spec = resolve_spec(trainer_cfg.megatron_spec, fp8)
         self.tp, cp = trainer_cfg.tensor_parallel_size, trainer_cfg.context_parallel_size
-        if cp > 1:
-            raise ValueError(
-                f"trainer.context_parallel_size={cp}: the local megatron spec has no context parallelism;"
-                " set it to 1 (context parallelism needs trainer.megatron_spec=te)"
-            )
+        self.spec = resolve_spec(trainer_cfg.megatron_spec, fp8, cp)
         self.path = model_cfg.path
         self.hf_config: Any = AutoConfig.from_pretrained(self.path, local_files_only=True)
         check_tensor_parallel(self.hf_config.to_dict(), self.tp, self.fp8)
