@@ -2,8 +2,11 @@
 # Issue 17's runs, for ONE machine with TWO GPUs. NOT RUN: no machine with two or more GPUs was available when
 # this was written (docs/performance.md, "Two GPUs"). From the repository root, with the project installed:
 #
-#   bash bench/two_gpu.sh OUT_DIR [PART...]       # PART: dp sync rl megatron (default: all four, in that order)
+#   bash bench/two_gpu.sh OUT_DIR [PART...]       # PART: tests dp sync rl megatron (default: all, in that order)
 #
+# tests     The nccl transport on real NCCL first (trainer actor on GPU 0, engine actor on GPU 1): pushes land byte
+#           for byte, and a killed engine fails the push within weight_sync.timeout_s while the trainer process
+#           survives (torch's NCCL wait-with-timeout abort path); then the one-GPU -m gpu tests of the pieces used.
 # dp        The 100m GPU pipeline (configs/gpu/pipeline_100m.yaml, unified_fp8) three times: on GPU 0 alone
 #           (one trainer worker, its engine colocated), then on both GPUs with trainer.num_workers=2 (FSDP2) and
 #           one colocated engine per GPU, gathering BF16 (trainer.fsdp_param_dtype=auto, the GPU default) and
@@ -19,9 +22,9 @@
 # are medians over a stage's steps after its first (start-up and CUDA-graph capture excluded), read from the
 # run's metrics.jsonl: perf/step_time_s (trainer), time/<phase>_s (RL phases), weight_sync/push_s.
 set -u
-out=${1:?usage: bash bench/two_gpu.sh OUT_DIR [dp|sync|rl|megatron ...]}
+out=${1:?usage: bash bench/two_gpu.sh OUT_DIR [tests|dp|sync|rl|megatron ...]}
 shift
-parts=${*:-dp sync rl megatron}
+parts=${*:-tests dp sync rl megatron}
 mkdir -p "$out"
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
@@ -58,6 +61,11 @@ EOF
 
 for part in $parts; do
     case $part in
+    tests)
+        python -m pytest -q -p no:cacheprovider tests/test_weight_sync_nccl_ray.py -k gpu 2>&1 | tee "$out/tests_nccl.log"
+        python -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_sync_ipc.py tests/test_trainer_gpu.py \
+            2>&1 | tail -5 | tee "$out/tests_gpu.log"
+        ;;
     dp)
         pipeline one_gpu 0
         # Same global batches: SFT's 64 conversations as 2 ranks x one micro-batch of 32, RL's 256 samples as 2 x 128.
@@ -81,6 +89,6 @@ for part in $parts; do
             sft:trainer.num_workers=2 rl:trainer.num_workers=2  # one model replica: TP ranks share each micro-batch
         step_times "$out/one_gpu" "$out/megatron_tp2" | tee "$out/megatron_step_times.txt"
         ;;
-    *) echo "unknown part $part (dp, sync, rl, megatron)"; exit 2 ;;
+    *) echo "unknown part $part (tests, dp, sync, rl, megatron)"; exit 2 ;;
     esac
 done

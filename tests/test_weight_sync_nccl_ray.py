@@ -1,6 +1,7 @@
 """weight_sync.transport=nccl over real Ray on CPU (gloo): a trainer group's rank 0 broadcasts to a native
 engine actor; pushes between train steps land byte for byte, stale versions are refused, and an engine
-that dies fails the push within the timeout while the trainer stays usable."""
+that dies fails the push within the timeout while the trainer stays usable. The same test on two GPUs (real
+NCCL; skipped elsewhere) is part of bench/two_gpu.sh. Last, an RL stage end to end over the group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from infir2_rl.actors.placement import reserve_for
 from infir2_rl.actors.rollout_engine import create_engines
@@ -37,21 +39,35 @@ def ray_local() -> Iterator[None]:
     ray.shutdown()
 
 
+# "gpu": the same on two GPUs (trainer on one, engine on the other; real NCCL), run by bench/two_gpu.sh.
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
+)
+
+
 @pytest.mark.usefixtures("ray_local")
-def test_trainer_rank0_broadcasts_to_an_engine_actor(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("where", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_trainer_rank0_broadcasts_to_an_engine_actor(
+    tmp_path_factory: pytest.TempPathFactory, where: str
+) -> None:
     from transformers import AutoTokenizer
 
     from infir2_rl.data.datasets import load_sft_examples
 
+    timeout_s = 20.0 if where == "gpu" else 5.0  # NCCL's first communicator takes seconds to set up
     root = tmp_path_factory.mktemp("nccl")
     model = init_model(root / "model", "tiny")  # 4 layers: 1.1 MB, two 1 MiB buckets
     cfg = RlStageConfig.model_validate(
         {
             "model": {"path": str(model)},
             "rollout": {"num_engines": 1, "max_response_len": 4},
-            "placement": {"use_gpu": "no", "cpus_per_actor": 1},
+            "placement": {
+                "use_gpu": "yes" if where == "gpu" else "no",
+                "mode": "disaggregate",
+                "cpus_per_actor": 1,
+            },
             "trainer": {"micro_batch_size": 4},
-            "weight_sync": {"transport": "nccl", "bucket_size_mb": 1, "timeout_s": 5.0},
+            "weight_sync": {"transport": "nccl", "bucket_size_mb": 1, "timeout_s": timeout_s},
         }
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -60,10 +76,11 @@ def test_trainer_rank0_broadcasts_to_an_engine_actor(tmp_path_factory: pytest.Te
     )
     batch = to_token_batch(examples, tokenizer.pad_token_id)
     placement = reserve_for(cfg.placement, num_trainers=1, num_engines=1)
+    assert placement.plan.use_gpu == (where == "gpu") and not placement.plan.colocate
     trainer = TrainerGroup(cfg, placement, total_steps=3)
     engines = create_engines(cfg, placement)
     try:
-        # Started first: the 5 s timeout is for the push, not for an engine's start-up.
+        # Started first: the timeout is for the push, not for an engine's start-up.
         ray.get([e.health.remote() for e in engines])
         sync = _weight_sync(cfg, engines, "nccl")
         assert isinstance(sync.transport, NcclTransport)
@@ -84,10 +101,10 @@ def test_trainer_rank0_broadcasts_to_an_engine_actor(tmp_path_factory: pytest.Te
         start = time.monotonic()
         with pytest.raises((WeightSyncError, ray.exceptions.ActorDiedError)):
             sync.push_from(trainer, fp8=True, version=3)
-        # Trainer rank 0's own broadcast gave up (connection closed, or its 5 s timeout) and broke the group:
+        # Trainer rank 0's own broadcast gave up (connection closed, or its timeout) and broke the group:
         # it answers, and refuses to broadcast into the broken group.
         with pytest.raises(WeightSyncError, match="broke earlier"):
-            ray.get(trainer.weight_sender().broadcast_bucket.remote(0, 5.0))
+            ray.get(trainer.weight_sender().broadcast_bucket.remote(0, timeout_s))
         assert time.monotonic() - start < 60
         assert len(trainer.export_weights(fp8=True)) == len(sent)
     finally:
