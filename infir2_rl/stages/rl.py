@@ -25,13 +25,14 @@ from infir2_rl.algo.loss_fns import GrpoLoss
 from infir2_rl.algo.mismatch import mismatch_metrics
 from infir2_rl.checkpoint import CheckpointManager, save_checkpoint
 from infir2_rl.config import RlStageConfig, validate_paths
-from infir2_rl.metrics import MetricsLogger, PhaseTimer, names, progress
+from infir2_rl.metrics import MetricsLogger, PhaseTimer, names
 from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
 from infir2_rl.stages.common import (
     CHECKPOINTS_DIR,
     StageResult,
     final_from_checkpoint,
     is_due,
+    progress_bar,
     publish_final,
     resume_state,
     stage_run_dir,
@@ -69,7 +70,7 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
                 MetricsLogger(
                     run_dir, tensorboard=m.tensorboard, ray_metrics=m.ray_metrics, stage=cfg.name
                 ) as logger,
-                progress(last_step, cfg.name, None if m.progress_bar else False) as bar,
+                progress_bar(cfg, last_step) as bar,
             ):
                 bar.update(state.step)
                 if resumed is None and data.test:  # the starting point of the accuracy curve
