@@ -24,13 +24,19 @@ communicator). Every broadcast is ``work.wait(timeout)``: gloo raises at the tim
 peer's connection closes); NCCL (torch >= 2.4) blocks the CPU until the work completes or the timeout
 passes, then aborts the communicator and raises. Any failure marks the group broken: the collective
 sequence can no longer be trusted, so later broadcasts refuse at once with ``WeightSyncError`` instead of
-pairing bytes with the wrong bucket. The NCCL watchdog's own timeout is set ``WATCHDOG_MARGIN_S`` later
-than ours, so our wait handles a stuck peer before the watchdog would tear the process down.
+pairing bytes with the wrong bucket. The NCCL watchdog must not kill the process either: a ProcessGroupNCCL
+reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` when it is built, and the default (3, SkipCleanUp) tears the whole
+process down when a collective of the group fails or times out; this group is built with 2 (CleanUpOnly:
+abort the communicator, keep the process), the trainer's own groups keep the default. The watchdog's timeout
+is also set ``WATCHDOG_MARGIN_S`` later than ours, so our wait reports a stuck peer first. (Torch source, not
+run: no GPUs here.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +51,9 @@ log = logging.getLogger(__name__)
 WEIGHT_GROUP_NAME = "infir2_weight_sync"
 # The NCCL watchdog fires this much later than our own wait, which aborts first (see the module docstring).
 WATCHDOG_MARGIN_S = 60.0
+# TORCH_NCCL_ASYNC_ERROR_HANDLING of the weight group: CleanUpOnly (abort the communicator, keep the process).
+NCCL_ERROR_HANDLING = "2"
+_ENV_LOCK = threading.Lock()
 
 
 def group_backend(device: torch.device) -> str:
@@ -160,4 +169,14 @@ def _make_backend(backend: str, store: Any, rank: int, world_size: int, timeout:
     opts = ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
     opts._timeout = timeout + timedelta(seconds=WATCHDOG_MARGIN_S)
-    return ProcessGroupNCCL(store, rank, world_size, opts)
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    with _ENV_LOCK:  # read once, in the constructor: set for this group only (see the module docstring)
+        before = os.environ.get(name)
+        os.environ[name] = NCCL_ERROR_HANDLING
+        try:
+            return ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
