@@ -2,10 +2,11 @@
 
 Every `interval_s` it re-reads each stage's `metrics.jsonl`, redraws the report PNGs (RUN_DIR/report/)
 and shows one progress bar per stage with its ETA above the run summary table. A stage's planned step
-count comes from `RUN_DIR/<stage>/progress.json`, written when its training loop starts
-(`write_stage_plan`); an RL stage that has none is read from its config.yaml (`rollout.num_steps`,
-capped by `trainer.max_steps`). The ETA is the stage's mean seconds per step since its latest
-(re)start times the steps left; step 0 (the evaluation before training) is not counted as a step.
+count and start time come from `RUN_DIR/<stage>/progress.json`, written when its training loop (re)starts
+(`write_stage_plan`, called by `stages.common.progress_bar`); an RL stage written before that file
+existed is read from its config.yaml (`rollout.num_steps`, capped by `trainer.max_steps`). The ETA is the
+stage's mean seconds per step since its latest (re)start times the steps left; step 0 (the evaluation
+before training) is not counted as a step.
 """
 
 from __future__ import annotations
