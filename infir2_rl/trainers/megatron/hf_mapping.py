@@ -166,7 +166,7 @@ def megatron_to_hf(mc: Mapping[str, Tensor], arch: Arch, fused_norms: bool = Fal
 
 
 # ---------------------------------------------------------------------- tensor-parallel shards
-def _split_kind(name: str) -> str:
+def split_kind(name: str) -> str:
     """How a megatron tensor is split over TP ranks: rows, columns, halves (fc1) or replicated."""
     if name.endswith(
         ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
@@ -189,7 +189,7 @@ def pad_vocab(name: str, t: Tensor, arch: Arch, tp: int) -> Tensor:
 
 def shard(name: str, full: Tensor, rank: int, size: int) -> Tensor:
     """This TP rank's piece of a full megatron tensor (vocab tensors must already be padded)."""
-    kind = _split_kind(name)
+    kind = split_kind(name)
     if size == 1 or kind == "replicated":
         return full
     if kind == "rows":
@@ -202,7 +202,7 @@ def shard(name: str, full: Tensor, rank: int, size: int) -> Tensor:
 
 def unshard(name: str, pieces: list[Tensor]) -> Tensor:
     """Inverse of `shard` given every rank's piece in rank order."""
-    kind = _split_kind(name)
+    kind = split_kind(name)
     if len(pieces) == 1 or kind == "replicated":
         return pieces[0]
     if kind == "rows":

@@ -111,6 +111,10 @@ class MegatronTrainer:
         self.model.to(self.device)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Parameters split over TP ranks, from our mapping (megatron marks some only when it initializes them).
+        self.tp_sharded = {
+            id(p) for name, p in self.model.named_parameters() if hfm.split_kind(name) != "replicated"
+        }
         self.optimizer = build_optimizer(self.params, optimizer_cfg)
         self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
         self.step = 0
@@ -307,7 +311,7 @@ class MegatronTrainer:
             if p.grad is None:
                 continue
             sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if id(p) in self.tp_sharded:
                 sharded += sq
             else:
                 replicated += sq
