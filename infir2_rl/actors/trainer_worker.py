@@ -214,7 +214,7 @@ class TrainerWorker:
         return self._broadcast.open_group(ray.util.get_node_ip_address(), self.backend.device, timeout_s)
 
     def join_weight_group(self, world_size: int, backend: str, group_name: str, timeout_s: float) -> None:
-        """Rank 0: join the weight group as its rank 0 (returns when every engine has joined)."""
+        """Rank 0: join the weight group as its rank 0 (gloo: returns once every engine is connected)."""
         self._broadcast.join_group(world_size, backend, group_name, timeout_s)
 
     def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:

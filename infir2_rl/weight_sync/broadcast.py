@@ -87,7 +87,7 @@ class BroadcastExport:
         return host, port, group_backend(device)
 
     def join_group(self, world_size: int, backend: str, group_name: str, timeout_s: float) -> None:
-        """Join as rank 0 (returns when every engine has joined); call after ``open_group``."""
+        """Join as rank 0 (gloo: returns once every engine is connected); call after ``open_group``."""
         if self._store is None:
             raise RuntimeError("join_group before open_group: the sender hosts the group's store")
         self.group = WeightGroup.join(

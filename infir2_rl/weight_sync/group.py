@@ -19,8 +19,10 @@ Ranks: 0 is the trainer's sender; engine i's ranks follow (``rank_offset``: 1 + 
 before it; a native engine has one rank, an SGLang engine one per TP rank).
 
 Timeouts (the trl#6913 lesson: a broadcast without one hangs forever when a peer dies): every step has one.
-Joining waits at most ``timeout_s`` for all ranks (and runs one small broadcast, which also creates the NCCL
-communicator). Every broadcast is ``work.wait(timeout)``: gloo raises at the timeout (or at once when a
+Joining waits at most ``timeout_s`` for the store and, with gloo, for every rank (gloo connects its full mesh
+when the group is built). It runs no collective: an SGLang server's ``init_weights_update_group`` only builds
+the group, so an extra collective would pair with the first bucket. NCCL creates its communicator lazily, in
+the first bucket's broadcast (within that broadcast's timeout). Every broadcast is ``work.wait(timeout)``: gloo raises at the timeout (or at once when a
 peer's connection closes); NCCL (torch >= 2.4) blocks the CPU until the work completes or the timeout
 passes, then aborts the communicator and raises. Any failure marks the group broken: the collective
 sequence can no longer be trusted, so later broadcasts refuse at once with ``WeightSyncError`` instead of
@@ -92,7 +94,7 @@ class WeightGroup:
         timeout_s: float,
         store: Any = None,
     ) -> WeightGroup:
-        """Join as ``rank`` (rank 0 passes the store it hosts); returns when every rank has joined."""
+        """Join as ``rank`` (rank 0 passes the store it hosts); gloo returns once every rank is connected."""
         from torch.distributed import PrefixStore, TCPStore
 
         if not 0 <= rank < world_size:
@@ -114,10 +116,6 @@ class WeightGroup:
                 f"{what}: not every member joined within weight_sync.timeout_s={timeout_s} ({exc})"
             ) from exc
         group = cls(pg, store, rank, world_size, backend, timeout_s)
-        probe = torch.ones(1, device=device) if rank == 0 else torch.zeros(1, device=device)
-        group.broadcast_(probe, what)
-        if probe.item() != 1:
-            raise WeightSyncError(f"weight group {group_name!r}: the join probe arrived as {probe.item()}")
         log.info("weight group %r: rank %d of %d joined (%s)", group_name, rank, world_size, backend)
         return group
 

@@ -14,8 +14,8 @@ Protocol (who calls what, in which order; ``Any`` objects are Ray actor handles 
    ``sender.join_weight_group(world_size, backend, group_name, timeout_s)`` (rank 0) and on engine i
    ``engine.init_weights_update_group(host, port, rank_offset_i, world_size, group_name, backend, timeout_s)``
    (positional; an engine backend must accept all seven). Ranks: 0 the sender, then each engine's ranks (``ranks_per_engine``: 1 for a native
-   engine, the TP size for SGLang, whose TP rank r takes ``rank_offset + r``); all calls return once every
-   rank has joined (``group.py``: store layout, timeouts).
+   engine, the TP size for SGLang, whose TP rank r takes ``rank_offset + r``); all calls return once the group
+   is built: no collective runs at joining (``group.py``: store layout, timeouts).
 2. Every push: ``source.export_broadcast_buckets(fp8, max_bytes, version)`` -> ``BucketMeta``s (collective
    over the trainer's ranks under FSDP / TP; rank 0 keeps the flat buffers, ``broadcast.py``).
 3. Bucket i, in order: concurrently ``sender.broadcast_bucket(i, timeout_s)`` and on every engine

@@ -80,7 +80,7 @@ class WeightReceiver:
         backend: str,
         timeout_s: float,
     ) -> None:
-        """Join the trainer's weight group as ``rank`` (returns when every member has joined)."""
+        """Join the trainer's weight group as ``rank`` (gloo: returns once every member is connected)."""
         if self.group is not None:
             self.group.close()
         self.group = WeightGroup.join(
