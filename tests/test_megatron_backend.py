@@ -131,3 +131,25 @@ def test_greedy_generation_uses_the_current_weights(assets: tuple) -> None:
     torch_tr, mega = make("torch", model, fp8=True), make("megatron", model, fp8=True)
     prompts = [batches[0].input_ids[0, :8].tolist(), batches[1].input_ids[0, :5].tolist()]
     assert mega.generate_greedy(prompts, 6) == torch_tr.generate_greedy(prompts, 6)
+
+
+def test_tensor_parallel_sizes_the_model_cannot_shard_are_refused_by_the_stage_check(assets: tuple) -> None:
+    from infir2_rl.config import SftStageConfig
+
+    model, _ = assets
+
+    def stage(precision: str, tp: int) -> SftStageConfig:
+        trainer = {
+            "backend": "megatron",
+            "num_workers": tp,
+            "tensor_parallel_size": tp,
+            "micro_batch_size": 2,
+        }
+        return SftStageConfig(model={"path": str(model)}, precision=precision, trainer=trainer)
+
+    # tiny: 64 q rows and 32 k/v rows per rank at TP=2: not whole 128-row FP8 blocks; fine without FP8.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not fit .*it allows \[1\] with FP8"):
+        stage("fp8", 2)
+    assert stage("bf16", 2).trainer.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not fit .*divisible"):
+        stage("bf16", 3)
