@@ -121,6 +121,7 @@ class BroadcastExport:
                 WeightBucket(b.version, b.index, b.num_buckets, list(b.names), unflatten_bytes(flat, layout))
             )
             metas.append(BucketMeta(b.version, b.index, b.num_buckets, list(b.names), layout))
+            b.tensors.clear()  # the flat copy is what is held: free the exported tensors as we go
         return metas
 
     def broadcast(self, index: int, timeout_s: float) -> None:
