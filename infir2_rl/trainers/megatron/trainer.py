@@ -78,6 +78,11 @@ class MegatronTrainer:
                 " trainer.backend=megatron"
             )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if model_cfg.gradient_checkpointing and self.device.type != "cuda":
+            raise ValueError(
+                "model.gradient_checkpointing=true with trainer.backend=megatron needs a GPU (megatron's recompute"
+                " saves CUDA RNG states); set it to false on CPU"
+            )
         _ensure_process_group(self.device)
         self.rank, self.world_size = D.rank_and_world()
         self.compute_dtype = resolve_compute_dtype(model_cfg.dtype, self.device)
