@@ -33,7 +33,6 @@ def ray_local() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.mark.slow  # ~70 s on 2 cores: four trainer actors start megatron-core
 def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ray_local: None) -> None:
     # 2 heads of 128, 2 KV heads, MLP 256: at TP=2 every FP8 shard holds whole 128x128 blocks.
     model = init_model(
