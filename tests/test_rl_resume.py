@@ -142,7 +142,6 @@ def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(
     assert max(steps[s]["train/pg_clip_frac"] for s in (1, 2)) > 0
 
 
-@pytest.mark.slow  # 167 s on the shared 2-core machine (a Ray stage with a reference model)
 def test_kl_and_entropy_terms_run_and_are_logged(tmp_path: Path, ray_cluster: object) -> None:
     """algorithm.kl_coef > 0 builds the reference model and logs train/kl (0 while the policy is still the
     reference, > 0 after an update); entropy_coef > 0 logs train/entropy of the tempered distribution."""
