@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infir2_rl.actors.ray_runtime import ensure_ray
 from infir2_rl.config import (
     PipelineConfig,
     RlStageConfig,
@@ -29,6 +28,7 @@ from infir2_rl.config import (
     validate_paths,
 )
 from infir2_rl.config.loader import ConfigError, parse_stage_config
+from infir2_rl.stages.guards import check_stage_data
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ DEMO_PIPELINE = REPO_ROOT / "configs" / "demo" / "pipeline_demo.yaml"
 
 
 def run_stage(cfg: SftStageConfig | RlStageConfig) -> Path:
-    """Run one stage to completion; returns its final HF checkpoint directory."""
-    ensure_ray()
+    """Run one stage to completion; returns its final HF checkpoint directory. The stage starts Ray itself,
+    after checking its input, so that bad input fails in seconds."""
     if cfg.kind == "sft":
         from infir2_rl.stages.sft import run_sft_stage
 
@@ -51,6 +51,7 @@ def run_stage(cfg: SftStageConfig | RlStageConfig) -> Path:
 def run_stage_file(path: str | Path, overrides: Sequence[str] = ()) -> Path:
     cfg = load_stage_config(path, overrides)
     validate_paths(cfg)
+    check_stage_data(cfg)
     return run_stage(cfg)
 
 
@@ -94,6 +95,7 @@ def run_pipeline(
     for i, cfg in enumerate(todo):
         if cfg is not None:
             validate_paths(cfg, check_model=i == 0 and len(todo) == len(resolved))
+            check_stage_data(cfg)  # one batch of usable rows, before Ray starts
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, Path] = {}
     previous: Path | None = None

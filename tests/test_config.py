@@ -291,7 +291,7 @@ def test_pipeline_resumed_after_the_cast_starts_rl_from_the_sft_checkpoint(
     from infir2_rl import pipeline
     from infir2_rl.data.synthetic import make_data
 
-    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=8, num_test=8)
+    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)  # one RL step of prompts
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     done = {"sft_stage1": run_dir / "s1", "sft_stage2": run_dir / "s2", "cast_fp8": run_dir / "cast" / "fp8"}

@@ -11,18 +11,29 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
+import shutil
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import ray
 import torch
 from safetensors.torch import save_file
 
+import infir2_rl.stages.rl as rl_module
+import infir2_rl.stages.sft as sft_module
+from infir2_rl.actors.trainer_group import TrainerGroup
 from infir2_rl.checkpoint import CheckpointManager, DataCursor, StageState, save_checkpoint
 from infir2_rl.cli import main
+from infir2_rl.config import RlStageConfig, SftStageConfig, dump_config, load_stage_config
 from infir2_rl.data.datasets import load_prompt_examples
 from infir2_rl.data.readers import read_records
 from infir2_rl.data.scan import check_fills_batch, scan_prompt_rows
+from infir2_rl.data.synthetic import make_data
 from infir2_rl.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, describe
 from infir2_rl.fp8.checkpoint import cast_checkpoint
 from infir2_rl.fp8.quant import (
@@ -31,8 +42,13 @@ from infir2_rl.fp8.quant import (
     quantize_activation,
     quantize_weight_blockwise,
 )
+from infir2_rl.models.factory import init_model
+from infir2_rl.pipeline import REPO_ROOT
 from infir2_rl.reward.math import MathReward
 from infir2_rl.reward.protocol import score_batch
+from infir2_rl.rollout.manager import RolloutManager
+from infir2_rl.stages.rl import run_rl_stage
+from infir2_rl.stages.sft import run_sft_stage
 
 # ---------------------------------------------------------------- item 5: non-finite weights and blocks
 
@@ -81,6 +97,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _cast_cli(src: Path, dst: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()  # what building the model printed
     code = main(["cast-fp8", "--input", str(src), "--output", str(dst), "--no-progress"])
     return code, capsys.readouterr().err.strip()
 
@@ -243,3 +260,256 @@ def test_pathological_answers_cost_about_one_deadline_per_worker() -> None:
     # One at a time this batch takes at least num_bad x deadline = 4 s; in parallel about one deadline (the
     # fine answers go to the spare children while the killed ones restart).
     assert elapsed < 0.75 * num_bad * deadline, elapsed
+
+
+# ---------------------------------------------------------------- stage-level faults on a real local Ray
+# One Ray cluster, one tiny model and one data set for all of them; each stage runs a few steps.
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    os.environ["INFIR2_RAY_DASHBOARD"] = "0"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("faults")
+    model = init_model(root / "model", preset="tiny", num_hidden_layers=2)
+    make_data(root / "data", num_sft=24, num_rl=16, num_test=4)
+    return model, root / "data"
+
+
+TWO_RANKS: dict[str, Any] = {"num_workers": 2, "max_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def sft_straight(
+    assets: tuple[Path, Path], ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """One uninterrupted 3-step SFT run on two trainer ranks (checkpoints at steps 2 and 3), shared."""
+    run_dir = tmp_path_factory.mktemp("straight") / "sft"
+    run_sft_stage(_sft(assets, run_dir, trainer=TWO_RANKS))
+    return run_dir
+
+
+def _sft(assets: tuple[Path, Path], run_dir: Path, **sections: dict[str, Any]) -> SftStageConfig:
+    model, data = assets
+    base: dict[str, dict[str, Any]] = {
+        "model": {"path": str(model)},
+        "data": {"train_path": str(data / "sft_train.jsonl"), "test_path": None},
+        "trainer": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 3},
+        "optimizer": {"lr": 3e-3, "min_lr": 3e-4},
+        "checkpoint": {"save_every": 1, "keep_last": 2},
+        "metrics": {"tensorboard": False, "ray_metrics": False, "progress_bar": False},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return SftStageConfig(name="sft_faults", run_dir=str(run_dir), **base)
+
+
+def _rl(assets: tuple[Path, Path], run_dir: Path, *overrides: str) -> RlStageConfig:
+    model, data = assets
+    cfg = load_stage_config(
+        REPO_ROOT / "configs" / "demo" / "rl_stage1.yaml",
+        [
+            f"model.path={model}",
+            f"data.train_path={data / 'rl_train.jsonl'}",
+            "data.test_path=null",
+            f"run_dir={run_dir}",
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.over_sampling_prompts=3",
+            "rollout.max_response_len=16",
+            "rollout.num_steps=2",
+            "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=8",
+            "checkpoint.save_every=1",
+            "metrics.progress_bar=false",
+            "metrics.tensorboard=false",
+            "metrics.ray_metrics=false",
+            "placement.cpus_per_actor=1",
+            *overrides,
+        ],
+    )
+    assert isinstance(cfg, RlStageConfig)
+    return cfg
+
+
+def _run_cli(cfg: SftStageConfig | RlStageConfig, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`infir2-rl run CONFIG` on a resolved config; returns (exit code, last stderr line)."""
+    path = Path(cfg.run_dir).parent / f"{Path(cfg.run_dir).name}.yaml"
+    path.write_text(dump_config(cfg))
+    capsys.readouterr()
+    code = main(["run", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    return code, lines[-1] if lines else ""
+
+
+def _metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r for r in rows}
+
+
+def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse() -> None:
+        raise AssertionError("Ray was started for a run that cannot succeed")
+
+    monkeypatch.setattr(sft_module, "ensure_ray", refuse)
+    monkeypatch.setattr(rl_module, "ensure_ray", refuse)
+
+
+# item 1 (a stage that trained nothing), item 7 (empty paths), item 8 (data checked before Ray)
+def test_input_that_cannot_train_fails_before_ray_with_one_line(
+    assets: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _no_ray(monkeypatch)
+    code, line = _run_cli(_sft(assets, tmp_path / "few", trainer={"global_batch_size": 64}), capsys)
+    assert code == EXIT_BAD_INPUT
+    assert "fewer than one batch of trainer.global_batch_size=64: the stage would train nothing" in line
+    assert not (tmp_path / "few" / "final").exists()
+    stage_yaml = tmp_path / "ok.yaml"
+    stage_yaml.write_text(dump_config(_sft(assets, tmp_path / "ok")))
+    for override, field in (
+        ("run_dir=", "run_dir"),
+        ("model.path=", "model.path"),
+        ("data.train_path=", "data.train_path"),
+    ):
+        assert main(["run", str(stage_yaml), override]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{field}=''" in err[0] and "empty" in err[0], err
+    bad = tmp_path / "labels.jsonl"
+    bad.write_text("".join(json.dumps({"prompt": "1+1?", "label": {"x": 2}}) + "\n" for _ in range(4)))
+    code, line = _run_cli(_rl(assets, tmp_path / "rl_bad", f"data.train_path={bad}"), capsys)
+    assert code == EXIT_BAD_INPUT and "no usable prompt row out of 4 (skipped: bad_format=4)" in line
+
+
+# item 2: resume with changed settings; item 3: a dead trainer worker; item 5: non-finite steps in a row
+def test_resume_refuses_a_changed_trajectory_and_records_each_segment(
+    assets: tuple[Path, Path], sft_straight: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "sft"
+    shutil.copytree(sft_straight, run_dir)  # trained 3 steps with lr 3e-3, cosine
+    longer = {**TWO_RANKS, "max_steps": 4, "epochs": 2}  # the stage length may change on resume
+    changed = _sft(assets, run_dir, trainer=longer, optimizer={"lr": 1e-2, "schedule": "constant"})
+    code, line = _run_cli(changed, capsys)
+    assert code == EXIT_BAD_INPUT
+    assert "optimizer.lr: 0.003 -> 0.01; optimizer.schedule: 'cosine' -> 'constant'" in line
+    assert "checkpoint.allow_config_change=true" in line
+    assert "lr: 0.003" in (run_dir / "config.yaml").read_text()  # not rewritten by the refused run
+    assert "stage failed: resume of" in (run_dir / "logs" / "stage.log").read_text().splitlines()[-1]
+    allowed = _sft(
+        assets,
+        run_dir,
+        trainer=longer,
+        optimizer={"lr": 1e-2, "schedule": "constant"},
+        checkpoint={"allow_config_change": True},
+    )
+    assert run_sft_stage(allowed).steps_run == 1
+    segments = sorted((run_dir / "config_segments").glob("segment_*.yaml"))
+    assert [("lr: 0.003" in s.read_text(), "lr: 0.01" in s.read_text()) for s in segments] == [
+        (True, False),
+        (False, True),
+    ]
+    assert _metrics(run_dir)[4]["train/lr"] == 1e-2  # the new settings took effect (they were ignored before)
+
+
+def test_a_killed_trainer_worker_fails_fast_with_its_cause_and_the_rerun_resumes_exactly(
+    assets: tuple[Path, Path],
+    sft_straight: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sections: dict[str, dict[str, Any]] = {"trainer": TWO_RANKS}
+    real_step = TrainerGroup.train_step
+    calls = {"n": 0}
+
+    def kill_rank_1_at_step_3(group: TrainerGroup, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            pid = ray.get(group.workers[1].__ray_call__.remote(lambda w: os.getpid()))
+            os.kill(pid, signal.SIGKILL)  # a crash, not an exception: the process is gone
+        return real_step(group, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerGroup, "train_step", kill_rank_1_at_step_3)
+    run_dir = tmp_path / "killed"
+    start = time.perf_counter()
+    code, line = _run_cli(_sft(assets, run_dir, **sections), capsys)
+    assert code == EXIT_FAILED and time.perf_counter() - start < 120
+    assert "TrainerWorker" in line and "died" in line and "rerun the same command to resume" in line
+    assert (
+        line.split("error: ", 1)[1].split(" (run with -v")[0] in (run_dir / "logs" / "stage.log").read_text()
+    )
+    assert not (run_dir / "final").exists()
+    monkeypatch.setattr(TrainerGroup, "train_step", real_step)
+    resumed = run_sft_stage(_sft(assets, run_dir, **sections))
+    assert resumed.steps_run == 1
+    want, got = _metrics(sft_straight), _metrics(run_dir)
+    assert (
+        got[3]["train/loss"] == want[3]["train/loss"]
+        and got[3]["train/grad_norm"] == want[3]["train/grad_norm"]
+    )
+    a = (sft_straight / "final" / "model.safetensors").read_bytes()
+    assert a == (resumed.final_checkpoint / "model.safetensors").read_bytes()
+
+
+def test_diverged_steps_in_a_row_stop_the_stage_without_publishing(
+    assets: tuple[Path, Path], tmp_path: Path, ray_cluster: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "diverged"
+    cfg = _sft(
+        assets,
+        run_dir,
+        optimizer={"lr": 1e30},
+        trainer={"max_steps": 6, "epochs": 2},
+        checkpoint={"save_every": 0},
+    )
+    code, line = _run_cli(cfg, capsys)
+    assert code == EXIT_FAILED
+    assert (
+        "3 steps in a row" in line and "non-finite gradient norm" in line and "nothing was published" in line
+    )
+    assert not (run_dir / "final").exists()
+    assert max(_metrics(run_dir)) < 6  # stopped early
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(dump_config(_sft(assets, tmp_path / "huge")))
+    assert main(["run", str(huge), "optimizer.lr=1e39"]) == EXIT_BAD_INPUT
+    assert "optimizer.lr=1e+39: not a float32 number" in capsys.readouterr().err
+
+
+# item 3: a rollout engine killed mid-step is replaced and the stage completes
+def test_a_killed_rollout_engine_is_replaced_and_the_stage_completes_as_if_undisturbed(
+    assets: tuple[Path, Path], tmp_path: Path, ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    straight_dir = tmp_path / "straight"
+    run_rl_stage(_rl(assets, straight_dir))
+    real_generate = RolloutManager.generate
+    calls = {"n": 0}
+
+    def kill_engine_in_step_2(manager: RolloutManager, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # step 2's rollout; the retry is call 3
+            pid = ray.get(manager.engines[0].__ray_call__.remote(lambda e: os.getpid()))
+            os.kill(pid, signal.SIGKILL)  # a crash: the generate call below meets a dead process
+        return real_generate(manager, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutManager, "generate", kill_engine_in_step_2)
+    run_dir = tmp_path / "killed"
+    result = run_rl_stage(_rl(assets, run_dir))
+    assert result.steps_run == 2 and (run_dir / "final").is_dir()
+    got, want = _metrics(run_dir), _metrics(straight_dir)
+    assert got[2]["rollout/engine_restarts"] == 1 and got[2]["rollout/step_retries"] == 1
+    assert got[1]["rollout/engine_restarts"] == 0
+    for step in (
+        1,
+        2,
+    ):  # the retried step drew the same prompts and seeds, from an engine with the same weights
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
+            assert got[step][key] == want[step][key], (step, key)
+    assert "replaced rollout engine(s) [0]" in (run_dir / "logs" / "stage.log").read_text()

@@ -138,10 +138,10 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(
     assert len(records(resumed_dir)) == 6
 
 
-def test_no_full_batch_means_nothing_to_do(assets: tuple[Path, Path], tmp_path: Path) -> None:
-    result = run_sft_stage(stage(assets, tmp_path / "run", trainer={"global_batch_size": 64}))
-    assert result.nothing_to_do and result.steps_run == 0
-    assert result.final_checkpoint == assets[0]  # the input model is handed on unchanged
+def test_no_full_batch_fails_instead_of_training_nothing(assets: tuple[Path, Path], tmp_path: Path) -> None:
+    # It once returned the untouched input model as the stage's output, and the pipeline recorded it finished.
+    with pytest.raises(ValueError, match="fewer than one batch of trainer.global_batch_size=64"):
+        run_sft_stage(stage(assets, tmp_path / "run", trainer={"global_batch_size": 64}))
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "final").exists()
 
 

@@ -129,8 +129,6 @@ class RolloutEngine:
 
 def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle]:
     """Start ``cfg.rollout.num_engines`` engine actors in the placement's engine slots (Ray must be initialised)."""
-    import ray
-
     num = cfg.rollout.num_engines
     if cfg.rollout.backend == "sglang" and cfg.weight_sync.self_check_layers:
         raise ValueError(
@@ -140,17 +138,23 @@ def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle
     slots = len(placement.plan.engine.bundles)
     if slots < num:
         raise ValueError(f"rollout.num_engines={num}: the placement plan has {slots} engine slots")
+    return [create_engine(cfg, placement, i) for i in range(num)]
+
+
+def create_engine(cfg: RlStageConfig, placement: Placement, index: int) -> ActorHandle:
+    """Start engine actor ``index`` in its placement slot (also used to replace a dead one)."""
+    import ray
+
     actor_cls: Any = ray.remote(RolloutEngine)
-    return [
-        actor_cls.options(**placement.actor_options("engine", i), max_concurrency=MAX_CONCURRENCY).remote(
-            cfg.rollout,
-            cfg.model.path,
-            dtype=cfg.model.dtype,
-            fp8=cfg.rollout_fp8,
-            pow2_scales=cfg.trainer.fp8_pow2_scales,
-            device="cuda" if placement.plan.use_gpu else "cpu",
-            engine_index=i,
-            gpu_share=placement.plan.engine.gpus if placement.plan.colocate else None,
-        )
-        for i in range(num)
-    ]
+    return actor_cls.options(
+        **placement.actor_options("engine", index), max_concurrency=MAX_CONCURRENCY
+    ).remote(
+        cfg.rollout,
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        fp8=cfg.rollout_fp8,
+        pow2_scales=cfg.trainer.fp8_pow2_scales,
+        device="cuda" if placement.plan.use_gpu else "cpu",
+        engine_index=index,
+        gpu_share=placement.plan.engine.gpus if placement.plan.colocate else None,
+    )

@@ -10,6 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Largest finite float32: a learning rate above it overflows the first optimizer step.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -76,6 +79,11 @@ class OptimizerConfig(_Config):
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:
+        if not self.lr <= FLOAT32_MAX:  # also false for NaN
+            raise ValueError(
+                f"optimizer.lr={self.lr:g}: not a float32 number (largest 3.4e38), the precision the optimizer"
+                " steps in; use a learning rate such as 1e-5"
+            )
         for i, b in enumerate(self.betas):
             if not 0 <= b < 1:
                 raise ValueError(f"optimizer.betas[{i}]={b}: must be in [0, 1), e.g. 0.9")
@@ -109,6 +117,9 @@ class TrainerConfig(_Config):
     pack_sequences: bool = False
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
+    # Stop the stage, publishing nothing, after this many steps in a row skipped for a non-finite gradient
+    # norm (a diverged run); 0 never stops. An RL step counts when all of its optimizer updates were skipped.
+    max_consecutive_skips: int = Field(default=3, ge=0)
     # Megatron only: layer spec. "local": megatron's local modules with the project's FP8 linears and SDPA
     # attention (CPU and any GPU); "te": Transformer Engine's spec (not built yet: refused); "auto": local.
     megatron_spec: Literal["auto", "local", "te"] = "auto"
@@ -228,6 +239,10 @@ class CheckpointConfig(_Config):
     keep_last: int = Field(default=2, ge=1)
     # Resume from the newest checkpoint in the run directory when one exists.
     resume: bool = True
+    # Let a resume continue with a config that differs from the checkpoints' in fields that change training
+    # (stages/guards.py lists the others); False refuses it, naming the fields. Each run's config is kept
+    # in RUN_DIR/config_segments/.
+    allow_config_change: bool = False
 
 
 class MetricsConfig(_Config):

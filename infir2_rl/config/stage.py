@@ -102,9 +102,22 @@ class _StageBase(_Config):
         """Whether the trainer's decoder linears train in blockwise FP8 (from the stage's precision)."""
         raise NotImplementedError
 
+    def _check_paths_not_empty(self) -> None:
+        # An empty path resolves to the current directory: checkpoints would land wherever the command ran.
+        for field, value in (
+            ("run_dir", self.run_dir),
+            ("model.path", self.model.path),
+            ("data.train_path", self.data.train_path),
+            ("data.test_path", self.data.test_path),
+        ):
+            if value is not None and not str(value).strip():
+                fix = "null to disable evaluation" if field == "data.test_path" else "a path"
+                raise ValueError(f"{field}='': empty (it would mean the current directory); set it to {fix}")
+
     @model_validator(mode="after")
     def _check_stage(self) -> _StageBase:
         self._check_kind()
+        self._check_paths_not_empty()
         t = self.trainer
         model_parallel = t.tensor_parallel_size * t.context_parallel_size
         if t.num_workers % model_parallel:

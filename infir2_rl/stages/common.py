@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, DataCursor, StageState
-from infir2_rl.config import RlStageConfig, SftStageConfig, dump_config
+from infir2_rl.config import RlStageConfig, SftStageConfig
+from infir2_rl.errors import describe
 from infir2_rl.metrics import MetricsLogger, names, progress
 from infir2_rl.metrics.watch import write_stage_plan
+from infir2_rl.stages.guards import ConfigSegments
 from infir2_rl.types import TrainStats
 
 log = logging.getLogger(__name__)
@@ -44,10 +46,11 @@ class StageResult:
 
 @contextmanager
 def stage_run_dir(cfg: SftStageConfig | RlStageConfig) -> Iterator[Path]:
-    """Create RUN_DIR, write the resolved config.yaml, and copy the log to RUN_DIR/logs/stage.log."""
+    """Create RUN_DIR, copy the log to RUN_DIR/logs/stage.log, check a resume against the config its
+    checkpoints were trained with and record this run's config (guards.ConfigSegments: config.yaml and
+    config_segments/). A failure inside ends stage.log with the one line the command prints (errors.py)."""
     run_dir = Path(cfg.run_dir)
     (run_dir / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
     handler = logging.FileHandler(run_dir / LOG_FILE)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("infir2_rl")
@@ -55,7 +58,15 @@ def stage_run_dir(cfg: SftStageConfig | RlStageConfig) -> Iterator[Path]:
     if root.getEffectiveLevel() > logging.INFO:
         root.setLevel(logging.INFO)
     try:
+        resuming = cfg.checkpoint.resume and bool(CheckpointManager(run_dir / CHECKPOINTS_DIR).complete())
+        ConfigSegments(run_dir).begin(cfg, resuming=resuming, allow_change=cfg.checkpoint.allow_config_change)
         yield run_dir
+    except BaseException as exc:
+        _, line = describe(exc)  # the terminal gets the same line from the command (cli.py)
+        handler.handle(
+            log.makeRecord(log.name, logging.ERROR, __file__, 0, "stage failed: %s", (line,), None)
+        )
+        raise
     finally:
         root.removeHandler(handler)
         handler.close()

@@ -38,6 +38,8 @@ from infir2_rl.stages.common import (
     stage_run_dir,
     train_metrics,
 )
+from infir2_rl.stages.guards import SkipStreak, check_prompts_fill_step
+from infir2_rl.stages.recovery import EngineRecovery
 from infir2_rl.stages.rl_setup import RlActors, load_rl_data, start_rl_actors
 from infir2_rl.types import PushStats, TokenBatch, TrainStats
 
@@ -48,6 +50,7 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
     """Run (or resume) one RL stage to its last step; returns RUN_DIR/final and the last metrics."""
     validate_paths(cfg)  # bad paths and data fail here, before any actor starts
     data = load_rl_data(cfg)
+    check_prompts_fill_step(cfg, len(data.train))
     last_step = min(cfg.rollout.num_steps, cfg.trainer.max_steps or sys.maxsize)
     with stage_run_dir(cfg) as run_dir:
         ckpts = CheckpointManager(run_dir / CHECKPOINTS_DIR, cfg.checkpoint.keep_last)
@@ -59,11 +62,13 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
             )
             final = final_from_checkpoint(resumed, run_dir)
             return StageResult(final, run_dir, steps_run=0, last_step=state.step, nothing_to_do=True)
+        ensure_ray()  # after every check of the input: bad input fails in seconds, without Ray
         actors = start_rl_actors(
             cfg, data, total_steps=last_step * cfg.updates_per_rollout, resume_from=resumed, state=state
         )
         loss_fn = GrpoLoss(cfg.algorithm, cfg.rollout.temperature)
         timer, summary, first = PhaseTimer(), dict[str, float](), state.step + 1
+        recovery, streak = EngineRecovery(cfg, actors), SkipStreak(cfg.trainer.max_consecutive_skips)
         m = cfg.metrics
         try:
             with (
@@ -74,11 +79,11 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
             ):
                 bar.update(state.step)
                 if resumed is None and data.test:  # the starting point of the accuracy curve
-                    logger.log(0, actors.evaluate(data.test))
+                    logger.log(0, recovery.run(lambda: actors.evaluate(data.test), "evaluation"))
                 for step in range(first, last_step + 1):
                     timer.reset()
                     with timer("rollout"):
-                        batch = actors.manager.generate(actors.prompts)
+                        batch = recovery.run(lambda: actors.manager.generate(actors.prompts), f"step {step}")
                     result = rl_step(cfg, actors, batch, loss_fn, step, timer)
                     metrics = result.metrics
                     state.step, state.skipped_steps = step, state.skipped_steps + result.num_skipped_updates
@@ -86,16 +91,19 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
                     metrics[names.TRAIN_SKIPPED_STEPS] = float(state.skipped_steps)
                     if is_due(step, cfg.rollout.eval_every, last_step):
                         with timer("eval"):
-                            metrics |= actors.evaluate(data.test)
+                            metrics |= recovery.run(lambda: actors.evaluate(data.test), "evaluation")
                     if is_due(step, cfg.checkpoint.save_every, last_step):
                         with timer("checkpoint"):
                             save_checkpoint(actors.checkpointable(), ckpts, state)
-                    metrics |= timer.as_metrics()
+                    metrics |= timer.as_metrics() | recovery.metrics()
                     logger.log(step, metrics)
                     summary |= metrics
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics[names.ROLLOUT_REWARD_MEAN]:.3f}")
                     log.info("step %d/%d %s", step, last_step, _brief(metrics))
+                    updates = int(metrics[names.TRAIN_UPDATES_PER_ROLLOUT])
+                    skipped, lr = result.num_skipped_updates, metrics[names.TRAIN_LR]
+                    streak.update(step=step, num_updates=updates, num_skipped=skipped, lr=lr, stage=cfg.name)
             final = publish_final(actors.trainer.save_hf, run_dir)
         finally:
             actors.shutdown()

@@ -22,6 +22,7 @@ from infir2_rl.actors.trainer_group import placed_trainer_group
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, save_checkpoint
 from infir2_rl.config import SftStageConfig, validate_paths
 from infir2_rl.data.datasets import load_sft_examples
+from infir2_rl.data.scan import check_fills_batch
 from infir2_rl.metrics import names
 from infir2_rl.stages.common import (
     CHECKPOINTS_DIR,
@@ -36,6 +37,7 @@ from infir2_rl.stages.common import (
     stage_run_dir,
     train_metrics,
 )
+from infir2_rl.stages.guards import SkipStreak
 from infir2_rl.stages.sft_eval import SftLossFn, evaluate, load_eval_set, num_target_tokens, to_token_batch
 
 log = logging.getLogger(__name__)
@@ -48,20 +50,24 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
     validate_paths(cfg)  # bad paths and data fail here, before any actor starts
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
     d, t = cfg.data, cfg.trainer
-    train, _ = load_sft_examples(
+    train, report = load_sft_examples(
         d.train_path, tokenizer, messages_key=d.messages_key, max_seq_len=d.max_seq_len, format=d.format
     )
+    # A stage that would train nothing fails here, before Ray starts (it once exited 0 and handed on the
+    # untouched input model).
+    check_fills_batch(report, t.global_batch_size, "trainer.global_batch_size", loaded=True)
     eval_set = load_eval_set(d, tokenizer)
     steps_per_epoch = len(train) // t.global_batch_size
     last_step = min(t.epochs * steps_per_epoch, t.max_steps or sys.maxsize)
     with stage_run_dir(cfg) as run_dir:
         ckpts = CheckpointManager(run_dir / CHECKPOINTS_DIR, cfg.checkpoint.keep_last)
         state, resumed = resume_state(ckpts, cfg.checkpoint.resume, len(train))
-        if last_step == 0 or state.step >= last_step:
-            return _nothing_to_do(cfg, last_step, len(train), state.step, resumed)
+        if state.step >= last_step:
+            return _nothing_to_do(cfg, last_step, state.step, resumed)
         ensure_ray()
         summary: dict[str, float] = {}
         first = state.step + 1
+        streak = SkipStreak(t.max_consecutive_skips)
         with placed_trainer_group(cfg, total_steps=last_step) as group:
             if resumed is not None:
                 group.load(resumed.path)
@@ -83,24 +89,18 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
                     logger.log(step, metrics)
                     summary |= metrics
                     _show_progress(bar, step, last_step, metrics)
+                    streak.update(
+                        step=step, num_updates=1, num_skipped=int(stats.skipped), lr=stats.lr, stage=cfg.name
+                    )
                     if is_due(step, cfg.checkpoint.save_every, last_step):
                         save_checkpoint(group, ckpts, state)
             final = publish_final(group.save_hf, run_dir)
     return StageResult(final, run_dir, steps_run=last_step - first + 1, last_step=last_step, summary=summary)
 
 
-def _nothing_to_do(
-    cfg: SftStageConfig, last_step: int, num_examples: int, step: int, resumed: Checkpoint | None
-) -> StageResult:
+def _nothing_to_do(cfg: SftStageConfig, last_step: int, step: int, resumed: Checkpoint | None) -> StageResult:
     run_dir = Path(cfg.run_dir)
-    if last_step == 0:
-        log.warning(
-            "SFT stage %s: nothing to do: %d training examples give no full batch of trainer.global_batch_size=%d"
-            " (or trainer.max_steps/epochs allow none); no step was run and no checkpoint written",
-            cfg.name, num_examples, cfg.trainer.global_batch_size,
-        )  # fmt: skip
-        return StageResult(Path(cfg.model.path), run_dir, steps_run=0, last_step=0, nothing_to_do=True)
-    assert resumed is not None  # state.step > 0 only comes from a checkpoint
+    assert resumed is not None  # state.step >= last_step >= 1 only comes from a checkpoint
     log.warning(
         "SFT stage %s: nothing to do: checkpoint %s is at step %d of %d; no step was run",
         cfg.name, resumed.path, step, last_step,
