@@ -268,8 +268,15 @@ def main(argv: list[str] | None = None) -> dict:
     b = engine_taps(engine, ids, args.prompt_len, args.temperature, args.engine_path)
     pow2 = trainer.pow2_scales if args.precision == "fp8" else None
     report = compare(a, b, engine.config.num_hidden_layers, args.prompt_len, length, pow2)
-    lp = report["ops"]["logprob"]["decode"]
-    report["summary"] = {"max_abs_dlogp_decode": lp["max_abs"]}
+    decode = [p for p in range(args.prompt_len, length - 1)]
+    lp_train, lp_engine = a.stacked("logprob", decode), b.stacked("logprob", decode)
+    assert lp_train is not None and lp_engine is not None
+    r = (lp_train.double() - lp_engine.double()).flatten()
+    report["summary"] = {  # over decode positions; r = logp_train - logp_engine, K3 = E[e^r - r - 1]
+        "max_abs_dlogp_decode": float(r.abs().max()),
+        "mean_abs_dlogp_decode": float(r.abs().mean()),
+        "k3_decode": float((r.exp() - r - 1).mean()),
+    }
     report["setup"] = {
         **{k: v for k, v in vars(args).items() if k != "out"}, "model_path": path,
         "torch": torch.__version__, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -277,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trainer_compute_dtype": str(trainer.compute_dtype), "engine_dtype": str(engine.dtype),
     }  # fmt: skip
     print_table(report)
+    print("decode log-probs:", report["summary"])
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

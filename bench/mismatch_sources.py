@@ -19,6 +19,8 @@ cause on random inputs at a model's shapes, with everything else held equal:
 * ``rms_norm_by_M``: RMSNorm of all rows against one row.
 * ``log_softmax_formula``: ``z[y] - logsumexp(z)`` (trainer's chunked scorer) against ``log_softmax(z)[y]``
   (engine's sampler).
+* ``fp32_vs_bf16_activation_before_quant``: the same FP32 activations quantized as they are (the trainer under
+  autocast: FP32 residual stream and norm outputs) and after rounding to BF16 (a BF16 engine).
 * ``e4m3_flip_rate``: how often a relative perturbation of one ulp of the compute dtype in every element
   changes a tile's e4m3 codes (how FP8 amplifies the differences above into whole e4m3 steps).
 Each row reports the largest absolute difference and the fraction of elements that differ.
@@ -136,6 +138,14 @@ def run(device: str, dtype: torch.dtype, shape: str, rows: int, seq: int) -> dic
             "scales_changed": float((sa != sb).double().mean()),
         }
     out["e4m3_flip_rate"] = flips
+    a32 = (torch.randn(4096, 128, generator=g) * 3).to(device)
+    q32, s32 = quantize_activation_eager(a32)
+    q16, s16 = quantize_activation_eager(a32.bfloat16())
+    out["fp32_vs_bf16_activation_before_quant"] = {
+        "tiles_with_code_change": float((q32.float() != q16.float()).any(-1).double().mean()),
+        "elements_with_code_change": float((q32.float() != q16.float()).double().mean()),
+        "scales_changed": float((s32 != s16).double().mean()),
+    }
     return out
 
 
