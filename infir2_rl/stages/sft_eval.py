@@ -3,7 +3,7 @@
 Accuracy: each held-out conversation's last assistant message holds the reference solution; its final
 `\\boxed{}` answer (after `</think>`) is the label. The prompt is the conversation before that message,
 rendered with the chat template's generation prompt; the trainer greedily completes it (HF generate on
-the trainer ranks, batched) and `math_reward` scores the completion against the label. Rows whose
+the trainer ranks, batched) and `math_reward` (parallel, `math_reward_many`) scores the completion against the label. Rows whose
 reference has no boxed final answer count for the loss only.
 """
 
@@ -20,7 +20,8 @@ from infir2_rl.data.batching import collate_sft
 from infir2_rl.data.datasets import SftExample, load_sft_examples
 from infir2_rl.data.readers import read_records
 from infir2_rl.metrics import names
-from infir2_rl.reward import extract_final_answer, math_reward
+from infir2_rl.reward import extract_final_answer
+from infir2_rl.reward.math import math_reward_many
 from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,6 @@ def evaluate(trainer: Evaluates, eval_set: SftEvalSet, tokenizer: Any) -> dict[s
     if eval_set.prompts:
         completions = trainer.generate_greedy(eval_set.prompts, eval_set.max_new_tokens)
         texts = tokenizer.batch_decode(completions, skip_special_tokens=False)
-        correct = sum(math_reward(text, label) for text, label in zip(texts, eval_set.labels))
+        correct = sum(math_reward_many(texts, eval_set.labels))  # in parallel worker processes
         metrics[names.EVAL_ACCURACY] = correct / len(eval_set.labels)
     return metrics
