@@ -8,95 +8,22 @@ endpoint.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from ray_head import REPO, job_client, ray_head, wait_for
 
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def wait_for(check: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():  # type: ignore[operator]
-                return
-        except Exception:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{what} within {timeout_s:.0f} s")
-
 
 @pytest.fixture
 def cluster() -> Iterator[dict[str, str]]:
-    gcs, dashboard, metrics, agent, client = free_ports(5)
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # unix socket paths must stay short
-    # The cluster uses token authentication with a token of its own (never the user's ~/.ray token).
-    token = secrets.token_hex(32)
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": token,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "RAY_PORT": str(gcs),
-        "DASHBOARD_PORT": str(dashboard),
-        "METRICS_PORT": str(metrics),
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "HF_HUB_OFFLINE": "1",
-    }
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_AUTH_TOKEN_PATH", None)
-    head = subprocess.Popen(
-        ["bash", str(REPO / "scripts" / "start_head.sh"), "--node-ip-address=127.0.0.1", "--num-cpus=2",
-         f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
-         "--include-dashboard=true", "--block"],
-        env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        wait_for(lambda: job_client(address, token).list_jobs() is not None, 120, "Ray head did not come up")
-        yield {**env, "RAY_ADDRESS": address, "METRICS_URL": f"http://127.0.0.1:{metrics}/metrics"}
-    finally:
-        # The head and everything it started (its process group), nothing else. `ray start --block` does
-        # not always finish its own shutdown on SIGTERM, hence the SIGKILL after a grace period.
-        os.killpg(head.pid, signal.SIGTERM)
-        time.sleep(5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def job_client(address: str, token: str) -> Any:
-    from ray.job_submission import JobSubmissionClient
-
-    return JobSubmissionClient(address, headers={"authorization": f"Bearer {token}"})
+    with ray_head(num_cpus=2) as env:
+        yield env
 
 
 def test_ray_job_submit_runs_an_sft_stage_to_success(cluster: dict[str, str], tmp_path: Path) -> None:
