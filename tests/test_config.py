@@ -311,3 +311,13 @@ def test_pipeline_resumed_after_the_cast_starts_rl_from_the_sft_checkpoint(
     pipeline.run_pipeline(pipeline.DEMO_PIPELINE, overrides=[f"run_dir={run_dir}"], adjust=relocate)
     assert seen["rl_stage1"] == (str(done["sft_stage2"]), str(done["cast_fp8"]))
     assert seen["rl_stage2"] == (str(run_dir / "rl_stage1" / "final"), None)
+
+
+def test_megatron_refuses_in_the_config_what_it_has_not_built() -> None:
+    """Knobs the megatron backend cannot run fail at load with one sentence, before Ray or any actor."""
+    from infir2_rl.config.stage import RlStageConfig
+
+    with pytest.raises(ValueError, match="kl_coef=0.05 needs a reference model.*trainer.backend=torch"):
+        RlStageConfig.model_validate({"trainer": {"backend": "megatron"}, "algorithm": {"kl_coef": 0.05}})
+    with pytest.raises(ValueError, match="pack_sequences=true is implemented by the torch backend only"):
+        RlStageConfig.model_validate({"trainer": {"backend": "megatron", "pack_sequences": True}})

@@ -139,6 +139,11 @@ class TrainerConfig(_Config):
     @model_validator(mode="after")
     def _check_buildable(self) -> TrainerConfig:
         # The one place that refuses trainer setups not built yet.
+        if self.backend == "megatron" and self.pack_sequences:
+            raise ValueError(
+                "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
+                " trainer.backend=megatron"
+            )
         if self.backend == "torch" and self.model_parallel_size > 1:
             raise ValueError(
                 f"trainer.tensor_parallel_size={self.tensor_parallel_size}, trainer.context_parallel_size="

@@ -225,6 +225,11 @@ class RlStageConfig(_StageBase):
                 f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: RL sampling needs top_p=1.0 and top_k=-1"
                 " so engine log-probs are the plain tempered softmax the trainer recomputes"
             )
+        if self.trainer.backend == "megatron" and self.algorithm.kl_coef > 0:
+            raise ValueError(
+                f"algorithm.kl_coef={self.algorithm.kl_coef} needs a reference model, which trainer.backend=megatron"
+                " does not hold yet; set algorithm.kl_coef=0 or use trainer.backend=torch"
+            )
         samples = self.samples_per_step
         if samples % self.global_batch_size:
             raise ValueError(

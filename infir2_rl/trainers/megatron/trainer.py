@@ -67,16 +67,8 @@ class MegatronTrainer:
 
         from infir2_rl.config.parallel_rules import check_tensor_parallel
 
-        if reference:
-            raise ValueError(
-                "algorithm.kl_coef > 0 needs a reference model, which trainer.backend=megatron does not hold yet;"
-                " set algorithm.kl_coef=0 or use trainer.backend=torch"
-            )
-        if trainer_cfg.pack_sequences:
-            raise ValueError(
-                "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
-                " trainer.backend=megatron"
-            )
+        # The config refuses kl_coef > 0 and pack_sequences with this backend (config/stage.py, components.py).
+        assert not reference and not trainer_cfg.pack_sequences, "refused by the stage config"
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if model_cfg.gradient_checkpointing and self.device.type != "cuda":
             raise ValueError(
