@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from fp8_states import perturbed_fp8_state
 
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.config.stage import RlStageConfig
 from infir2_rl.engines.native.engine import NativeEngine
-from infir2_rl.fp8.checkpoint import fp8_state_from_model
-from infir2_rl.fp8.linear import swap_to_fp8_training
-from infir2_rl.models.factory import init_model, load_model
+from infir2_rl.models.factory import init_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import EngineHealth, StaleWeightsError, WeightSyncError
 from infir2_rl.weight_sync.broadcast import flat_bytes, unflatten_bytes
@@ -37,17 +35,6 @@ def _one_thread(one_thread: None) -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
-
-
-def _trainer_state(model_dir: Path, seed: int) -> list[tuple[str, Tensor]]:
-    """FP8 export of a trainer whose weights differ from the engine's (perturbed by `seed`)."""
-    model, _ = load_model(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
-    swap_to_fp8_training(model)
-    return list(fp8_state_from_model(model))
 
 
 def _nccl_cfg(timeout_s: float = 20.0) -> WeightSyncConfig:
@@ -127,7 +114,7 @@ def test_nccl_push_reaches_every_engine_and_stale_buckets_keep_the_group_in_step
     service = WeightSyncService(engines, _nccl_cfg())
     assert isinstance(service.transport, NcclTransport)
     for version, seed in ((1, 1), (2, 2)):
-        state = _trainer_state(model_dir, seed)
+        state = perturbed_fp8_state(model_dir, seed)
         stats = service.push(state, version=version)
         assert stats.num_buckets >= 2 and stats.num_checked > 0  # 1 MiB buckets: several broadcasts
         assert stats.bytes == sum(t.numel() * t.element_size() for _, t in state)
@@ -139,13 +126,13 @@ def test_nccl_push_reaches_every_engine_and_stale_buckets_keep_the_group_in_step
         service.push(state, version=2)
     # A second service (another sender, a new group) pushing an older version: the engines receive the
     # bucket, then refuse it; nothing is loaded and the same group serves the next push.
-    source = TensorSource(_trainer_state(model_dir, 3))
+    source = TensorSource(perturbed_fp8_state(model_dir, 3))
     stale = WeightSyncService(engines, _nccl_cfg())
     with pytest.raises(StaleWeightsError, match="version 1 refused"):
         stale.push_from(source, fp8=True, version=1)
     assert all(same_bytes(t, engines[0].read_weights([n])[n]) for n, t in state)
     group = engines[0]._receiver.group
-    source.named = state = _trainer_state(model_dir, 4)
+    source.named = state = perturbed_fp8_state(model_dir, 4)
     assert stale.push_from(source, fp8=True, version=3).version == 3
     assert engines[0]._receiver.group is group  # not re-formed: the stale bucket kept it in step
     assert all(same_bytes(t, engines[1].read_weights([n])[n]) for n, t in state)
@@ -172,7 +159,7 @@ def test_a_peer_that_stops_receiving_fails_the_push_within_the_timeout(model_dir
     service = WeightSyncService([silent], _nccl_cfg(timeout_s=2.0))
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="bucket 0 of version 1"):
-        service.push(_trainer_state(model_dir, 1), version=1)
+        service.push(perturbed_fp8_state(model_dir, 1), version=1)
     assert time.monotonic() - start < 15
 
 

@@ -5,13 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_states import perturbed_fp8_state
 from torch import Tensor
 
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.engines.native.engine import NativeEngine
-from infir2_rl.fp8.checkpoint import fp8_state_from_model
-from infir2_rl.fp8.linear import swap_to_fp8_training
-from infir2_rl.models.factory import init_model, load_model
+from infir2_rl.models.factory import init_model
 from infir2_rl.types import StaleWeightsError, WeightBucket, WeightSyncError
 from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
@@ -25,17 +24,6 @@ def _one_thread(one_thread: None) -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
-
-
-def _trainer_state(model_dir: Path, seed: int) -> list[tuple[str, Tensor]]:
-    """FP8 export of a trainer whose weights differ from the engine's (perturbed by `seed`)."""
-    model, _ = load_model(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
-    swap_to_fp8_training(model)
-    return list(fp8_state_from_model(model))
 
 
 def test_buckets_are_bounded_ordered_and_keep_fp8_pairs_together() -> None:
@@ -66,7 +54,7 @@ def test_buckets_are_bounded_ordered_and_keep_fp8_pairs_together() -> None:
 def test_push_reaches_every_engine_and_bytes_match(model_dir: Path) -> None:
     engines = [NativeEngine(str(model_dir), fp8=True, device="cpu") for _ in range(2)]
     service = WeightSyncService(engines, WeightSyncConfig(bucket_size_mb=1, self_check_layers=2))
-    state = _trainer_state(model_dir, seed=1)
+    state = perturbed_fp8_state(model_dir, seed=1)
     stats = service.push(iter(state), version=1)
     assert stats.version == 1 and stats.num_tensors == len(state) and stats.num_buckets >= 1
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in state)
@@ -76,19 +64,21 @@ def test_push_reaches_every_engine_and_bytes_match(model_dir: Path) -> None:
         assert engine.health().weight_version == 1
         held = engine.read_weights([n for n, _ in state])
         assert all(same_bytes(t, held[n]) for n, t in state)
-    stats2 = service.push(iter(_trainer_state(model_dir, seed=2)), version=2)
+    stats2 = service.push(iter(perturbed_fp8_state(model_dir, seed=2)), version=2)
     assert stats2.checked_engine == 1  # the self-check rotates over engines
 
 
 def test_versions_must_increase_and_engines_refuse_stale_pushes(model_dir: Path) -> None:
     engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
     service = WeightSyncService([engine], WeightSyncConfig())
-    service.push(_trainer_state(model_dir, seed=1), version=3)
+    service.push(perturbed_fp8_state(model_dir, seed=1), version=3)
     with pytest.raises(ValueError, match="must increase"):
-        service.push(_trainer_state(model_dir, seed=1), version=3)
+        service.push(perturbed_fp8_state(model_dir, seed=1), version=3)
     # A second service (e.g. a restarted driver that lost track) cannot roll the engine back either.
     with pytest.raises(StaleWeightsError):
-        WeightSyncService([engine], WeightSyncConfig()).push(_trainer_state(model_dir, seed=2), version=2)
+        WeightSyncService([engine], WeightSyncConfig()).push(
+            perturbed_fp8_state(model_dir, seed=2), version=2
+        )
     assert engine.health().weight_version == 3
 
 
@@ -121,16 +111,16 @@ def test_self_check_catches_a_corrupted_tensor(model_dir: Path) -> None:
     engine = CorruptingEngine(NativeEngine(str(model_dir), fp8=True, device="cpu"), victim)
     service = WeightSyncService([engine], WeightSyncConfig(self_check_layers=2))
     with pytest.raises(WeightSyncError, match=victim):
-        service.push(_trainer_state(model_dir, seed=1), version=1)
+        service.push(perturbed_fp8_state(model_dir, seed=1), version=1)
 
 
 def test_self_check_rotates_layers_until_it_finds_the_fault(model_dir: Path) -> None:
     victim = "model.layers.3.self_attn.k_proj.weight_scale_inv"
     engine = CorruptingEngine(NativeEngine(str(model_dir), fp8=True, device="cpu"), victim)
     service = WeightSyncService([engine], WeightSyncConfig(self_check_layers=2))
-    service.push(_trainer_state(model_dir, seed=1), version=1)  # checks layers 0 and 1: misses it
+    service.push(perturbed_fp8_state(model_dir, seed=1), version=1)  # checks layers 0 and 1: misses it
     with pytest.raises(WeightSyncError, match=victim):
-        service.push(_trainer_state(model_dir, seed=2), version=2)  # layers 2 and 3
+        service.push(perturbed_fp8_state(model_dir, seed=2), version=2)  # layers 2 and 3
 
 
 def test_fp8_tensors_survive_pickling_inside_buckets_and_tensor_maps() -> None:
