@@ -18,7 +18,10 @@
 # megatron  The same pipeline with trainer.backend=megatron at tensor_parallel_size=2 over both GPUs (needs
 #           pip install -e '.[megatron]'); step times beside the torch backend's one-GPU run.
 #
-# Each pipeline run is cut at LIMIT_S seconds (default 1500); its metrics are kept whatever happens. Step times
+# Each pipeline run is cut at LIMIT_S seconds (default 1500); its metrics are kept whatever happens. EXTRA (a
+# space-separated list of overrides, e.g. "sft:trainer.max_steps=40 rl:rollout.num_steps=6") is appended to every
+# pipeline run, to shorten the stages when only step times are wanted; PIPELINE picks another pipeline YAML
+# (configs/gpu/pipeline_100m_steps.yaml: SFT 1 -> cast -> RL 1 only). Step times
 # are medians over a stage's steps after its first (start-up and CUDA-graph capture excluded), read from the
 # run's metrics.jsonl: perf/step_time_s (trainer), time/<phase>_s (RL phases), weight_sync/push_s.
 set -u
@@ -26,7 +29,7 @@ out=${1:?usage: bash bench/two_gpu.sh OUT_DIR [tests|dp|sync|rl|megatron ...]}
 shift
 parts=${*:-tests dp sync rl megatron}
 mkdir -p "$out"
-export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 INFIR2_RAY_DASHBOARD=0  # minimal Ray: no dashboard
 gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
 if [ "$gpus" -lt 2 ]; then echo "bench/two_gpu.sh needs two GPUs; this machine has $gpus"; exit 1; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
@@ -37,7 +40,7 @@ pipeline() {  # pipeline NAME VISIBLE_GPUS [overrides...]: one run of the 100m p
     echo "== $name (GPUs $visible): $*"
     local start; start=$(date +%s)
     CUDA_VISIBLE_DEVICES=$visible timeout "${LIMIT_S:-1500}" python -m infir2_rl.cli demo \
-        --pipeline configs/gpu/pipeline_100m.yaml --preset 100m --precision unified_fp8 --out "$out/$name" "$@" \
+        --pipeline "${PIPELINE:-configs/gpu/pipeline_100m.yaml}" --preset 100m --precision unified_fp8 --out "$out/$name" "$@" ${EXTRA:-} \
         >"$out/$name.log" 2>&1
     echo "   exit $? after $(( $(date +%s) - start )) s; $(grep -c 'finished in' "$out/$name.log") stages finished"
 }
@@ -67,7 +70,7 @@ for part in $parts; do
             2>&1 | tail -5 | tee "$out/tests_gpu.log"
         ;;
     dp)
-        pipeline one_gpu 0
+        [ -d "$out/one_gpu" ] || pipeline one_gpu 0
         # Same global batches: SFT's 64 conversations as 2 ranks x one micro-batch of 32, RL's 256 samples as 2 x 128.
         dp2=(sft:trainer.num_workers=2 sft:trainer.micro_batch_size=32 rl:trainer.num_workers=2 rl:rollout.num_engines=2)
         pipeline dp2_bf16_gather 0,1 "${dp2[@]}"

@@ -163,6 +163,28 @@ def test_a_peer_that_stops_receiving_fails_the_push_within_the_timeout(model_dir
     assert time.monotonic() - start < 15
 
 
+class _FailingLoadEngine(_SilentEngine):
+    """An engine that receives each bucket, then fails to load it: the sender's broadcast completed, as NCCL's
+    can with a dead receiver (seen on two H200s), so only the driver sees the push fail."""
+
+    def update_weights_from_distributed(self, *args: Sequence[Any]) -> None:
+        self.engine.update_weights_from_distributed(*args)
+        raise RuntimeError("engine lost its weights while loading")
+
+
+def test_a_push_failed_on_the_driver_breaks_the_senders_group(model_dir: Path) -> None:
+    failing = _FailingLoadEngine(NativeEngine(str(model_dir), fp8=True, device="cpu"))
+    service = WeightSyncService([failing], _nccl_cfg(timeout_s=5.0))
+    source = TensorSource(perturbed_fp8_state(model_dir, 1))
+    with pytest.raises(RuntimeError, match="lost its weights"):
+        service.push_from(source, fp8=True, version=1)
+    # The sender's own broadcast succeeded; without the driver's word it would go on broadcasting into a group
+    # whose collective sequence nobody can vouch for.
+    source.export_broadcast_buckets(True, 1 << 20, 2)
+    with pytest.raises(WeightSyncError, match="broke earlier.*bucket 0 of version 1: RuntimeError"):
+        source.broadcast_bucket(0, 5.0)
+
+
 def test_the_transport_name_makes_an_nccl_transport() -> None:
     transport = make_transport(_nccl_cfg(), ranks_per_engine=2)
     assert isinstance(transport, NcclTransport) and transport.ranks_per_engine == 2

@@ -235,6 +235,10 @@ class TrainerWorker:
         self._export = []
         self._broadcast.release()
 
+    def break_weight_group(self, reason: str) -> None:
+        """Rank 0: a push failed on the driver's side; refuse later broadcasts (``BroadcastExport.mark_broken``)."""
+        self._broadcast.mark_broken(reason)
+
     def save(self, directory: str) -> None:
         self.backend.save(Path(directory))
 

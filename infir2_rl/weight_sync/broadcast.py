@@ -138,6 +138,12 @@ class BroadcastExport:
     def release(self) -> None:
         self._flats, self.held = [], []
 
+    def mark_broken(self, reason: str) -> None:
+        """The driver saw this push fail (an engine died, a call timed out): later broadcasts refuse. NCCL can
+        complete rank 0's side of a broadcast whose receiver is gone, so the sender cannot always see it."""
+        if self.group is not None and self.group.broken is None:
+            self.group.broken = reason
+
     def close_group(self) -> None:
         if self.group is not None:
             self.group.close()

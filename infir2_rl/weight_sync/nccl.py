@@ -21,7 +21,10 @@ Protocol (who calls what, in which order; ``Any`` objects are Ray actor handles 
 3. Bucket i, in order: concurrently ``sender.broadcast_bucket(i, timeout_s)`` and on every engine
    ``engine.update_weights_from_distributed(version, i, num_buckets, names, metas)`` (metas: (dtype, shape)
    per tensor; the same call the SGLang engine implements), which receives the flat buffer and loads it.
-   All return before bucket i+1 starts.
+   All return before bucket i+1 starts. If any of these calls fails (other than a stale version received and
+   refused, which leaves the group in step), the driver tells the sender
+   (``sender.break_weight_group(reason)``) to refuse later broadcasts: NCCL can complete rank 0's side of a
+   broadcast whose receiver died, so the sender cannot be relied on to notice (seen on two H200s).
 4. Self-check (``service.py``): the sent bytes are read back from the sender's held export
    (``source.read_export``), then ``source.release_export()`` frees the buffers.
 
@@ -42,7 +45,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from infir2_rl.actors.remote import Call, is_actor
-from infir2_rl.types import WeightSyncError
+from infir2_rl.types import StaleWeightsError, WeightSyncError
 from infir2_rl.weight_sync.broadcast import BucketMeta
 from infir2_rl.weight_sync.group import WEIGHT_GROUP_NAME
 from infir2_rl.weight_sync.transport import Push, WeightSource
@@ -113,7 +116,13 @@ class _NcclPush(Push):
         calls = [Call(self.transport.sender, "broadcast_bucket", (index, timeout_s))]
         update = (b.version, b.index, b.num_buckets, b.names, b.metas)
         calls += [Call(e, "update_weights_from_distributed", update) for e in engines]
-        call_concurrently(calls, timeout_s + REPORT_MARGIN_S)
+        try:
+            call_concurrently(calls, timeout_s + REPORT_MARGIN_S)
+        except StaleWeightsError:
+            raise  # every engine received the bucket, then refused it: the group is still in step
+        except Exception as exc:
+            self.transport.break_group(f"bucket {index} of version {b.version}: {type(exc).__name__}")
+            raise
 
     def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         return self.source.read_export(names)
@@ -147,6 +156,16 @@ class NcclTransport:
                 f"buckets of versions {sorted({b.version for b in buckets})} pushed as {version}"
             )
         return _NcclPush(self, src, buckets)
+
+    def break_group(self, reason: str) -> None:
+        """A send failed: the sender refuses every later broadcast into this group (its collective sequence can no
+        longer be trusted). Not waited for: an actor runs it after the broadcast it may still be blocked in."""
+        if self.sender is None:
+            return
+        if is_actor(self.sender):
+            self.sender.break_weight_group.remote(reason)
+        else:
+            self.sender.break_weight_group(reason)
 
     def connect(self, source: BroadcastSource, engines: Sequence[Any], timeout_s: float) -> None:
         """Form the weight group of the source's sender and ``engines``: once per stage (the trainer's rank 0 and

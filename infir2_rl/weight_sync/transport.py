@@ -239,6 +239,9 @@ class TensorSource:
     def broadcast_bucket(self, index: int, timeout_s: float) -> None:
         self._broadcast.broadcast(index, timeout_s)
 
+    def break_weight_group(self, reason: str) -> None:
+        self._broadcast.mark_broken(reason)
+
 
 def tensors_named(buckets: Sequence[WeightBucket], names: Iterable[str]) -> dict[str, Tensor]:
     wanted = set(names)
