@@ -53,10 +53,10 @@ class TrainerGroup:
         # Ranks of one model replica (megatron TP x CP, consecutive ranks) take the same micro-batches.
         self.model_parallel = 1
         if cfg.trainer.backend == "megatron":
-            from infir2_rl.trainers.megatron.model import resolve_spec
+            from infir2_rl.trainers.megatron.model import resolve_stage_spec
 
-            # Refuses what cannot run (no megatron-core, te spec, context parallelism) before any actor starts.
-            resolve_spec(cfg.trainer.megatron_spec, cfg.train_fp8, cfg.trainer.context_parallel_size)
+            # Refuses what cannot run (no megatron-core, te without TE, ...) before any actor starts.
+            resolve_stage_spec(cfg)
             self.model_parallel = cfg.trainer.model_parallel_size
         self.num_workers = cfg.trainer.num_workers
         self.trainer_cfg = cfg.trainer

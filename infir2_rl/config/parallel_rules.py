@@ -35,6 +35,24 @@ def tensor_parallel_problem(hf: dict[str, Any], tp: int, fp8: bool) -> str | Non
     return None
 
 
+def te_fp8_layout_problem(hf: dict[str, Any]) -> str | None:
+    """Why Transformer Engine's FP8 bytes of this model's fused weights are not its HF projections' (None if they are).
+
+    TE quantizes megatron's fused ``linear_qkv`` (per KV group: the group's q heads, k, v) and ``linear_fc1``
+    (gate, up) on one 128x128 grid. Cut into HF projections, those bytes are each projection's own grid (what
+    the engines receive) only when every projection's rows are whole 128-row blocks: head_dim and the
+    intermediate size multiples of 128.
+    """
+    _, _, head_dim, ffn = _dims(hf)
+    if head_dim % FP8_BLOCK or ffn % FP8_BLOCK:
+        return (
+            f"head_dim {head_dim} and intermediate size {ffn} must be multiples of 128 so that TE's 128-row FP8"
+            " blocks of the fused qkv and gate/up weights are whole blocks of each HF projection (the bytes the"
+            " engines get); use trainer.megatron_spec=local for this model"
+        )
+    return None
+
+
 def allowed_tensor_parallel_sizes(hf: dict[str, Any], fp8: bool, limit: int = 64) -> list[int]:
     return [tp for tp in range(1, limit + 1) if tensor_parallel_problem(hf, tp, fp8) is None]
 

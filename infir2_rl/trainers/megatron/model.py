@@ -5,19 +5,22 @@
   and autograd, emulated on CPU, cuBLASLt on Hopper) and `layers.SdpaAttention` as core attention. Runs on
   CPU (gloo, with shims.py) and on GPUs without Transformer Engine. megatron's own ``config.fp8`` stays
   off: FP8 is ours, so it cannot silently fall back to BF16.
-* ``te``: megatron's Transformer Engine spec with ``fp8="e4m3"``, ``fp8_recipe="blockwise"``
-  (TE's Float8BlockScaling: 128x128 weight blocks, 1x128 activation tiles, FP32 scales). Needs
-  ``transformer_engine``. Only the model construction is written (against megatron-core's TE spec API) and
-  it was never run (no TE on the machines used); `resolve_spec` refuses ``te`` until the train step exists.
+* ``te``: megatron's Transformer Engine spec (norms fused into ``linear_qkv`` / ``linear_fc1``) with
+  ``fp8="e4m3"``, ``fp8_recipe="blockwise"``, ``fp8_param=True`` (TE's Float8BlockScaling: 128x128 weight
+  blocks, 1x128 activation tiles, FP32 scales), BF16 parameters, megatron DDP and the distributed optimizer
+  (te.py). Needs ``transformer_engine`` and a GPU. Written and contract-tested against the pinned sources,
+  never run (no TE on the machines used).
 
-Parameters are FP32 masters; BF16 compute runs under autocast (the torch backend's convention), so the two
-backends compute the same numbers from the same weights.
+Local spec: parameters are FP32 masters; BF16 compute runs under autocast (the torch backend's convention), so
+the two backends compute the same numbers from the same weights. te spec: BF16 (or TE FP8) parameters, FP32
+masters in the distributed optimizer's shards.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -27,10 +30,8 @@ from infir2_rl.trainers.megatron import shims
 from infir2_rl.trainers.megatron.hf_mapping import Arch, padded_vocab
 from infir2_rl.trainers.megatron.layers import ParallelLinear, SdpaAttention
 
-TE_NOT_BUILT = (
-    "trainer.megatron_spec=te builds megatron's Transformer Engine spec, but its train step (megatron DDP,"
-    " distributed optimizer, TE's FP8 bytes in the export) is not written yet; use trainer.megatron_spec=local"
-)
+log = logging.getLogger(__name__)
+
 MEGATRON_MISSING = (
     "trainer.backend=megatron needs megatron-core, which is not installed: pip install -e '.[megatron]'"
     " (megatron-core 0.16 on Python 3.11, up to 0.19 on 3.12), or use trainer.backend=torch"
@@ -44,29 +45,94 @@ def megatron_available() -> bool:
     )
 
 
-def resolve_spec(setting: str, fp8: bool, context_parallel_size: int = 1) -> str:
-    """The layer spec to build: ``local`` for ``local`` and ``auto``; refuses what cannot run.
+def resolve_spec(
+    setting: str,
+    fp8: bool,
+    context_parallel_size: int = 1,
+    *,
+    pow2_scales: bool = False,
+    hf_config: dict[str, Any] | None = None,
+    dense_forward: bool = False,
+) -> str:
+    """The layer spec to build (``local`` or ``te``); refuses, in one sentence naming the field, what cannot run.
 
-    ``te`` is refused until its train step exists (see TE_NOT_BUILT), so ``auto`` means ``local`` for now,
-    also where Transformer Engine imports. Every refusal is one sentence naming the field, raised before any
-    actor starts (TrainerGroup calls this on the driver) and again in each worker (whose image may differ).
-    ``fp8`` is accepted for symmetry with the te path, where it selects TE's blockwise recipe.
+    ``auto`` is ``te`` where Transformer Engine imports and ``local`` elsewhere (logged). With ``te``: TE must
+    import; with FP8 training its blockwise recipe must use ``trainer.fp8_pow2_scales``'s scale rule, the model's
+    projections must fill whole 128-row blocks of the fused weights (``hf_config``, when known), and no dense
+    (FP8-off) scoring may be asked for (``dense_forward``: TE's parameters are FP8 and have no BF16 copy).
+    Called by TrainerGroup on the driver before any actor starts and again in each worker (whose image may
+    differ); the worker also checks the GPU (`te.runtime_problem`).
     """
+    from infir2_rl.trainers.megatron import te
+
     if not megatron_available():
         raise ValueError(MEGATRON_MISSING)
-    if setting == "te":
-        raise ValueError(TE_NOT_BUILT)
     if context_parallel_size > 1:
         raise ValueError(
-            f"trainer.context_parallel_size={context_parallel_size}: the local megatron spec has no context"
-            " parallelism (only the te spec would, and it is not built yet); set it to 1"
+            f"trainer.context_parallel_size={context_parallel_size}: the megatron trainer feeds whole sequences to"
+            " every rank (neither layer spec splits them for context parallelism); set it to 1"
         )
-    return "local"
+    if setting == "local":
+        return "local"
+    problem = te.import_problem(pow2_scales)
+    if problem is not None:
+        if setting == "te":
+            raise ValueError(
+                f"trainer.megatron_spec=te needs Transformer Engine, which does not import here ({problem});"
+                " install it (docker/Dockerfile) or set trainer.megatron_spec=local"
+            )
+        log.info(
+            "trainer.megatron_spec=auto: the local spec (Transformer Engine does not import: %s)", problem
+        )
+        return "local"
+    if fp8:
+        from infir2_rl.config.parallel_rules import te_fp8_layout_problem
+
+        recipe = te.recipe_problem(pow2_scales)
+        if recipe is not None:
+            raise ValueError(recipe)
+        layout = te_fp8_layout_problem(hf_config) if hf_config is not None else None
+        if layout is not None:
+            raise ValueError(f"trainer.megatron_spec={setting} (te) with FP8 training: {layout}")
+        if dense_forward:
+            raise ValueError(
+                f"metrics.dense_trainer_mismatch=true with trainer.megatron_spec={setting} (te) and FP8 training:"
+                " TE keeps the parameters in FP8, so there is no dense forward on the masters; set it to false"
+                " or trainer.megatron_spec=local"
+            )
+    return "te"
+
+
+def resolve_stage_spec(cfg: Any) -> str:
+    """`resolve_spec` for a stage config (SFT or RL), on the driver: the model's config.json when it exists
+    (a later pipeline stage's model does not yet; its workers check again), the dense-scoring metric of RL."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(cfg.model.path) / "config.json"
+    metrics = getattr(cfg, "metrics", None)
+    return resolve_spec(
+        cfg.trainer.megatron_spec,
+        cfg.train_fp8,
+        cfg.trainer.context_parallel_size,
+        pow2_scales=cfg.trainer.fp8_pow2_scales,
+        hf_config=json.loads(config_file.read_text()) if config_file.is_file() else None,
+        dense_forward=cfg.kind == "rl" and bool(getattr(metrics, "dense_trainer_mismatch", False)),
+    )
 
 
 def transformer_config(arch: Arch, *, spec: str, fp8: bool, tp: int, cp: int, recompute: bool) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    return TransformerConfig(
+        **transformer_config_kwargs(arch, spec=spec, fp8=fp8, tp=tp, cp=cp, recompute=recompute)
+    )
+
+
+def transformer_config_kwargs(
+    arch: Arch, *, spec: str, fp8: bool, tp: int, cp: int, recompute: bool
+) -> dict[str, Any]:
+    """The TransformerConfig keywords (tests/test_megatron_te_contract.py checks them against megatron-core)."""
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -98,11 +164,26 @@ def transformer_config(arch: Arch, *, spec: str, fp8: bool, tp: int, cp: int, re
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec == "te":
-        # TE computes in BF16 with FP32 masters kept by megatron's distributed optimizer.
-        kwargs.update(bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=False)
-        if fp8:
-            kwargs.update(fp8="e4m3", fp8_recipe="blockwise", fp8_param=True)
-    return TransformerConfig(**kwargs)
+        kwargs.update(te_config_kwargs(fp8))
+    return kwargs
+
+
+def te_config_kwargs(fp8: bool) -> dict[str, Any]:
+    """What the te spec changes in the TransformerConfig (checked against megatron-core's fields in CI)."""
+    kwargs: dict[str, Any] = dict(
+        # BF16 parameters (FP8 ones with fp8_param); the FP32 masters live in the distributed optimizer.
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_cpu_initialization=False,
+        # Random init before the HF weights overwrite it: TE quantizes FP8 parameters when it creates them,
+        # and uninitialized memory could hold NaN.
+        perform_initialization=True,
+        # Our loss is already divided by the global batch's units: DDP sums gradients instead of averaging.
+        calculate_per_token_loss=True,
+    )
+    if fp8:
+        kwargs.update(fp8="e4m3", fp8_recipe="blockwise", fp8_param=True)
+    return kwargs
 
 
 def linear_class(fp8: bool, pow2_scales: bool) -> type[ParallelLinear]:
@@ -117,7 +198,7 @@ def linear_class(fp8: bool, pow2_scales: bool) -> type[ParallelLinear]:
 def layer_spec(spec: str, fp8: bool, pow2_scales: bool) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if spec == "te":
+    if spec == "te":  # RMSNorm fused into linear_qkv / linear_fc1 (config.normalization), TE attention
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     linear = linear_class(fp8, pow2_scales)

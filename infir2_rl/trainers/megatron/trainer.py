@@ -11,6 +11,11 @@ micro-batch weighted by its share of the global batch's units, a non-finite grad
 update. Differences: gradients are SUM-all-reduced over the data-parallel group only (TP ranks hold
 different shards of one replica), and the gradient norm adds the TP-sharded parameters' squares over the
 TP group to the replicated ones (norms, row-parallel biases) counted once.
+
+The ``te`` layer spec (te.py: written and contract-tested, never run) keeps this contract with megatron's own
+machinery instead: DDP and the distributed optimizer (`te.TeRuntime`) replace the gradient all-reduce, the norm
+and AdamW; the FP32 masters are the optimizer's shards (`hf_state` gathers them); the FP8 export sends TE's
+bytes. Everything else (scores, losses, stats, checkpoint layout) is the code below, shared by both specs.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.megatron import checkpoint as ckpt
 from infir2_rl.trainers.megatron import hf_mapping as hfm
-from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_vocab
+from infir2_rl.trainers.megatron import te
+from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_vocab, part_rows
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.torch import distributed as D
@@ -81,9 +87,19 @@ class MegatronTrainer:
         self.optimizer_cfg = optimizer_cfg
         self.fp8, self.pow2_scales = fp8, trainer_cfg.fp8_pow2_scales
         self.tp, cp = trainer_cfg.tensor_parallel_size, trainer_cfg.context_parallel_size
-        self.spec = resolve_spec(trainer_cfg.megatron_spec, fp8, cp)
         self.path = model_cfg.path
         self.hf_config: Any = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        self.spec = resolve_spec(
+            trainer_cfg.megatron_spec,
+            fp8,
+            cp,
+            pow2_scales=self.pow2_scales,
+            hf_config=self.hf_config.to_dict(),
+        )
+        if self.spec == "te":
+            problem = te.runtime_problem(fp8)
+            if problem is not None:
+                raise ValueError(problem)
         check_tensor_parallel(self.hf_config.to_dict(), self.tp, self.fp8)
         self.arch = hfm.Arch.from_hf_config(self.hf_config)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
@@ -104,16 +120,28 @@ class MegatronTrainer:
             tp=self.tp,
             recompute=model_cfg.gradient_checkpointing,
         )
-        self.load_hf_weights(ckpt.read_weights(Path(self.path)))
-        self.model.to(self.device)
+        self.te: te.TeRuntime | None = None
+        self.optimizer: Any
+        self.scheduler: Any
+        if self.spec == "te":
+            if self.fp8:
+                te.check_fp8_weights(self.model)  # FP8 never runs silently in BF16
+            self.te = te.TeRuntime(self.model, optimizer_cfg, fp8=self.fp8, dp_group=self.dp_group)
+            self.model = self.te.ddp
+            self.optimizer, self.scheduler = self.te, te.LrSchedule(optimizer_cfg, total_steps)
+            self.load_hf_weights(ckpt.read_weights(Path(self.path)))
+        else:
+            self.load_hf_weights(ckpt.read_weights(Path(self.path)))
+            self.model.to(self.device)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Parameters split over TP ranks, from our mapping (megatron marks some only when it initializes them).
         self.tp_sharded = {
             id(p) for name, p in self.model.named_parameters() if hfm.split_kind(name) != "replicated"
         }
-        self.optimizer = build_optimizer(self.params, optimizer_cfg)
-        self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
+        if self.te is None:
+            self.optimizer = build_optimizer(self.params, optimizer_cfg)
+            self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
         self.step = 0
         self.num_skipped = 0
         log.info(
@@ -126,15 +154,20 @@ class MegatronTrainer:
         )
 
     # ------------------------------------------------------------------ weights in and out
+    @property
+    def module(self) -> Any:
+        """The GPTModel (inside megatron's DDP with the te spec)."""
+        return self.te.module if self.te is not None else self.model
+
     @torch.no_grad()
     def load_hf_weights(self, hf: dict[str, Tensor]) -> None:
-        """Copy an HF state dict into this rank's shards (FP32 masters)."""
+        """Copy an HF state dict into this rank's shards (FP32 masters; te: the optimizer's master shards)."""
         full = hfm.hf_to_megatron(hf, self.arch, fused_norms=self.spec == "te")
         local = {
             name: hfm.shard(name, hfm.pad_vocab(name, full[name], self.arch, self.tp), self.tp_rank, self.tp)
             for name in full
         }
-        target = self.model.state_dict()
+        target = self.module.state_dict()
         missing = [k for k in target if k not in local and not k.endswith("_extra_state")]
         unexpected = [k for k in local if k not in target]
         if missing or unexpected:
@@ -142,6 +175,9 @@ class MegatronTrainer:
                 f"{self.path}: HF weights do not fill the megatron model (missing {missing[:4]}, unexpected"
                 f" {unexpected[:4]}); the checkpoint and its config.json disagree"
             )
+        if self.te is not None:
+            self.te.load_masters(local)
+            return
         for name, value in local.items():
             target[name].copy_(value.to(target[name].dtype))
         self.invalidate_fp8_cache()
@@ -159,17 +195,28 @@ class MegatronTrainer:
         dist.all_gather(out, wire, group=self.tp_group)
         return [o.view(t.dtype) for o in out]
 
-    def full_megatron_state(self) -> dict[str, Tensor]:
-        """Full (unsharded) megatron tensors on every TP rank (collective over the TP group)."""
-        return {
-            name: hfm.unshard(name, self._gather(value.detach()))
-            for name, value in self.model.state_dict().items()
-            if not name.endswith("_extra_state")
-        }
+    def full_megatron_state(self, keep: Any = lambda name: True) -> dict[str, Tensor]:
+        """Full (unsharded) FP32 masters in megatron names on every TP rank (collective over the TP group;
+        te: also over the data-parallel group, whose ranks hold disjoint master shards)."""
+        local = (
+            self.te.master_state(keep)
+            if self.te is not None
+            else {
+                k: v.detach()
+                for k, v in self.model.state_dict().items()
+                if keep(k) and not k.endswith("_extra_state")
+            }
+        )
+        return {name: hfm.unshard(name, self._gather(value)) for name, value in local.items()}
 
-    def hf_state(self) -> dict[str, Tensor]:
-        """HF-named FP32 masters (collective over the TP group); tied models carry no ``lm_head.weight``."""
-        return hfm.megatron_to_hf(self.full_megatron_state(), self.arch, fused_norms=self.spec == "te")
+    def hf_state(self, keep: Any = lambda name: True) -> dict[str, Tensor]:
+        """HF-named FP32 masters (collective over the TP group); tied models carry no ``lm_head.weight``.
+        ``keep`` (megatron names) leaves tensors out; a left-out tensor is also left out of the HF dict."""
+        mc = self.full_megatron_state(keep)
+        hf = hfm.megatron_to_hf(
+            _with_placeholders(mc, self.module, self.tp), self.arch, fused_norms=self.spec == "te"
+        )
+        return {k: v for k, v in hf.items() if not v.is_meta}
 
     def _linears(self) -> Iterator[tuple[str, ParallelLinear]]:
         for name, module in self.model.named_modules():
@@ -178,21 +225,46 @@ class MegatronTrainer:
                 block = "self_attn" if module.role in ("qkv", "proj") else "mlp"
                 yield f"model.layers.{layer}.{block}.", module
 
-    def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors (collective over the TP group). With ``fp8`` each decoder projection is the FP8
-        bytes + FP32 ``weight_scale_inv`` its forward uses (TP shards' grids concatenated: the full grid)."""
-        state = self.hf_state()
-        if self.arch.tied_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        if fp8:
+    def _fp8_parts(self) -> Iterator[tuple[str, str, list[tuple[Tensor, Tensor]]]]:
+        """(HF prefix, role, this rank's (FP8 bytes, FP32 scale_inv) of each HF part) of every decoder linear:
+        the bytes its forward reads (local spec: ParallelLinear's cache; te: TE's FP8 parameter)."""
+        if self.te is None:
             for prefix, module in self._linears():
                 parts, _ = module.fp8_parts()
-                for hf_name, part in zip(HF_PARTS[module.role], parts, strict=True):
-                    dim = 0 if module.column else 1
-                    state[f"{prefix}{hf_name}.weight"] = torch.cat(self._gather(part.w_fp8), dim=dim)
-                    state[f"{prefix}{hf_name}.weight_scale_inv"] = torch.cat(
-                        self._gather(part.scale_inv), dim=dim
-                    )
+                yield prefix, module.role, [(p.w_fp8, p.scale_inv) for p in parts]
+            return
+        for layer, role, te_linear in te.te_linears(self.module):
+            w_fp8, scale_inv = te.te_fp8_weight(te_linear.weight)
+            rows = part_rows(role, self.module.config, w_fp8.shape[0])
+            block = "self_attn" if role in ("qkv", "proj") else "mlp"
+            yield f"model.layers.{layer}.{block}.", role, te.block_parts(w_fp8, scale_inv, rows)
+
+    def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors (collective over the TP group; te: and the DP group). With ``fp8`` each decoder
+        projection is the FP8 bytes + FP32 ``weight_scale_inv`` its forward uses (TP shards' grids
+        concatenated: the full grid). te spec trained without FP8: our quantizer on the FP32 masters, the
+        torch backend's cast at sync."""
+        from_te = fp8 and self.te is not None and self.fp8
+        # TE's FP8 bytes replace the decoder linears' masters: those are not gathered at all.
+        keep = (lambda name: not _is_te_linear_weight(name)) if from_te else (lambda name: True)
+        state = self.hf_state(keep)
+        if self.arch.tied_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        if fp8 and self.te is not None and not self.fp8:
+            from infir2_rl.fp8.linear import DECODER_LINEAR_NAMES
+            from infir2_rl.fp8.quant import quantize_weight_blockwise
+
+            for name in [
+                n for n in state if n.rsplit(".", 2)[-2] in DECODER_LINEAR_NAMES and n.endswith(".weight")
+            ]:
+                w_fp8, scale_inv = quantize_weight_blockwise(state[name], pow2_scales=self.pow2_scales)
+                state[name], state[f"{name}_scale_inv"] = w_fp8, scale_inv
+        elif fp8:
+            for prefix, role, parts in self._fp8_parts():
+                dim = 0 if role in ("qkv", "fc1") else 1
+                for hf_name, (w_fp8, scale_inv) in zip(HF_PARTS[role], parts, strict=True):
+                    state[f"{prefix}{hf_name}.weight"] = torch.cat(self._gather(w_fp8), dim=dim)
+                    state[f"{prefix}{hf_name}.weight_scale_inv"] = torch.cat(self._gather(scale_inv), dim=dim)
         yield from state.items()
 
     def invalidate_fp8_cache(self) -> None:
@@ -202,6 +274,11 @@ class MegatronTrainer:
 
     @contextlib.contextmanager
     def _fp8_off(self) -> Iterator[None]:
+        if self.te is not None and self.fp8:
+            raise ValueError(
+                "forward_logprobs(fp8=False) with the te spec: TE's parameters are FP8 and there is no dense"
+                " forward on the masters (metrics.dense_trainer_mismatch is refused at start for this reason)"
+            )
         linears = [m for m in self.model.modules() if isinstance(m, ParallelLinear)]
         for m in linears:
             m.fp8_enabled = False
@@ -213,7 +290,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ forward helpers
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.compute_dtype == torch.float32:
+        if self.compute_dtype == torch.float32 or self.te is not None:  # te: BF16 parameters, TE's own FP8
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
@@ -227,7 +304,7 @@ class MegatronTrainer:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         with self.autocast():
             logits = gather_vocab(self.model(ids, positions, None), self.tp_group)
-        return logits[..., : self.arch.vocab_size]
+        return logits[..., : self.arch.vocab_size].float()
 
     def _scores(
         self, batch: TokenBatch, select_BL: Tensor, temperature: float = 1.0, need_entropy: bool = False
@@ -253,6 +330,8 @@ class MegatronTrainer:
         start = time.perf_counter()
         self.model.train()
         self.invalidate_fp8_cache()
+        if self.te is not None:
+            self.te.zero_grad()
         loss_sum = 0.0
         metric_sums: dict[str, float] = {}
         num_tokens = num_sequences = 0
@@ -265,24 +344,13 @@ class MegatronTrainer:
                 metric_sums[name] = metric_sums.get(name, 0.0) + float(value) * weight
             num_tokens += int(batch.attention_mask.sum().item())
             num_sequences += batch.num_sequences
-        if self.dp_size > 1:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for p in self.params:
-                dist.all_reduce(p.grad, group=self.dp_group)  # type: ignore[arg-type]
-        grad_norm = self._grad_norm()
         lr = float(self.scheduler.get_last_lr()[0])
-        skipped = not bool(torch.isfinite(grad_norm).item())
+        norm, skipped = self._update(lr)
         if skipped:
             self.num_skipped += 1
-            log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
+            log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, norm)
         else:
-            if self.optimizer_cfg.grad_clip > 0:
-                clip_grads_with_norm_(self.params, self.optimizer_cfg.grad_clip, grad_norm)
-            self.optimizer.step()
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         names = self._metric_names(metric_sums)
         totals = self._sum_over_dp(
@@ -291,7 +359,7 @@ class MegatronTrainer:
         return TrainStats(
             step=self.step,
             loss=totals[0],
-            grad_norm=float(grad_norm.item()),
+            grad_norm=norm,
             lr=lr,
             num_tokens=int(round(totals[1])),
             num_sequences=int(round(totals[2])),
@@ -299,6 +367,26 @@ class MegatronTrainer:
             step_time_s=time.perf_counter() - start,
             metrics=dict(zip(names, totals[3:])),
         )
+
+    def _update(self, lr: float) -> tuple[float, bool]:
+        """Reduce gradients over data-parallel ranks, then step unless the global norm is not finite."""
+        clip = self.optimizer_cfg.grad_clip
+        if self.te is not None:
+            return self.te.update(clip, lr)
+        if self.dp_size > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            for p in self.params:
+                dist.all_reduce(p.grad, group=self.dp_group)  # type: ignore[arg-type]
+        grad_norm = self._grad_norm()
+        skipped = not bool(torch.isfinite(grad_norm).item())
+        if not skipped:
+            if clip > 0:
+                clip_grads_with_norm_(self.params, clip, grad_norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm.item()), skipped
 
     def _grad_norm(self) -> Tensor:
         """Global L2 norm: TP-sharded parameters summed over the TP group, replicated ones counted once."""
@@ -375,3 +463,18 @@ class MegatronTrainer:
 
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()
+
+
+def _is_te_linear_weight(name: str) -> bool:
+    """A te-spec decoder linear's weight (megatron name), whose FP8 bytes the export takes from TE."""
+    return name.endswith(".weight") and any(name.endswith(f"{local}.weight") for local in te.TE_LINEAR_ROLES)
+
+
+def _with_placeholders(mc: dict[str, Tensor], module: Any, tp: int) -> dict[str, Tensor]:
+    """``mc`` plus a meta tensor of the full shape for each parameter left out, so that the HF mapping runs
+    (`MegatronTrainer.hf_state` drops what comes out of them)."""
+    out = dict(mc)
+    for name, param in module.named_parameters():
+        if name not in out:
+            out[name] = hfm.unshard(name, [torch.empty(param.shape, device="meta")] * tp)
+    return out
