@@ -328,7 +328,8 @@ class TeRuntime:
         if found_inf or not math.isfinite(norm):
             return norm, True
         if clip > 0:
-            clip_grad_by_total_norm_fp32(self.optimizer.get_parameters(), clip, norm)
+            shards = [p for opt in self._optimizers() for p in opt.get_parameters()]  # FP32 masters
+            clip_grad_by_total_norm_fp32(shards, clip, norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Adam on the FP32 shards, then the updated masters into the BF16/FP8 parameters and their all-gather.
