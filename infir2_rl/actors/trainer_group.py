@@ -68,6 +68,14 @@ class TrainerGroup:
         if fsdp is None:
             fsdp = placement.plan.use_gpu and self.num_workers > 1
         self.fsdp = fsdp
+        # Every rank takes part in an export where it is collective: FSDP and megatron TP gather shards, and
+        # megatron's te spec sums the distributed optimizer's FP32 master shards over the data-parallel ranks
+        # (a worker resolves "auto" itself, so only "local" is known not to).
+        self.collective_export = (
+            fsdp
+            or self.model_parallel > 1
+            or (cfg.trainer.backend == "megatron" and cfg.trainer.megatron_spec != "local")
+        )
         spec = TrainerSpec.from_stage(cfg, total_steps=total_steps, fsdp=fsdp)
         remote_cls = ray.remote(TrainerWorker)
         self.workers: list[Any] = [
@@ -148,7 +156,7 @@ class TrainerGroup:
         """HF-named weights from rank 0 (every rank takes part under FSDP, where export is collective);
         ``fp8=False`` for BF16 engines (precision bf16)."""
         # Collective: FSDP gathers shards, megatron TP gathers shards.
-        if self.fsdp or self.model_parallel > 1:
+        if self.collective_export:
             return unpack_tensors(self._all("export_weights", fp8)[0])
         return unpack_tensors(ray.get(self.workers[0].export_weights.remote(fp8)))
 
@@ -164,7 +172,7 @@ class TrainerGroup:
     def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:
         """weight_sync.transport=nccl: rank 0 holds the push as flat buffers on its device (until
         `release_export`) and returns their metadata; other ranks take part where the export is collective."""
-        if self.fsdp or self.model_parallel > 1:
+        if self.collective_export:
             metas: list[BucketMeta] = self._all("export_broadcast_buckets", fp8, max_bytes, version)[0]
             return metas
         result: list[BucketMeta] = ray.get(
