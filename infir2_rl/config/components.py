@@ -121,7 +121,9 @@ class TrainerConfig(_Config):
     # norm (a diverged run); 0 never stops. An RL step counts when all of its optimizer updates were skipped.
     max_consecutive_skips: int = Field(default=3, ge=0)
     # Megatron only: layer spec. "local": megatron's local modules with the project's FP8 linears and SDPA
-    # attention (CPU and any GPU); "te": Transformer Engine's spec (not built yet: refused); "auto": local.
+    # attention (CPU and any GPU); "te": Transformer Engine's spec with TE's blockwise FP8, megatron DDP and the
+    # distributed optimizer (GPU with TE; written and contract-tested, never run); "auto": te where TE imports,
+    # else local.
     megatron_spec: Literal["auto", "local", "te"] = "auto"
     # Megatron only: tensor-parallel size (allowed sizes depend on the model: config/parallel_rules.py).
     tensor_parallel_size: int = Field(default=1, ge=1)
