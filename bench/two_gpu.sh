@@ -74,8 +74,12 @@ for part in $parts; do
         # Same global batches: SFT's 64 conversations as 2 ranks x one micro-batch of 32, RL's 256 samples as 2 x 128.
         dp2=(sft:trainer.num_workers=2 sft:trainer.micro_batch_size=32 rl:trainer.num_workers=2 rl:rollout.num_engines=2)
         pipeline dp2_bf16_gather 0,1 "${dp2[@]}"
-        pipeline dp2_fp32_gather 0,1 "${dp2[@]}" sft:trainer.fsdp_param_dtype=float32 rl:trainer.fsdp_param_dtype=float32
-        step_times "$out/one_gpu" "$out/dp2_bf16_gather" "$out/dp2_fp32_gather" | tee "$out/dp_step_times.txt"
+        runs=("$out/one_gpu" "$out/dp2_bf16_gather")
+        if [ "${DP_FP32:-1}" = 1 ]; then  # DP_FP32=0 skips the FP32-gather run
+            pipeline dp2_fp32_gather 0,1 "${dp2[@]}" sft:trainer.fsdp_param_dtype=float32 rl:trainer.fsdp_param_dtype=float32
+            runs+=("$out/dp2_fp32_gather")
+        fi
+        step_times "${runs[@]}" | tee "$out/dp_step_times.txt"
         ;;
     sync)
         python bench/weight_sync_nccl.py --out "$out/sync.json" 2>&1 | tee "$out/sync.log"

@@ -1,6 +1,6 @@
 """Weight sync to an engine on its own GPU: object store vs NCCL broadcast, Qwen2.5-1.5B shape (two GPUs).
 
-    python bench/weight_sync_nccl.py [--reps 7] [--warmup 2] [--bucket-mb 512] [--out PATH] [--tiny]
+    python bench/weight_sync_nccl.py [--reps 7] [--warmup 2] [--baseline-reps N] [--bucket-mb 512] [--out PATH] [--tiny]
 
 The disaggregated twin of bench/weight_sync.py (same model, same timing rules; read its docstring): a trainer
 actor (``TrainerGroup``: FP32 masters, FP8 decoder linears) on GPU 0 and a native FP8 engine actor on GPU 1,
@@ -10,7 +10,8 @@ version)`` with the self-check off, FP8 cache invalidated before each push; "syn
 driver (export with the cast, transfer, the engine has loaded every bucket, buffers released), "push" is
 ``PushStats.seconds`` (first bucket sent until the engine has loaded the last). The nccl weight group is
 formed at the first push (a warm-up push, untimed). (d) self-check: the same with ``self_check_layers=2``.
-Goal: nccl push <= 100 ms. ``--tiny``: the tiny preset on CPU, where "nccl" runs over gloo (checks the
+Goal: nccl push <= 100 ms. ``--baseline-reps N``: the object store's timed repeats (default ``--reps``; one
+object-store push of the 1.5B shape takes tens of seconds, so a short run times it once after no warm-up). ``--tiny``: the tiny preset on CPU, where "nccl" runs over gloo (checks the
 script, not the speed). NOT RUN on GPUs yet: no machine with two GPUs was available (docs/performance.md).
 """
 
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         casts = [ray.get(worker.__ray_call__.remote(_time_cast)) for _ in range(args.warmup + args.reps)]
         results["cast_ms"] = summary(casts[args.warmup :])
+        print(f"# cast timed: {results['cast_ms']['median']:.1f} ms median", flush=True)
         versions = itertools.count(1)
         for transport in TRANSPORTS:
             row: dict[str, Any] = {}
@@ -85,12 +87,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     service = WeightSyncService(engines, c.weight_sync)
                 service.cfg = c.weight_sync  # one service: one nccl group for both measurements
                 walls, pushes, checks = [], [], []
-                for i in range(args.warmup + args.reps):
+                warmup, reps = (args.warmup, args.reps) if transport == "nccl" else args.baseline
+                for i in range(warmup + reps):
                     ray.get(worker.__ray_call__.remote(_invalidate_fp8_cache))
                     t0 = time.perf_counter()
                     stats = service.push_from(trainer, fp8=True, version=next(versions))
                     wall = time.perf_counter() - t0
-                    if i >= args.warmup:
+                    print(f"#   {transport} {key} push {i + 1}/{warmup + reps}: {wall * 1e3:.1f} ms", flush=True)
+                    if i >= warmup:
                         walls.append(wall)
                         pushes.append(stats.seconds)
                         checks.append(stats.check_seconds)
@@ -113,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7, help="timed repeats per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
+    parser.add_argument(
+        "--baseline-reps", type=int, help="object store: timed repeats, no warm-up (default: --warmup/--reps)"
+    )
     parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync.bucket_size_mb")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument(
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench/weight_sync_nccl.py needs two CUDA GPUs (trainer on one, engine on the other); --tiny on CPU."
         )
         return 1
+    args.baseline = (0, args.baseline_reps) if args.baseline_reps else (args.warmup, args.reps)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         f"2x {torch.cuda.get_device_name()}" if not args.tiny else "CPU (float32; FP8 emulated; nccl = gloo)"
     )
     print(f"# {name} | torch {torch.__version__} | {'tiny' if args.tiny else 'qwen2.5-1.5b-shape'} | "
-          f"bucket {args.bucket_mb} MiB | median of {args.reps} after {args.warmup} warm-up")  # fmt: skip
+          f"bucket {args.bucket_mb} MiB | median of {args.reps} after {args.warmup} warm-up"
+          f" (object store: {args.baseline[1]} after {args.baseline[0]})")  # fmt: skip
     start = time.perf_counter()
     r = run(args)
     base = r["object_store"]
