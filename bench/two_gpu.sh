@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 17's runs, for ONE machine with TWO GPUs. NOT RUN: no machine with two or more GPUs was available when
-# this was written (docs/performance.md, "Two GPUs"). From the repository root, with the project installed:
+# Issue 17's runs, for ONE machine with TWO GPUs (what ran on 2 x H200 and what did not: docs/performance.md,
+# "Two GPUs"). From the repository root, with the project installed (or `source .devbundle/setup.sh`):
 #
 #   bash bench/two_gpu.sh OUT_DIR [PART...]       # PART: tests dp sync rl megatron (default: all, in that order)
 #

@@ -12,7 +12,7 @@ driver (export with the cast, transfer, the engine has loaded every bucket, buff
 formed at the first push (a warm-up push, untimed). (d) self-check: the same with ``self_check_layers=2``.
 Goal: nccl push <= 100 ms. ``--baseline-reps N``: the object store's timed repeats (default ``--reps``; one
 object-store push of the 1.5B shape takes tens of seconds, so a short run times it once after no warm-up). ``--tiny``: the tiny preset on CPU, where "nccl" runs over gloo (checks the
-script, not the speed). NOT RUN on GPUs yet: no machine with two GPUs was available (docs/performance.md).
+script, not the speed). Ran on two H200s: docs/performance.md, "Two GPUs".
 """
 
 from __future__ import annotations

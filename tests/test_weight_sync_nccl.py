@@ -192,9 +192,13 @@ def test_the_transport_name_makes_an_nccl_transport() -> None:
         NcclTransport(ranks_per_engine=0)
 
 
-def test_nccl_is_chosen_by_name_only_and_refused_for_engines_colocated_on_gpus() -> None:
+def test_nccl_is_auto_for_native_engines_on_gpus_of_their_own_and_refused_for_colocated_ones() -> None:
     nccl = RlStageConfig.model_validate({"weight_sync": {"transport": "nccl"}})
     assert resolve_transport(nccl, colocate=False) == "nccl"  # CPU (gloo), or engines on GPUs of their own
     with pytest.raises(ValueError, match="cannot connect two processes on one GPU"):
-        resolve_transport(nccl, colocate=True)
-    assert resolve_transport(RlStageConfig.model_validate({}), colocate=False) == "object_store"
+        resolve_transport(nccl, colocate=True, on_gpu=True)
+    auto = RlStageConfig.model_validate({})
+    assert resolve_transport(auto, colocate=False, on_gpu=True) == "nccl"
+    assert resolve_transport(auto, colocate=False, on_gpu=False) == "object_store"  # CPU: as before
+    sglang = RlStageConfig.model_validate({"rollout": {"backend": "sglang"}})
+    assert resolve_transport(sglang, colocate=False, on_gpu=True) == "object_store"  # its NCCL join never ran

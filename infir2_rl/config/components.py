@@ -213,7 +213,8 @@ class RolloutConfig(_Config):
 class WeightSyncConfig(_Config):
     # How tensors travel: Ray's object store (CPU and GPU), CUDA IPC (colocated GPU), NCCL broadcast from trainer
     # rank 0 (engines on GPUs of their own, placement.mode=disaggregate; on CPU the same code runs over gloo).
-    # "auto": cuda_ipc when native engines share the trainer's GPUs (placement.mode=colocate), else object_store.
+    # "auto": cuda_ipc when native engines share the trainer's GPUs (placement.mode=colocate), nccl when native
+    # engines have GPUs of their own (placement.mode=disaggregate), else object_store (CPU, SGLang engines).
     transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
     # Upper bound of one bucket of tensors, in MiB.
     bucket_size_mb: int = Field(default=512, ge=1)

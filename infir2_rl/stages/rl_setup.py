@@ -4,10 +4,11 @@ Placement: one Ray placement group for the stage, planned by `actors.placement.p
 engines colocated on GPUs, or in bundles of their own).
 
 Weights reach the engines through `WeightSyncService.push_from` (the first push here, then every step) by the
-transport `resolve_transport` picks: `auto` is CUDA IPC for native engines colocated on GPUs, else the object
-store; `cuda_ipc` is refused unless native engines are colocated on GPUs; `nccl` (chosen by name only: `auto`
-does not pick it until it has run on two GPUs) is refused for engines colocated on the trainer's GPUs, where
-NCCL cannot pair two processes of one GPU.
+transport `resolve_transport` picks: `auto` is CUDA IPC for native engines colocated on GPUs, NCCL for native
+engines on GPUs of their own (51 ms against the object store's 7.8 s per 1.5B push on two H200s,
+docs/performance.md), else the object store (CPU, and SGLang engines, whose NCCL join has not run on GPUs);
+`cuda_ipc` is refused unless native engines are colocated on GPUs; `nccl` is refused for engines colocated on
+the trainer's GPUs, where NCCL cannot pair two processes of one GPU.
 """
 
 from __future__ import annotations
@@ -111,12 +112,16 @@ class _RlCheckpointWriter:
         (Path(directory) / ROLLOUT_STATE_FILE).write_text(json.dumps(state))
 
 
-def resolve_transport(cfg: RlStageConfig, colocate: bool) -> str:
-    """The weight-sync transport for this placement; ``cuda_ipc`` needs native engines colocated on GPUs."""
-    ipc_ok = colocate and cfg.rollout.backend == "native"
+def resolve_transport(cfg: RlStageConfig, colocate: bool, on_gpu: bool = False) -> str:
+    """The weight-sync transport for this placement (``colocate``: engines share the trainer's GPUs; ``on_gpu``:
+    the placement uses GPUs); ``cuda_ipc`` needs native engines colocated on GPUs."""
+    native = cfg.rollout.backend == "native"
+    ipc_ok = colocate and native
     chosen = cfg.weight_sync.transport
     if chosen == "auto":
-        return "cuda_ipc" if ipc_ok else "object_store"
+        if ipc_ok:
+            return "cuda_ipc"
+        return "nccl" if native and on_gpu and not colocate else "object_store"
     if chosen == "cuda_ipc" and not ipc_ok:
         here = f"placement.mode={cfg.placement.mode}, rollout.backend={cfg.rollout.backend}"
         raise ValueError(
@@ -150,7 +155,7 @@ def start_rl_actors(
     )
     colocate = placement.plan.colocate
     try:
-        transport = resolve_transport(cfg, colocate)
+        transport = resolve_transport(cfg, colocate, on_gpu=placement.plan.use_gpu)
         trainer = TrainerGroup(cfg, placement, total_steps=total_steps)
         engines = create_engines(cfg, placement)
     except Exception:

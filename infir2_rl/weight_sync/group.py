@@ -30,8 +30,9 @@ pairing bytes with the wrong bucket. The NCCL watchdog must not kill the process
 reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` when it is built, and the default (3, SkipCleanUp) tears the whole
 process down when a collective of the group fails or times out; this group is built with 2 (CleanUpOnly:
 abort the communicator, keep the process), the trainer's own groups keep the default. The watchdog's timeout
-is also set ``WATCHDOG_MARGIN_S`` later than ours, so our wait reports a stuck peer first. (Torch source, not
-run: no GPUs here.)
+is also set ``WATCHDOG_MARGIN_S`` later than ours, so our wait reports a stuck peer first. (From torch's source.
+On two H200s, rank 0's broadcast of a 1 MiB bucket to a killed engine completed without error, so this
+timeout/abort path was not reached there; the driver breaks the group instead, ``nccl.py``.)
 """
 
 from __future__ import annotations
