@@ -93,7 +93,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     stats = service.push_from(trainer, fp8=True, version=next(versions))
                     wall = time.perf_counter() - t0
-                    print(f"#   {transport} {key} push {i + 1}/{warmup + reps}: {wall * 1e3:.1f} ms", flush=True)
+                    print(
+                        f"#   {transport} {key} push {i + 1}/{warmup + reps}: {wall * 1e3:.1f} ms", flush=True
+                    )
                     if i >= warmup:
                         walls.append(wall)
                         pushes.append(stats.seconds)

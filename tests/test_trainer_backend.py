@@ -129,7 +129,7 @@ def test_export_weights_are_hf_named_and_fp8_exact(assets: tuple[Path, TokenBatc
         assert torch.equal(exported[f"{name}.weight"].view(torch.uint8), w_fp8.view(torch.uint8))
         assert torch.equal(exported[f"{name}.weight_scale_inv"], scale_inv)
     plain = {n for n in exported if not n.endswith("weight_scale_inv")}
-    assert plain == hf_names and len(trainer.fp8_linears) == 2 * 7
+    assert plain == hf_names - {"lm_head.weight"} and len(trainer.fp8_linears) == 2 * 7  # tied: not sent
     assert exported["model.embed_tokens.weight"].dtype == torch.float32
 
 
@@ -141,7 +141,7 @@ def test_export_for_a_bf16_engine_is_plain_and_loads(assets: tuple[Path, TokenBa
     model, _ = assets
     trainer = make_trainer(model, fp8=False)
     exported = dict(trainer.export_weights(fp8=False))
-    assert set(exported) == set(trainer.model.state_dict())
+    assert set(exported) == set(trainer.model.state_dict()) - {"lm_head.weight"}  # tied: the embedding
     assert all(t.dtype == torch.float32 for t in exported.values())
     engine = NativeEngine(str(model), fp8=False, dtype="bfloat16", device="cpu")
     for bucket in build_buckets(exported.items(), 1 << 30, version=1):
@@ -150,6 +150,39 @@ def test_export_for_a_bf16_engine_is_plain_and_loads(assets: tuple[Path, TokenBa
     held = engine.read_weights([name])[name]
     assert held.dtype == torch.bfloat16 and torch.equal(held, exported[name].to(torch.bfloat16))
     assert engine.health().weight_version == 1
+
+
+def test_engines_get_dense_tensors_in_the_compute_dtype_and_land_the_same_bytes(
+    assets: tuple[Path, TokenBatch],
+) -> None:
+    """A BF16 engine casts what it receives: sending BF16 instead of FP32 masters lands the same bytes; FP8
+    bytes and FP32 scales are sent as they are; a tied lm_head is not sent (the engine's is its embedding)."""
+    from infir2_rl.engines.native.engine import NativeEngine
+    from infir2_rl.trainers.engine_export import for_engines
+    from infir2_rl.weight_sync.buckets import build_buckets
+
+    model, _ = assets
+    as_held = list(make_trainer(model, fp8=True)._export_as_held(True))
+    assert "lm_head.weight" in dict(as_held)
+    sent = dict(for_engines(as_held, torch.bfloat16, tied_embeddings=True))
+    assert "lm_head.weight" not in sent
+    for name, held_tensor in as_held:
+        if name == "lm_head.weight":
+            continue
+        if held_tensor.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv"):
+            assert sent[name].dtype == held_tensor.dtype, name
+            assert torch.equal(sent[name].view(torch.uint8), held_tensor.view(torch.uint8)), name
+        else:
+            assert sent[name].dtype == torch.bfloat16, name
+    engines = [NativeEngine(str(model), fp8=True, dtype="bfloat16", device="cpu") for _ in range(2)]
+    for engine, push in zip(engines, (as_held, list(sent.items())), strict=True):
+        for bucket in build_buckets(push, 1 << 30, version=1):
+            engine.update_weights(bucket)
+    names = [n for n, _ in as_held]
+    a, b = engines[0].read_weights(names), engines[1].read_weights(names)
+    assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in names)
+    embed = engines[1].model.get_input_embeddings().weight
+    assert embed.data_ptr() == engines[1].model.get_output_embeddings().weight.data_ptr()
 
 
 def test_lr_schedules() -> None:

@@ -56,7 +56,7 @@ def test_trainer_rank0_broadcasts_to_an_engine_actor(
 
     timeout_s = 20.0 if where == "gpu" else 5.0  # NCCL's first communicator takes seconds to set up
     root = tmp_path_factory.mktemp("nccl")
-    model = init_model(root / "model", "tiny")  # 4 layers: 1.1 MB, two 1 MiB buckets
+    model = init_model(root / "model", "tiny", num_hidden_layers=8)  # ~1.4 MB: two 1 MiB buckets
     cfg = RlStageConfig.model_validate(
         {
             "model": {"path": str(model)},

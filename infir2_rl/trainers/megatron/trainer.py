@@ -35,6 +35,7 @@ from torch.nn.utils import clip_grads_with_norm_
 from infir2_rl.algo.logprobs import scores_from_logits
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
+from infir2_rl.trainers.engine_export import for_engines
 from infir2_rl.trainers.megatron import checkpoint as ckpt
 from infir2_rl.trainers.megatron import hf_mapping as hfm
 from infir2_rl.trainers.megatron import te
@@ -243,13 +244,12 @@ class MegatronTrainer:
         """HF-named tensors (collective over the TP group; te: and the DP group). With ``fp8`` each decoder
         projection is the FP8 bytes + FP32 ``weight_scale_inv`` its forward uses (TP shards' grids
         concatenated: the full grid). te spec trained without FP8: our quantizer on the FP32 masters, the
-        torch backend's cast at sync."""
+        torch backend's cast at sync. Dense tensors in the compute dtype, a tied lm_head left out
+        (``trainers.engine_export``)."""
         from_te = fp8 and self.te is not None and self.fp8
         # TE's FP8 bytes replace the decoder linears' masters: those are not gathered at all.
         keep = (lambda name: not _is_te_linear_weight(name)) if from_te else (lambda name: True)
         state = self.hf_state(keep)
-        if self.arch.tied_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
         if fp8 and self.te is not None and not self.fp8:
             from infir2_rl.fp8.linear import DECODER_LINEAR_NAMES
             from infir2_rl.fp8.quant import quantize_weight_blockwise
@@ -265,7 +265,7 @@ class MegatronTrainer:
                 for hf_name, (w_fp8, scale_inv) in zip(HF_PARTS[role], parts, strict=True):
                     state[f"{prefix}{hf_name}.weight"] = torch.cat(self._gather(w_fp8), dim=dim)
                     state[f"{prefix}{hf_name}.weight_scale_inv"] = torch.cat(self._gather(scale_inv), dim=dim)
-        yield from state.items()
+        yield from for_engines(state.items(), self.compute_dtype, self.arch.tied_embeddings)
 
     def invalidate_fp8_cache(self) -> None:
         for m in self.model.modules():

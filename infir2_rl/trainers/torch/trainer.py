@@ -319,8 +319,15 @@ class TorchTrainer:
         return total, units
 
     def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors; with ``fp8`` the decoder linears as (weight fp8, weight_scale_inv), without it
-        every tensor as the trainer holds it (a BF16 engine casts). Collective under FSDP."""
+        """HF-named tensors for the engines; with ``fp8`` the decoder linears as (weight fp8, weight_scale_inv),
+        dense tensors in the compute dtype, a tied lm_head left out (``trainers.engine_export``). Collective
+        under FSDP."""
+        from infir2_rl.trainers.engine_export import for_engines
+
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        yield from for_engines(self._export_as_held(fp8), self.compute_dtype, tied)
+
+    def _export_as_held(self, fp8: bool) -> Iterator[tuple[str, Tensor]]:
         from infir2_rl.fp8.checkpoint import fp8_state_from_model
 
         if not self.fsdp and fp8:
