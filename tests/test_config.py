@@ -321,3 +321,11 @@ def test_megatron_refuses_in_the_config_what_it_has_not_built() -> None:
         RlStageConfig.model_validate({"trainer": {"backend": "megatron"}, "algorithm": {"kl_coef": 0.05}})
     with pytest.raises(ValueError, match="pack_sequences=true is implemented by the torch backend only"):
         RlStageConfig.model_validate({"trainer": {"backend": "megatron", "pack_sequences": True}})
+
+
+def test_context_parallelism_is_refused_when_the_config_loads() -> None:
+    """Not built in either megatron layer spec: refused at load, so a shipped config cannot ask for it."""
+    msg = _err(
+        {"kind": "sft", "trainer": {"backend": "megatron", "num_workers": 2, "context_parallel_size": 2}}
+    )
+    assert "trainer.context_parallel_size=2" in msg and "not built" in msg

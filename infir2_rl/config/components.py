@@ -127,7 +127,8 @@ class TrainerConfig(_Config):
     megatron_spec: Literal["auto", "local", "te"] = "auto"
     # Megatron only: tensor-parallel size (allowed sizes depend on the model: config/parallel_rules.py).
     tensor_parallel_size: int = Field(default=1, ge=1)
-    # Megatron only: context-parallel size (long RL sequences).
+    # Megatron only: context-parallel size (long RL sequences). Not built: only 1 is accepted (neither megatron
+    # layer spec splits sequences across ranks yet).
     context_parallel_size: int = Field(default=1, ge=1)
 
     @property
@@ -145,6 +146,12 @@ class TrainerConfig(_Config):
             raise ValueError(
                 "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
                 " trainer.backend=megatron"
+            )
+        if self.backend == "megatron" and self.context_parallel_size > 1:
+            raise ValueError(
+                f"trainer.context_parallel_size={self.context_parallel_size}: the megatron trainer feeds whole"
+                " sequences to every rank (context parallelism is not built); set it to 1 and use"
+                " tensor_parallel_size and gradient checkpointing for long sequences"
             )
         if self.backend == "torch" and self.model_parallel_size > 1:
             raise ValueError(
