@@ -62,6 +62,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fsdp-param-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="trainer.fsdp_param_dtype: bfloat16 runs the trainer under FSDP2 (a one-rank group) on BF16 "
+        "copies of its FP32 masters, as the engine's precision flow (auto: so on a GPU); float32: FP32 "
+        "masters under autocast, no FSDP",
+    )
     p.add_argument("--out", help="directory for probe.json")
     args = p.parse_args(argv)
     args.engine_path = args.engine_path or ("runner" if args.device == "cuda" else "eager")
@@ -94,11 +102,12 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
     fp8 = args.precision == "fp8"
     trainer = TorchTrainer(
         ModelConfig(path=path, dtype=args.dtype),
-        RlTrainerConfig(),
+        RlTrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype),
         OptimizerConfig(),
         fp8=fp8,
         total_steps=1,
         device=args.device,
+        fsdp={"auto": None, "float32": False, "bfloat16": True}[args.fsdp_param_dtype],
     )
     engine = NativeEngine(
         path, fp8=fp8, dtype=args.dtype, device=args.device, decode_path=args.engine_path, cuda_graphs=False
@@ -277,11 +286,29 @@ def main(argv: list[str] | None = None) -> dict:
         "mean_abs_dlogp_decode": float(r.abs().mean()),
         "k3_decode": float((r.exp() - r - 1).mean()),
     }
+    if args.precision == "fp8":  # the same engine log-probs against a dense (BF16) trainer: the mixed setup
+        from infir2_rl.fp8.linear import fp8_disabled
+        from infir2_rl.types import TokenBatch
+
+        ids_d = ids.to(trainer.device)
+        batch = TokenBatch(ids_d, torch.ones_like(ids_d), torch.ones_like(ids_d))
+        with fp8_disabled(trainer.model):
+            (dense_BL,) = trainer.forward_logprobs([batch], args.temperature)
+        rd = dense_BL[:, [p + 1 for p in decode]].double().cpu() - lp_engine.double().reshape(args.rows, -1)
+        rd = rd.flatten()
+        report["summary"] |= {
+            "mean_abs_dlogp_decode_dense_trainer": float(rd.abs().mean()),
+            "k3_decode_dense_trainer": float((rd.exp() - rd - 1).mean()),
+        }
+        report["summary"]["mixed_over_unified_k3"] = report["summary"]["k3_decode_dense_trainer"] / max(
+            report["summary"]["k3_decode"], 1e-30
+        )
     report["setup"] = {
         **{k: v for k, v in vars(args).items() if k != "out"}, "model_path": path,
         "torch": torch.__version__, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "trainer_compute_dtype": str(trainer.compute_dtype), "engine_dtype": str(engine.dtype),
+        "trainer_fsdp": trainer.fsdp, "trainer_gathers": str(trainer.fsdp_param_dtype),
     }  # fmt: skip
     print_table(report)
     print("decode log-probs:", report["summary"])

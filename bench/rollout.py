@@ -1,7 +1,7 @@
 """Decode throughput of the native rollout engine, BF16 vs FP8 W8A8, on a random Qwen2.5-1.5B-shape model.
 
     python bench/rollout.py [--batch-sizes 16 32 64 128 256] [--repeats 3] [--profile] [--peers] [--rl]
-                            [--out PATH] [--tiny]
+                            [--gemms] [--out PATH] [--tiny]
 
 On CUDA the engine decodes through its model runner (CUDA graphs, continuous batching; see
 ``infir2_rl/engines/native/``). ``--peers`` adds transformers ``generate`` (eager dynamic cache at
@@ -23,6 +23,8 @@ is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built
 and subtracts the two (what remains is k decode steps): device kernels by category, the top kernels, and
 the CPU/Python gap = unprofiled wall time of the k steps - their summed device kernel time (one stream,
 so kernels do not overlap; a gap means the GPU waited for the host); GPU-busy fraction = kernel time / wall.
+``--gemms`` times each decoder GEMM of one layer at each batch size as the decode graph runs it: BF16 against
+every FP8 launch candidate, with the FP8 weight-bandwidth floor (bytes / 3.35 TB/s, the H100's peak).
 ``--tiny`` runs the tiny preset on CPU (FP8 emulated; runner path without graphs) to check the script.
 """
 
@@ -181,6 +183,44 @@ def time_attention() -> dict[str, float]:
     return out
 
 
+def time_gemms(engines: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
+    """Each decoder GEMM of layer 0 at each decode batch, timed as the decode graph runs it (inside a CUDA
+    graph, ``Fp8GemmChooser._time``): BF16 ``F.linear`` against every FP8 candidate on producer-quantized
+    input (what the runner feeds q|k|v, o, gate|up and down), with the FP8 weight-bandwidth floor."""
+    import torch.nn.functional as F
+
+    from infir2_rl.engines.native.fused_ops import QuantizedRows
+    from infir2_rl.engines.native.linears import Fp8GemmChooser
+    from infir2_rl.fp8 import quant_triton
+
+    bf16_layer = engines["bf16"]._scheduler.runner.layers[0]
+    fp8_runner = engines["fp8"]._scheduler.runner
+    fp8_layer = fp8_runner.layers[0]
+    rows = []
+    for batch in batches:
+        for name in ("qkv", "o", "gate_up", "down"):
+            dense, fp8 = getattr(bf16_layer, name), getattr(fp8_layer, name)
+            x = torch.randn(batch, dense.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            bf16_us = 1e3 * Fp8GemmChooser._time(functools.partial(F.linear, x, dense.weight, dense.bias))
+            q, s_t = quant_triton.quantize_rows(x, fp8_runner.pow2)
+            chooser = Fp8GemmChooser(fp8_runner.pow2)
+            qr = QuantizedRows(q, s_t, batch)
+            choice = chooser.pick(qr, fp8.weight, fp8.scale, fp8.bias, torch.bfloat16)
+            times = {k: 1e3 * v for k, v in next(iter(chooser.timings.values())).items()}
+            floor_us = fp8.weight.numel() / 3.35e12 * 1e6
+            best = times[str(choice)]
+            rows.append(
+                dict(batch=batch, gemm=name, n=fp8.weight.shape[0], k=fp8.weight.shape[1], bf16_us=bf16_us,
+                     fp8_us=best, choice=str(choice), floor_us=floor_us, candidates_us=times)
+            )  # fmt: skip
+            print(
+                f"gemm b{batch:<4d} {name:8s} N {fp8.weight.shape[0]:6d} K {fp8.weight.shape[1]:5d}: BF16 "
+                f"{bf16_us:6.1f} us, FP8 {best:6.1f} us ({choice}), x{bf16_us / best:4.2f}, FP8 floor "
+                f"{floor_us:5.1f} us"
+            )
+    return rows
+
+
 def release_resume(engine: Any) -> dict[str, float]:
     """Colocated memory: release + resume wall time, memory freed, and graph capture time of the last call."""
     decoder = getattr(engine._scheduler, "decoder", None)
@@ -275,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attention", action="store_true", help="time Triton split-K vs SDPA decode attention"
     )
+    parser.add_argument("--gemms", action="store_true", help="each decoder GEMM: BF16 vs FP8 candidates")
     parser.add_argument("--rl", action="store_true", help="the RL-shaped workload")
     parser.add_argument("--rl-repeats", type=int, default=2)
     parser.add_argument("--rl-prompts", type=int, default=64)
@@ -351,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.out, report)
     if args.attention and device.type == "cuda":
         report["attention_us"] = time_attention()
+    if args.gemms and device.type == "cuda":
+        report["gemms"] = time_gemms(engines, sorted(set(args.batch_sizes)))
+        write_report(args.out, report)
     if args.rl:
         report["rl"] = run_rl(engines, args)
         write_report(args.out, report)

@@ -183,3 +183,57 @@ def test_fused_fp8_gemm_equals_the_emulated_w8a8_linear(m: int) -> None:
             q_pad, w_fp8, scale, bias, cfg, x_scale_t=s_pad, rows=m, out_dtype=torch.float32
         )
         assert float((out.double() - ref).norm() / ref.norm()) < 5e-4, ("prequantized", cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 16, 50])
+def test_producer_quantizers_equal_the_trainers_quantizer_and_fill_the_padding(
+    m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The norm, SiLU*up and attention-merge kernels that quantize for the next GEMM give the codes and
+    scales ``quant_triton.quantize_rows`` gives for their own BF16 output (the trainer's rule), and write
+    the padding rows (codes 0, scale 1) themselves, on buffers that start as garbage."""
+    from infir2_rl.engines.native import attention, fused_ops
+    from infir2_rl.fp8 import quant_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def check(qr: fused_ops.QuantizedRows, plain: torch.Tensor) -> None:
+        q_ref, s_ref = quant_triton.quantize_rows(plain)
+        rows = q_ref.shape[0]
+        assert qr.m == m and qr.q.shape == q_ref.shape and qr.s_t.shape == s_ref.shape
+        assert torch.equal(qr.q[:m].view(torch.uint8), q_ref[:m].view(torch.uint8))
+        assert torch.equal(qr.s_t[:, :m], s_ref[:, :m])
+        if rows > m:
+            assert not qr.q[m:].view(torch.uint8).any()
+            assert bool((qr.s_t[:, m:] == 1).all())
+
+    real_buffers = fused_ops.quant_buffers
+
+    def garbage_buffers(rows: int, k: int, device: torch.device) -> fused_ops.QuantizedRows:
+        qr = real_buffers(rows, k, device)
+        qr.q.view(torch.uint8).fill_(0x55)
+        qr.s_t.fill_(float("nan"))
+        return qr
+
+    monkeypatch.setattr(fused_ops, "quant_buffers", garbage_buffers)  # the kernels must overwrite every byte
+    h, delta, w = randn(m, 1536), randn(m, 1536), randn(1536)
+    plain = fused_ops.add_rms_norm(h.clone(), delta, w, 1e-6)
+    qr = fused_ops.add_rms_norm(h.clone(), delta, w, 1e-6, quant=True)
+    assert isinstance(plain, torch.Tensor) and isinstance(qr, fused_ops.QuantizedRows)
+    check(qr, plain)
+    gate_up = randn(m, 2 * 8960)
+    plain, qr = fused_ops.silu_mul(gate_up), fused_ops.silu_mul(gate_up, quant=True)
+    assert isinstance(plain, torch.Tensor) and isinstance(qr, fused_ops.QuantizedRows)
+    check(qr, plain)
+    k, v = randn(m + 1, 2, 64, 128), randn(m + 1, 2, 64, 128)
+    q = randn(m, 12, 128)
+    slots = torch.arange(m, device="cuda")
+    lengths = torch.randint(1, 65, (m,), device="cuda", generator=gen)
+    plain = attention.decode(q, k, v, slots, lengths, "triton")
+    qr = attention.decode(q, k, v, slots, lengths, "triton", quant=True)
+    assert isinstance(plain, torch.Tensor) and isinstance(qr, fused_ops.QuantizedRows)
+    check(qr, plain)

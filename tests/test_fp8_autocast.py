@@ -1,5 +1,7 @@
-"""Fp8Linear under autocast returns the autocast dtype (as nn.Linear does) with gradients of the FP32-output
-path up to that rounding; without autocast nothing changes."""
+"""Fp8Linear under autocast returns the autocast dtype (as nn.Linear does) and quantizes its input rounded
+to that dtype (as a dense autocast linear multiplies it, and as a BF16 engine holds it): with FP32 input it
+computes exactly what it computes without autocast on the BF16-rounded input, and its W8A8 scoring path
+equals the engine's ``Fp8InferenceLinear`` on BF16 input bit for bit."""
 
 from __future__ import annotations
 
@@ -22,15 +24,28 @@ def _run(layer: Fp8Linear, x: torch.Tensor, g: torch.Tensor, autocast: bool) -> 
 def test_autocast_output_dtype_and_gradients() -> None:
     torch.manual_seed(0)
     layer = Fp8Linear(256, 128, bias=False)
-    # g exactly representable in BF16: the BF16 output's gradient is then the same dy as the FP32 one's.
     x, g = torch.randn(64, 256), torch.randn(64, 128).bfloat16().float()
-    y32, dx32, dw32 = _run(layer, x, g, autocast=False)
-    y16, dx16, dw16 = _run(layer, x, g, autocast=True)
-    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    y_ref, dx_ref, dw_ref = _run(layer, x.bfloat16(), g, autocast=False)  # BF16 input, no autocast
+    y16, dx16, dw16 = _run(layer, x, g, autocast=True)  # FP32 input under autocast
+    assert y_ref.dtype == torch.bfloat16 and y16.dtype == torch.bfloat16
     assert dx16.dtype == torch.float32 and dw16.dtype == torch.float32  # grads in the inputs' dtypes
-    # The same FP8 GEMM; the output is rounded to BF16 (relative 2^-9) and nothing else differs.
-    torch.testing.assert_close(y16.float(), y32, rtol=2**-8, atol=1e-6)
-    torch.testing.assert_close(dx16, dx32, rtol=0, atol=0)
-    torch.testing.assert_close(dw16, dw32, rtol=0, atol=0)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the W8A8 inference path too
-        assert layer(x).dtype == torch.bfloat16
+    torch.testing.assert_close(y16, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(dx16, dx_ref.float(), rtol=0, atol=0)
+    torch.testing.assert_close(dw16, dw_ref, rtol=0, atol=0)
+    y32, _, _ = _run(layer, x, g, autocast=False)  # FP32 without autocast: the FP32 values are quantized
+    assert y32.dtype == torch.float32 and not torch.equal(y32.bfloat16(), y16)
+
+
+def test_autocast_scoring_equals_the_engines_w8a8_on_bf16_input() -> None:
+    from infir2_rl.fp8.linear import Fp8InferenceLinear
+
+    torch.manual_seed(1)
+    layer = Fp8Linear(384, 256, bias=True)
+    engine = Fp8InferenceLinear.from_linear(layer)
+    x = torch.randn(32, 384)  # the trainer's FP32 residual-stream activations
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trainer = layer(x)
+        rollout = engine(x.bfloat16())
+    assert trainer.dtype == rollout.dtype == torch.bfloat16
+    assert torch.equal(trainer, rollout)

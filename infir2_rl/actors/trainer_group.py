@@ -65,14 +65,14 @@ class TrainerGroup:
             raise ValueError(
                 f"trainer.num_workers={self.num_workers}: the placement plan has {slots} trainer slots"
             )
-        if fsdp is None:
-            fsdp = placement.plan.use_gpu and self.num_workers > 1
+        if fsdp is None and placement.plan.use_gpu and self.num_workers > 1:
+            fsdp = True  # one GPU: None lets the worker decide (FSDP2 on one rank when it gathers BF16)
         self.fsdp = fsdp
         # Every rank takes part in an export where it is collective: FSDP and megatron TP gather shards, and
         # megatron's te spec sums the distributed optimizer's FP32 master shards over the data-parallel ranks
         # (a worker resolves "auto" itself, so only "local" is known not to).
         self.collective_export = (
-            fsdp
+            bool(fsdp)
             or self.model_parallel > 1
             or (cfg.trainer.backend == "megatron" and cfg.trainer.megatron_spec != "local")
         )

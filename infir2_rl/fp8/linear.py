@@ -106,9 +106,14 @@ class Fp8Linear(nn.Linear):
         # stream after RMSNorm) otherwise gives FP32 q/k/v/gate/up outputs, and every activation downstream
         # (SiLU, the gate*up product) is then kept for backward in FP32, twice the bytes of the BF16 model.
         device_type = x.device.type
-        out_dtype = (
-            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        )
+        autocast = torch.is_autocast_enabled(device_type)
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        if autocast and x.dtype != out_dtype:
+            # Quantize the values a dense linear under autocast would multiply, x rounded to the autocast
+            # dtype: they are what a BF16 rollout engine holds at this point, while the FP32 values round to
+            # other e4m3 codes in ~2% of elements and to another scale in nearly every tile (docs/mismatch.md,
+            # source 1). The input gradient comes back in that dtype too, as a dense autocast linear's does.
+            x = x.to(out_dtype)
         if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
             return fp8_linear_forward(x, w_fp8, scale_inv, self.bias, self.pow2_scales, out_dtype=out_dtype)
         return fp8_linear(x, self.weight, self.bias, fp8w, self.pow2_scales, out_dtype=out_dtype)

@@ -31,9 +31,14 @@ try:
     import triton
     import triton.language as tl
 
+    from infir2_rl.engines.native.fused_ops import _quant_store
+
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
     _HAVE_TRITON = False
+
+from infir2_rl.engines.native import fused_ops
+from infir2_rl.engines.native.fused_ops import QuantizedRows
 
 
 def write_decode(
@@ -120,17 +125,30 @@ if _HAVE_TRITON:
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=keep)
 
     @triton.jit
-    def _merge_kernel(acc_ptr, ml_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
+    def _merge_kernel(
+        acc_ptr, ml_ptr, out_ptr, q_ptr, s_ptr, total, heads, rows_pad,
+        SPLITS: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
         bh = tl.program_id(0).to(tl.int64)
+        valid = bh < total  # QUANT: programs past B x H write the padding rows (codes 0, scale 1)
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, D)
-        m = tl.load(ml_ptr + (bh * SPLITS + s) * 2)
-        l_s = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1)
+        m = tl.load(ml_ptr + (bh * SPLITS + s) * 2, mask=valid, other=float("-inf"))
+        l_s = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1, mask=valid, other=0.0)
         big = tl.max(m, axis=0)
         w = tl.where(m > float("-inf"), tl.exp(m - big), 0.0)
-        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :])
+        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid, other=0.0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-        tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+        out = tl.where(valid, out, 0.0).to(out_ptr.dtype.element_ty)  # rounded to the model dtype first
+        if QUANT:  # D == 128: one head is one 1x128 tile of the o_proj input row
+            row, head = bh // heads, bh % heads
+            tile = tl.full((1, 1), 0, tl.int64) + head
+            _quant_store(
+                out.to(tl.float32)[None, :], q_ptr, s_ptr, row, rows_pad, heads * D, tile,
+                head * D + d[None, :], POW2,
+            )  # fmt: skip
+        else:
+            tl.store(out_ptr + bh * D + d, out)
 
 
 def decode_triton(
@@ -141,8 +159,13 @@ def decode_triton(
     lengths: Tensor,
     num_splits: int = 8,
     block_n: int = 32,
-) -> Tensor:
-    """Split-K decode attention (module docstring): q (B, H, D) contiguous -> (B, H * D); no host sync."""
+    quant: bool = False,
+    pow2: bool = False,
+) -> Tensor | QuantizedRows:
+    """Split-K decode attention (module docstring): q (B, H, D) contiguous -> (B, H * D); no host sync.
+
+    ``quant`` (D = 128): the merge also quantizes its output for o_proj in 1x128 tiles (one per head), by
+    the trainer's rule from the values rounded to q's dtype, and returns ``QuantizedRows``."""
     num_rows, heads, dim = q.shape
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -155,17 +178,43 @@ def decode_triton(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         num_warps=4, num_stages=2,
     )  # fmt: skip
+    if quant:
+        if dim != 128:
+            raise ValueError(
+                f"quantized decode attention needs head_dim 128 (one 1x128 tile per head), got {dim}"
+            )
+        qr = fused_ops.quant_buffers(num_rows, heads * dim, q.device)
+        rows_pad = qr.q.shape[0]
+        # out_ptr = q: never written here, it gives the dtype the output is rounded to before quantizing.
+        _merge_kernel[(rows_pad * heads,)](
+            acc, ml, q, qr.q, qr.s_t, num_rows * heads, heads, rows_pad,
+            SPLITS=num_splits, D=dim, QUANT=True, POW2=pow2, num_warps=1,
+        )  # fmt: skip
+        return qr
     out = torch.empty(num_rows, heads * dim, dtype=q.dtype, device=q.device)
-    _merge_kernel[(num_rows * heads,)](acc, ml, out, SPLITS=num_splits, D=dim, num_warps=1)
+    _merge_kernel[(num_rows * heads,)](
+        acc, ml, out, out, out, num_rows * heads, heads, 0, SPLITS=num_splits, D=dim, QUANT=False, POW2=False,
+        num_warps=1,
+    )  # fmt: skip
     return out
 
 
 def decode(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, lengths: Tensor, impl: str
-) -> Tensor:
-    """Decode attention by ``impl`` ("triton" or "sdpa"); q (B, H, D) -> (B, H * D) in q's dtype."""
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_ids: Tensor,
+    lengths: Tensor,
+    impl: str,
+    quant: bool = False,
+    pow2: bool = False,
+) -> Tensor | QuantizedRows:
+    """Decode attention by ``impl`` ("triton" or "sdpa"); q (B, H, D) -> (B, H * D) in q's dtype, or FP8
+    rows for o_proj when ``quant`` (Triton only)."""
     if impl == "triton":
-        return decode_triton(q.contiguous(), k_cache, v_cache, slot_ids, lengths)
+        return decode_triton(q.contiguous(), k_cache, v_cache, slot_ids, lengths, quant=quant, pow2=pow2)
+    if quant:
+        raise ValueError("quantized decode attention needs impl='triton'")
     return decode_sdpa(q, k_cache, v_cache, slot_ids, lengths)
 
 

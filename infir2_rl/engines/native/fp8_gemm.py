@@ -16,7 +16,7 @@ block on the tensor cores, and adds ``dot * s_x[row] * s_w[block]`` to an FP32 a
 quantizes the activations of its rows again; they are tiny and come from L2.
 
 Split-K (``split_k > 1``): the K blocks are divided among ``split_k`` programs per tile, which write FP32
-partials summed afterwards (one small reduction): needed when N / BN tiles alone are too few programs to
+partials summed afterwards (``_split_sum_kernel``: sum, bias and cast in one launch): needed when N / BN tiles alone are too few programs to
 pull the weights at full bandwidth (o_proj and down_proj of a 1.5B model have only 24 tiles of 64 rows).
 Which config (or cuBLASLt) runs at a given (M, N, K) is chosen by timing them (``linears.Fp8GemmChooser``).
 """
@@ -54,10 +54,19 @@ class GemmConfig:
 
 
 def candidates(m: int) -> list[GemmConfig]:
-    """Launch shapes timed at start-up for M rows: BM 16 for tiny batches, else 64; split-K for narrow N.
-    (Few BM / BN values on purpose: each one is a Triton compile on a fresh machine, ~1 s.)"""
+    """Launch shapes timed at start-up for M rows: BM 16 for tiny batches, else 64 (and 128 from M = 128);
+    split-K for narrow N; more warps / stages to keep more weight bytes in flight. Each shape is one Triton
+    compile on a fresh machine (~1 s), so the list stays short; ``bench/rollout.py --gemms`` prints every
+    candidate's time per decode shape, which is how this list is pruned or extended."""
     bm = 16 if m <= 16 else 64
-    return [GemmConfig(bm, bn, sk) for bn, sk in ((32, 1), (64, 1), (128, 1), (32, 4), (64, 4), (64, 8))]
+    shapes = [
+        (32, 1, 4, 3), (64, 1, 4, 3), (128, 1, 4, 3), (32, 4, 4, 3), (64, 4, 4, 3), (64, 8, 4, 3),
+        (64, 1, 4, 5), (128, 1, 8, 4), (64, 2, 4, 4), (128, 2, 8, 3),
+    ]  # fmt: skip
+    out = [GemmConfig(bm, bn, sk, w, st) for bn, sk, w, st in shapes]
+    if m >= 128:
+        out += [GemmConfig(128, 64, 1, 4, 3), GemmConfig(128, 128, 1, 8, 3)]
+    return out
 
 
 if _HAVE_TRITON:
@@ -102,6 +111,20 @@ if _HAVE_TRITON:
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
+    @triton.jit
+    def _split_sum_kernel(
+        part_ptr, bias_ptr, y_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """y = sum of the SPLIT FP32 partials (+ bias), cast to y's dtype: one launch, one rounding."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < total
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for sp in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + sp * total + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
 
 def w8a8_fused(
     x: Tensor,
@@ -140,10 +163,13 @@ def w8a8_fused(
     )  # fmt: skip
     if split == 1:
         return y
-    out = y.sum(0)
-    if bias is not None:
-        out += bias.float()
-    return out.to(dtype)
+    out = torch.empty(m, n, dtype=dtype, device=x.device)
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](
+        y, bias if bias is not None else y, out, m * n, n,
+        SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def available(device: torch.device) -> bool:

@@ -84,18 +84,20 @@ if _HAVE_TRITON:
         q = tl.math.div_rn(y, tl.broadcast_to(s[:, None], y.shape))
         q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
         mask = cols < K
-        tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=mask)
+        tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=mask)  # (padding rows: y = 0 -> q 0, s 1)
         tl.store(s_ptr + tiles * rows_pad + row, s[:, None], mask=tiles * 128 < K)
 
     @triton.jit
     def _add_rms_norm_kernel(
-        h_ptr, d_ptr, w_ptr, out_ptr, q_ptr, s_ptr, E, rows_pad, eps,
+        h_ptr, d_ptr, w_ptr, out_ptr, q_ptr, s_ptr, M, E, rows_pad, eps,
         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr,
     ):  # fmt: skip
+        # Programs for rows M..rows_pad-1 (FP8 only) read zeros and so write the padding rows' codes 0 and
+        # scales 1, which the GEMMs expect: no separate fill of the buffers.
         row = tl.program_id(0)
         tiles = tl.arange(0, TILES)[:, None]
         cols = tiles * 128 + tl.arange(0, 128)[None, :]
-        mask = cols < E
+        mask = (cols < E) & (row < M)
         offs = row.to(tl.int64) * E + cols
         x = tl.load(h_ptr + offs, mask=mask, other=0.0)
         if HAS_DELTA:
@@ -113,13 +115,13 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _silu_mul_kernel(
-        gu_ptr, out_ptr, q_ptr, s_ptr, inter, rows_pad,
+        gu_ptr, out_ptr, q_ptr, s_ptr, M, inter, rows_pad,
         QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr,
     ):  # fmt: skip
-        row, part = tl.program_id(0), tl.program_id(1)
+        row, part = tl.program_id(0), tl.program_id(1)  # rows M..rows_pad-1: padding (see the norm)
         tiles = part * TILES + tl.arange(0, TILES)[:, None]
         cols = tiles * 128 + tl.arange(0, 128)[None, :]
-        mask = cols < inter
+        mask = (cols < inter) & (row < M)
         base = row.to(tl.int64) * 2 * inter
         gate = tl.load(gu_ptr + base + cols, mask=mask, other=0.0)
         up = tl.load(gu_ptr + base + inter + cols, mask=mask, other=0.0)
@@ -166,11 +168,12 @@ if _HAVE_TRITON:
         tl.store(v_ptr + dst, v, mask=km)
 
 
-def _quant_buffers(m: int, k: int, device: torch.device) -> QuantizedRows:
+def quant_buffers(m: int, k: int, device: torch.device) -> QuantizedRows:
+    """Uninitialized FP8 rows (M padded to 16) and scales: the producer kernel writes every row, padding
+    included (codes 0, scale 1), so no fill kernel runs (they were 84 of a decode step's launches at 1.5B)."""
     rows = _pad16(m)
-    q = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device=device) if rows != m else None
-    q = q if q is not None else torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device)
-    return QuantizedRows(q, torch.ones(-(-k // 128), rows, dtype=torch.float32, device=device), m)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device)
+    return QuantizedRows(q, torch.empty(-(-k // 128), rows, dtype=torch.float32, device=device), m)
 
 
 def add_rms_norm(
@@ -183,10 +186,10 @@ def add_rms_norm(
         return rms_norm_torch(h, weight, eps)
     m, e = h.shape
     out = torch.empty_like(h) if not quant else h
-    qr = _quant_buffers(m, e, h.device) if quant else None
-    _add_rms_norm_kernel[(m,)](
+    qr = quant_buffers(m, e, h.device) if quant else None
+    _add_rms_norm_kernel[(qr.q.shape[0] if qr else m,)](
         h, delta if delta is not None else h, weight, out,
-        qr.q if qr else h, qr.s_t if qr else h, e, qr.q.shape[0] if qr else 0, eps,
+        qr.q if qr else h, qr.s_t if qr else h, m, e, qr.q.shape[0] if qr else 0, eps,
         HAS_DELTA=delta is not None, QUANT=quant, POW2=pow2, TILES=triton.next_power_of_2(-(-e // 128)),
         num_warps=4,
     )  # fmt: skip
@@ -201,10 +204,11 @@ def silu_mul(gate_up: Tensor, quant: bool = False, pow2: bool = False) -> Tensor
         return F.silu(gate) * up
     tiles = 4
     out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device) if not quant else gate_up
-    qr = _quant_buffers(m, inter, gate_up.device) if quant else None
-    grid = (m, triton.cdiv(triton.cdiv(inter, 128), tiles))
+    qr = quant_buffers(m, inter, gate_up.device) if quant else None
+    grid = (qr.q.shape[0] if qr else m, triton.cdiv(triton.cdiv(inter, 128), tiles))
     _silu_mul_kernel[grid](
-        gate_up, out, qr.q if qr else gate_up, qr.s_t if qr else gate_up, inter, qr.q.shape[0] if qr else 0,
+        gate_up, out, qr.q if qr else gate_up, qr.s_t if qr else gate_up, m, inter,
+        qr.q.shape[0] if qr else 0,
         QUANT=quant, POW2=pow2, TILES=tiles, num_warps=4,
     )  # fmt: skip
     return qr if qr is not None else out

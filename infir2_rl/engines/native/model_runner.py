@@ -78,6 +78,8 @@ class Qwen2Runner:
         q_part, k_part, v_part = self.layers[0].qkv.part_slices
         self.k_offset, self.v_offset = k_part.start, v_part.start
         self.attention_impl = attention_impl or attention.default_impl(self.device)
+        # FP8: the Triton attention's merge kernel quantizes o_proj's input (one head = one 1x128 tile).
+        self.quant_attention = self.attention_impl == "triton" and self.head_dim == 128
         with torch.no_grad():
             positions = torch.arange(self.max_positions, device=self.device)[None]
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
@@ -132,8 +134,10 @@ class Qwen2Runner:
         """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V).
 
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
-        and SiLU*up kernels also quantize the next GEMM's input."""
+        and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
+        input."""
         quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
+        quant_attn = quant and self.quant_attention
         h = F.embedding(tokens_B, self.embed)
         delta: Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -142,7 +146,9 @@ class Qwen2Runner:
                 layer.qkv(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
                 self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
             )  # fmt: skip
-            a = attention.decode(q, cache.k[i], cache.v[i], slots_B, positions_B + 1, self.attention_impl)
+            a = attention.decode(
+                q, cache.k[i], cache.v[i], slots_B, positions_B + 1, self.attention_impl, quant_attn, pow2
+            )
             x = fused_ops.add_rms_norm(h, layer.o(a), layer.post_norm, eps, quant, pow2)
             delta = layer.down(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)

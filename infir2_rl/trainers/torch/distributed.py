@@ -22,8 +22,12 @@ the per-micro-batch weight gradient is rounded to BF16 before its FP32 reduction
 quantizes the gathered BF16 weight (its 128x128 amax and e4m3 rounding see BF16(master) instead of the FP32
 master). `TorchTrainer.export_weights` quantizes BF16(master) the same way under FSDP, so the rollout gets
 the bytes the trainer trains with. `float32` (`auto` on CPU) gathers the masters as they are: bit-for-bit
-the single-worker numbers up to summation order, which is what the CPU tests pin. BF16 gather on GPUs was
-not measured (no machine with two GPUs yet): bench/two_gpu.sh runs it beside float32.
+the single-worker numbers up to summation order, which is what the CPU tests pin.
+
+One GPU: with BF16 gather (the default there) a single rank also runs under FSDP2, on a one-rank group
+(`ensure_one_rank_group`), only for the BF16 forward copies: the trainer's forward then computes in the
+rollout engine's precision flow, which cut the train/rollout mismatch (docs/mismatch.md). `float32` keeps
+the plain single-rank path (FP32 masters under autocast).
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ def init_process_group(master_addr: str, master_port: int, rank: int, world_size
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
+
+
+def ensure_one_rank_group() -> None:
+    """A process group of this process alone (FSDP2 needs one even for a single rank), unless one exists."""
+    if not dist.is_initialized():
+        init_process_group("127.0.0.1", free_port(), 0, 1)
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -62,8 +62,9 @@ class TorchTrainer:
     """One data-parallel rank of the torch trainer (implements `TrainerBackend`).
 
     Call after the process group is initialized (when there is more than one rank). `fsdp=None`
-    shards with FSDP2 on GPUs when there are several ranks and replicates (gradient all-reduce)
-    otherwise; True/False force it (FSDP2 also runs on CPU over gloo, which is how it is tested).
+    shards with FSDP2 on GPUs when there are several ranks, or one rank gathering BF16 (a one-rank group is
+    made if none exists), and replicates (gradient all-reduce) otherwise; True/False force it (FSDP2 also
+    runs on CPU over gloo, which is how it is tested).
     """
 
     def __init__(
@@ -108,12 +109,19 @@ class TorchTrainer:
                     "FP8 precision but the model has no decoder linears to swap: training in BF16/FP32"
                 )
         model.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
-        if fsdp is None:
-            fsdp = self.device.type == "cuda" and self.world_size > 1
         # What FSDP2 gathers for the forward (trainer.fsdp_param_dtype; distributed.py says what changes).
         self.fsdp_param_dtype = D.resolve_fsdp_param_dtype(
             trainer_cfg.fsdp_param_dtype, self.device, self.compute_dtype
         )
+        if fsdp is None:
+            # On a GPU gathering BF16 (the default there) one rank runs under FSDP2 too, on a group of its
+            # own: the forward then sees BF16 copies of the FP32 masters, as the rollout engine holds them
+            # (embedding, residual stream, norms and FP8 inputs in BF16: docs/mismatch.md, source 1).
+            fsdp = self.device.type == "cuda" and (
+                self.world_size > 1 or self.fsdp_param_dtype == torch.bfloat16
+            )
+        if fsdp and self.world_size == 1:
+            D.ensure_one_rank_group()
         if fsdp:
             D.apply_fsdp2(model, self.fsdp_param_dtype)
         self.model: PreTrainedModel = model
