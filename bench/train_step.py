@@ -203,7 +203,7 @@ def run_mode(path: Path, fp8: bool, args: argparse.Namespace, device: torch.devi
     else:
         trainer = TorchTrainer(
             ModelConfig(path=str(path)),
-            TrainerConfig(),
+            TrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype),
             optim,
             fp8=fp8,
             total_steps=args.warmup + args.steps + 1,
@@ -274,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="trainer backend")
+    parser.add_argument(
+        "--fsdp-param-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="torch backend: trainer.fsdp_param_dtype (auto = bfloat16 on a GPU, which runs one-rank FSDP2; "
+        "float32 = plain autocast over the FP32 masters, no FSDP)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.seq, args.warmup, args.steps = 2, 64, 1, 3
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(args.tiny)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
     print(
-        f"# {name} | torch {torch.__version__} | {args.backend} backend | {path.name} | {args.batch} x {args.seq} tokens | "
+        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | {path.name} | {args.batch} x {args.seq} tokens | "
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     results = {mode: run_mode(path, mode == "fp8", args, device) for mode in ("bf16", "fp8")}
@@ -328,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     if args.out:
         report = dict(
-            device=name, torch=torch.__version__, backend=args.backend, batch=args.batch, seq=args.seq
+            device=name,
+            torch=torch.__version__,
+            backend=args.backend,
+            fsdp_param_dtype=args.fsdp_param_dtype,
+            batch=args.batch,
+            seq=args.seq,
         )
         report["results"] = results
         report |= {"ratios_fp8_over_bf16": ratios, "goals_max": GOALS}

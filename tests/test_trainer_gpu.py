@@ -47,11 +47,20 @@ def test_bf16_fp8_training_on_a_gpu(tmp_path: Path) -> None:
     got = resumed.train_step(micro_batches(batches[3], 8), SftLossFn(), num_target_tokens(batches[3]))
     assert got.loss == pytest.approx(expected.loss, rel=1e-3) and got.lr == expected.lr
 
-    (logp,) = resumed.forward_logprobs([batches[0]], temperature=1.0)
-    assert logp.shape == batches[0].input_ids.shape and torch.isfinite(logp).all()
-    exported = dict(resumed.export_weights())
+    # One GPU runs FSDP2 (BF16 gather, distributed.py): the module holds its shard between forwards, so
+    # record the quantization a forward ran with; the export must send exactly those bytes.
+    assert resumed.fsdp and resumed.fsdp_param_dtype == torch.bfloat16
     name = resumed.fp8_linears[0]
-    w_fp8, scale_inv = resumed.model.get_submodule(name).export_fp8()
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    module = resumed.model.get_submodule(name)
+    hook = module.register_forward_hook(lambda m, args, out: seen.update(fp8=m.export_fp8()))
+    (logp,) = resumed.forward_logprobs([batches[0]], temperature=1.0)
+    hook.remove()
+    assert logp.shape == batches[0].input_ids.shape and torch.isfinite(logp).all()
+    with pytest.raises(RuntimeError, match="FSDP shard outside a forward"):
+        module.export_fp8()
+    exported = dict(resumed.export_weights())
+    w_fp8, scale_inv = seen["fp8"]
     assert torch.equal(exported[f"{name}.weight"].view(torch.uint8), w_fp8.view(torch.uint8))
     assert torch.equal(exported[f"{name}.weight_scale_inv"], scale_inv)
     completions = resumed.generate_greedy([examples[0].input_ids[:12]] * 3, max_new_tokens=8)

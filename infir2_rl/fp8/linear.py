@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from infir2_rl.fp8 import gemm, quant_triton
 from infir2_rl.fp8.ops import Fp8Weight, fp8_linear, fp8_linear_forward
@@ -76,6 +77,13 @@ class Fp8Linear(nn.Linear):
 
     @torch.no_grad()
     def _fp8_weight(self) -> Fp8Weight:
+        if isinstance(self.weight, DTensor):
+            # Under FSDP2 the module holds its shard between forwards; quantizing it would give another
+            # tensor's bytes (and the Triton quantizer would read past a shard).
+            raise RuntimeError(
+                "Fp8Linear: the weight is an FSDP shard outside a forward; export with "
+                "TorchTrainer.export_weights() or call export_fp8() from a forward hook"
+            )
         key = self._weight_key()
         if self._fp8_cache is None or self._fp8_cache[0] != key:
             w = self.weight.detach()
