@@ -3,7 +3,7 @@
     python bench/mismatch_probe.py [--model DIR | --shape tiny|1.5b] [--device cpu|cuda]
                                    [--precision bf16|fp8] [--dtype auto|float32|bfloat16]
                                    [--engine-path eager|runner] [--rows 4] [--prompt-len 16]
-                                   [--new-tokens 32] [--temperature 1.0] [--out DIR]
+                                   [--new-tokens 32] [--temperature 1.0] [--pow2-scales] [--out DIR]
 
 The same B x N random token ids go through
 * the trainer's scoring forward: ``TorchTrainer.forward_logprobs`` (the full-sequence forward of
@@ -70,6 +70,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "copies of its FP32 masters, as the engine's precision flow (auto: so on a GPU); float32: FP32 "
         "masters under autocast, no FSDP",
     )
+    p.add_argument(
+        "--pow2-scales",
+        action="store_true",
+        help="FP8 scales rounded up to powers of two on both sides (trainer.fp8_pow2_scales): a tile's scale "
+        "then changes only when its amax crosses a power of two, not with its last bit",
+    )
     p.add_argument("--out", help="directory for probe.json")
     args = p.parse_args(argv)
     args.engine_path = args.engine_path or ("runner" if args.device == "cuda" else "eager")
@@ -102,7 +108,7 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
     fp8 = args.precision == "fp8"
     trainer = TorchTrainer(
         ModelConfig(path=path, dtype=args.dtype),
-        RlTrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype),
+        RlTrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype, fp8_pow2_scales=args.pow2_scales),
         OptimizerConfig(),
         fp8=fp8,
         total_steps=1,
@@ -110,7 +116,13 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
         fsdp={"auto": None, "float32": False, "bfloat16": True}[args.fsdp_param_dtype],
     )
     engine = NativeEngine(
-        path, fp8=fp8, dtype=args.dtype, device=args.device, decode_path=args.engine_path, cuda_graphs=False
+        path,
+        fp8=fp8,
+        dtype=args.dtype,
+        device=args.device,
+        decode_path=args.engine_path,
+        cuda_graphs=False,
+        pow2_scales=args.pow2_scales,
     )
     names, tensors = zip(*trainer.export_weights(fp8=fp8))
     engine.update_weights(WeightBucket(1, 0, 1, list(names), list(tensors)))

@@ -114,6 +114,7 @@ def apply_fsdp2(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
 
     The shards are the FP32 masters; ``param_dtype`` is what the forward gathers (see the module docstring).
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -124,9 +125,12 @@ def apply_fsdp2(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
     policy = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
     )
+    # The mesh on the model's device: fully_shard's default is a CUDA mesh whenever CUDA is available, which
+    # would move a CPU trainer's shards to the GPU.
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def gathered_like_forward(full: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
