@@ -237,3 +237,13 @@ def test_producer_quantizers_equal_the_trainers_quantizer_and_fill_the_padding(
     qr = attention.decode(q, k, v, slots, lengths, "triton", quant=True)
     assert isinstance(plain, torch.Tensor) and isinstance(qr, fused_ops.QuantizedRows)
     check(qr, plain)
+
+
+def test_fp8_gemm_choices_are_kept_per_decode_size_and_per_power_of_two_prefill() -> None:
+    from infir2_rl.engines.native.linears import Fp8GemmChooser
+
+    # Decode (producer-quantized) sizes are the graphs' padded batch sizes: each timed on its own.
+    assert [Fp8GemmChooser.bucket(m, prequant=True) for m in (1, 24, 160, 256)] == [1, 24, 160, 256]
+    # Prefill M follows the prompts: a bounded set of buckets, so new lengths reuse a timed choice.
+    got = [Fp8GemmChooser.bucket(m, prequant=False) for m in (1, 100, 128, 129, 384, 512, 513, 8000)]
+    assert got == [1, 128, 128, 256, 512, 512, 1024, 8192]

@@ -100,10 +100,18 @@ class Fp8GemmChooser:
             times.append(start.elapsed_time(end) / calls)
         return statistics.median(times)
 
+    @staticmethod
+    def bucket(m: int, prequant: bool) -> int:
+        """The M a choice is kept under. Decode input (producer-quantized) comes in the few padded batch
+        sizes of the decode graphs: exact. Other input (prefill, one chunk of joining prompts) has any M: a
+        power-of-two bucket, timed at the first M seen in it, so that new prompt lengths do not re-time
+        every candidate in the middle of a generate call (it cost the first RL-shaped call 24 s)."""
+        return m if prequant else 1 << max(m - 1, 0).bit_length()
+
     def pick(self, x: Activation, w: Tensor, s: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Choice:
         prequant = isinstance(x, QuantizedRows)
         m = x.m if isinstance(x, QuantizedRows) else x.shape[0]
-        key = (m, w.shape[0], w.shape[1], prequant)
+        key = (self.bucket(m, prequant), w.shape[0], w.shape[1], prequant)
         if key in self.choice:
             return self.choice[key]
         options: list[Choice] = [*fp8_gemm.candidates(m)]
@@ -123,8 +131,8 @@ class Fp8GemmChooser:
         self.choice[key] = next(o for o in options if str(o) == best)
         self.timings[key] = times
         logger.info(
-            "FP8 GEMM (M, N, K, prequantized) %s: %s %.1f us (cuBLAS %s us)",
-            key, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
+            "FP8 GEMM (M bucket, N, K, prequantized) %s, timed at M %d: %s %.1f us (cuBLAS %s us)",
+            key, m, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
         )  # fmt: skip
         return self.choice[key]
 
