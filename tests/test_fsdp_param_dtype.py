@@ -92,6 +92,8 @@ def test_the_forward_gathers_the_set_dtype_and_the_export_sends_what_it_quantize
     moments = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim() > 0]
     assert moments and all(t.dtype == torch.float32 for t in moments)
     trainer.forward_logprobs([batch])  # a forward on the updated weights: what the rollout must receive
+    with pytest.raises(RuntimeError, match="FSDP shard outside a forward"):
+        linear.export_fp8()  # between forwards the module holds a shard, not the weight it trains with
     exported = dict(trainer.export_weights(fp8=True))
     w_fp8, scale_inv = seen["fp8"]  # type: ignore[misc]
     assert same_bytes(w_fp8, exported[f"{name}.weight"])

@@ -66,7 +66,7 @@ class TrainerGroup:
                 f"trainer.num_workers={self.num_workers}: the placement plan has {slots} trainer slots"
             )
         if fsdp is None and placement.plan.use_gpu and self.num_workers > 1:
-            fsdp = True  # one GPU: None lets the worker decide (FSDP2 on one rank when it gathers BF16)
+            fsdp = True  # one GPU: None lets the worker decide (one-rank FSDP2 only if asked)
         self.fsdp = fsdp
         # Every rank takes part in an export where it is collective: FSDP and megatron TP gather shards, and
         # megatron's te spec sums the distributed optimizer's FP32 master shards over the data-parallel ranks
