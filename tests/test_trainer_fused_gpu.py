@@ -114,6 +114,49 @@ def test_fp8_linear_autocast_output_keeps_the_fp8_gradients() -> None:
     torch.testing.assert_close(outs[True][2], outs[False][2], rtol=0, atol=0)  # wgrad: same FP8 operands
 
 
+def test_sibling_fp8_linears_under_autocast_quantize_their_shared_input_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """q, k and v read one FP32 tensor; each rounds it to BF16 itself, but it is quantized (and its FP8
+    copy kept for backward) once, and outputs and gradients equal three independent linears'."""
+    from infir2_rl.fp8 import ops, quant_triton
+
+    torch.manual_seed(0)
+    layers = [Fp8Linear(1024, n, bias=True).cuda() for n in (768, 256, 256)]
+    x = torch.randn(512, 1024, device="cuda")
+    g = [torch.randn(512, layer.out_features, device="cuda") for layer in layers]
+    calls = []
+    real = quant_triton.quantize_rows_and_cols
+    # Count the quantizations of the (512, 1024) input; the dy of each linear ((512, 768) or (512, 256)) is
+    # quantized by the same function in backward.
+    monkeypatch.setattr(
+        quant_triton, "quantize_rows_and_cols", lambda t, p: calls.append(t.shape[1] == 1024) or real(t, p)
+    )
+
+    def run(shared: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        xi = x.clone().requires_grad_(True)
+        outs = []
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for layer in layers:
+                if not shared:
+                    ops._last_input[0] = None  # forget the previous linear's quantization
+                outs.append(layer(xi))
+        sum((y.float() * gi).sum() for y, gi in zip(outs, g)).backward()
+        grads = [xi.grad.clone()] + [layer.weight.grad.clone() for layer in layers]
+        for layer in layers:
+            layer.weight.grad = layer.bias.grad = None
+        return [y.detach() for y in outs], grads
+
+    calls.clear()
+    shared_out, shared_grads = run(shared=True)
+    assert sum(calls) == 1 and len(calls) == 1 + 3  # the input once, each dy once
+    calls.clear()
+    alone_out, alone_grads = run(shared=False)
+    assert sum(calls) == 3 and len(calls) == 3 + 3
+    assert all(torch.equal(a, b) for a, b in zip(shared_out, alone_out))
+    assert all(torch.equal(a, b) for a, b in zip(shared_grads, alone_grads))
+
+
 def _trainer(model: Path, fp8: bool, packed: bool = False) -> TorchTrainer:
     return TorchTrainer(
         ModelConfig(path=str(model)),

@@ -121,10 +121,17 @@ class Fp8Linear(nn.Linear):
             # dtype: they are what a BF16 rollout engine holds at this point, while the FP32 values round to
             # other e4m3 codes in ~2% of elements and to another scale in nearly every tile (docs/mismatch.md,
             # source 1). The input gradient comes back in that dtype too, as a dense autocast linear's does.
-            x = x.to(out_dtype)
+            # Each linear gets its own copy (the gradients of q, k and v then add in FP32, as under autocast);
+            # `source` lets them share one quantization of it (ops._quantize_input_fast).
+            source, x = x, x.to(out_dtype)
+        else:
+            source = None
+        pow2 = self.pow2_scales
         if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
-            return fp8_linear_forward(x, w_fp8, scale_inv, self.bias, self.pow2_scales, out_dtype=out_dtype)
-        return fp8_linear(x, self.weight, self.bias, fp8w, self.pow2_scales, out_dtype=out_dtype)
+            return fp8_linear_forward(
+                x, w_fp8, scale_inv, self.bias, pow2, out_dtype=out_dtype, source=source
+            )
+        return fp8_linear(x, self.weight, self.bias, fp8w, pow2, out_dtype=out_dtype, source=source)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3 blockwise, pow2_scales={self.pow2_scales}"

@@ -42,23 +42,34 @@ class Fp8Weight:
 
 
 # The last input quantized on the fast path. q, k and v projections (and gate and up) read the same
-# activation tensor: quantizing it once saves 3 of 5 input quantizations per decoder layer. The entry is
-# keyed on the tensor object itself (a weak reference, so a freed tensor whose memory is reused can never
-# match) and its version counter (so an in-place change invalidates it), and dropped when the tensor dies.
+# activation tensor: quantizing it once (and saving one FP8 copy for backward) saves 3 of 5 input
+# quantizations per decoder layer. The entry is keyed on the tensor the input came from (``source``: the
+# input itself, or the tensor an autocast rounding was made of, a new copy per linear) by object (a weak
+# reference, so a freed tensor whose memory is reused can never match) and version counter (so an in-place
+# change invalidates it), plus the dtype that was quantized, and dropped when the source dies.
 _last_input: list[Any] = [None]
 
 
-def _quantize_input_fast(x: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool) -> tuple[Any, ...]:
+def _quantize_input_fast(
+    source: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool
+) -> tuple[Any, ...]:
     entry = _last_input[0]
     if entry is not None:
-        ref, version, entry_pow2, has_cols, out = entry
-        if ref() is x and version == x._version and entry_pow2 == pow2 and (has_cols or not need_cols):
+        ref, version, dtype, entry_pow2, has_cols, out = entry
+        if (
+            ref() is source
+            and version == source._version
+            and dtype == x2d.dtype
+            and entry_pow2 == pow2
+            and (has_cols or not need_cols)
+        ):
             return out
     if need_cols:
         out = quant_triton.quantize_rows_and_cols(x2d, pow2)
     else:
         out = (*quant_triton.quantize_rows(x2d, pow2), None, None)
-    _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, pow2, need_cols, out)
+    entry = (weakref.ref(source, _drop_last_input), source._version, x2d.dtype, pow2, need_cols, out)
+    _last_input[0] = entry
     return out
 
 
@@ -124,8 +135,10 @@ def fp8_linear_forward(
     bias: torch.Tensor | None = None,
     pow2_scales: bool = False,
     out_dtype: torch.dtype | None = None,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W8A8 ``x @ W^T + b`` with x quantized per 1x128 tile at run time; returns ``out_dtype`` (default x's)."""
+    """W8A8 ``x @ W^T + b`` with x quantized per 1x128 tile at run time; returns ``out_dtype`` (default x's).
+    ``source``: the tensor x was made from by a cast, if any (the key of the quantized-input cache)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w_fp8.shape[0]
     dtype = out_dtype or x.dtype
@@ -134,7 +147,7 @@ def fp8_linear_forward(
     if m == 0:
         return x.new_zeros(*lead, n, dtype=dtype)
     if gemm.fast_path_ok(x2d, n, k):
-        xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, need_cols=False)
+        xq, xs_t, _, _ = _quantize_input_fast(x if source is None else source, x2d, pow2_scales, False)
         y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, dtype, bias)[:m]
     else:
         y32 = _emulated_mm(
@@ -170,6 +183,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         fp8w: Fp8Weight,
         pow2_scales: bool,
         out_dtype: torch.dtype,
+        source: torch.Tensor | None,
     ) -> torch.Tensor:
         w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
         lead, k = x.shape[:-1], x.shape[-1]
@@ -183,7 +197,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.b_dtype = bias.dtype if bias is not None else None
         if fast:
             # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
-            xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_cols=need_wgrad)
+            key = x if source is None else source
+            xq, xs_t, xtq, xts = _quantize_input_fast(key, x2d, pow2_scales, need_cols=need_wgrad)
             w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
             if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
                 w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
@@ -218,7 +233,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _fast_backward(
@@ -265,11 +280,13 @@ def fp8_linear(
     fp8w: Fp8Weight,
     pow2_scales: bool = False,
     out_dtype: torch.dtype | None = None,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``.
 
     ``out_dtype`` (default x's) is the output's dtype; the input gradient always comes back in x's dtype.
+    ``source``: as in ``fp8_linear_forward`` (not differentiated through).
     """
-    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype)
+    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, source)
     assert isinstance(out, torch.Tensor)
     return out
