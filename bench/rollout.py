@@ -247,9 +247,20 @@ def run_rl(engines: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The RL-shaped workload on each engine (rollout_peers.rl_workload); prints one line per engine."""
     engine = next(iter(engines.values()))
     reqs = peers.rl_requests(
-        engine.vocab_size, args.rl_prompts, 16, args.prompt_len, args.rl_max_new, args.rl_mean_len
+        engine.vocab_size,
+        args.rl_prompts,
+        16,
+        args.prompt_len,
+        args.rl_max_new,
+        args.rl_mean_len,
+        fixed_lengths=args.rl_lengths == "fixed",
     )
-    out: dict[str, Any] = {"prompts": args.rl_prompts, "samples": 16, "max_new_tokens": args.rl_max_new}
+    out: dict[str, Any] = {
+        "prompts": args.rl_prompts,
+        "samples": 16,
+        "max_new_tokens": args.rl_max_new,
+        "lengths": args.rl_lengths,
+    }
     for mode, eng in engines.items():
         if eng._scheduler is not None:  # cache of the workload's length, graphs of every batch size, untimed
             print(f"  {mode}: graphs captured in {eng._scheduler.prepare(reqs):.1f} s")
@@ -320,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-repeats", type=int, default=2)
     parser.add_argument("--rl-prompts", type=int, default=64)
     parser.add_argument("--rl-mean-len", type=int, default=450, help="~mean response length (stop set size)")
+    parser.add_argument(
+        "--rl-lengths",
+        choices=("sampled", "fixed"),
+        default="sampled",
+        help="sampled: rows stop at a random stop set (lengths differ per engine); fixed: per-prompt lengths "
+        "drawn up front, the same work for every engine",
+    )
     parser.add_argument("--rl-max-new", type=int, default=2048)
     args = parser.parse_args(argv)
     if args.tiny:

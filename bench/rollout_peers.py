@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -84,19 +85,33 @@ def hf_step_ms(
 
 
 def rl_requests(
-    vocab: int, prompts: int, samples: int, prompt_len: int, max_new: int, mean_len: int
+    vocab: int,
+    prompts: int,
+    samples: int,
+    prompt_len: int,
+    max_new: int,
+    mean_len: int,
+    fixed_lengths: bool = False,
 ) -> list[Any]:
+    """The RL-shaped requests. Lengths ``sampled``: a stop set of vocab / mean_len random ids, so each row's
+    length follows its own sampled tokens (geometric, and different for BF16 and FP8 models). With
+    ``fixed_lengths``: no stop ids, each prompt's rows run to a length drawn from the same geometric law
+    (capped at ``max_new``), so every engine does exactly the same work."""
     from infir2_rl.types import GenerateRequest, SamplingParams
 
     g = torch.Generator().manual_seed(7)
     stops = torch.randperm(vocab, generator=g)[: max(1, vocab // mean_len)].tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=stops)
-    return [
-        GenerateRequest(
-            f"p{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), samples, params, seed=i
-        )
-        for i in range(prompts)
-    ]
+    reqs = []
+    for i in range(prompts):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        if fixed_lengths:
+            u = float(torch.rand((), generator=g))
+            length = min(max_new, 1 + int(math.log1p(-u) / math.log1p(-1.0 / mean_len)))
+            params = SamplingParams(temperature=1.0, max_new_tokens=length)
+        else:
+            params = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=stops)
+        reqs.append(GenerateRequest(f"p{i}", prompt, samples, params, seed=i))
+    return reqs
 
 
 def rl_workload(engine: Any, reqs: list[Any], repeats: int) -> dict[str, Any]:
@@ -118,7 +133,7 @@ def rl_workload(engine: Any, reqs: list[Any], repeats: int) -> dict[str, Any]:
             "mean": tokens / len(lengths),
             "median": statistics.median(lengths),
             "max": max(lengths),
-            "at_max": sum(n == reqs[0].params.max_new_tokens for n in lengths),
+            "at_max": sum(n == max(r.params.max_new_tokens for r in reqs) for n in lengths),
         },
         "lengths": lengths,
     }
