@@ -53,11 +53,15 @@ class GemmConfig:
         return f"triton bm{self.bm} bn{self.bn} sk{self.split_k} w{self.warps} s{self.stages}"
 
 
-def candidates(m: int) -> list[GemmConfig]:
+def candidates(m: int, prequant: bool = True) -> list[GemmConfig]:
     """Launch shapes timed at start-up for M rows: BM 16 for tiny batches, else 64 (and 128 from M = 128);
     split-K for narrow N; more warps / stages to keep more weight bytes in flight. Each shape is one Triton
     compile on a fresh machine (~1 s), so the list stays short; ``bench/rollout.py --gemms`` prints every
-    candidate's time per decode shape, which is how this list is pruned or extended."""
+    candidate's time per decode shape, which is how this list is pruned or extended. Prefill input
+    (``prequant`` False) from M = 128 gets only the BM 128 shapes: cuBLASLt won every such shape measured on
+    an H100 (M 96..16,384), and timing a dozen decode-sized kernels there cost seconds per new M bucket."""
+    if not prequant and m >= 128:
+        return [GemmConfig(128, 64, 1, 4, 3), GemmConfig(128, 128, 1, 8, 3)]
     bm = 16 if m <= 16 else 64
     shapes = [
         (32, 1, 4, 3), (64, 1, 4, 3), (128, 1, 4, 3), (32, 4, 4, 3), (64, 4, 4, 3), (64, 8, 4, 3),

@@ -114,7 +114,7 @@ class Fp8GemmChooser:
         key = (self.bucket(m, prequant), w.shape[0], w.shape[1], prequant)
         if key in self.choice:
             return self.choice[key]
-        options: list[Choice] = [*fp8_gemm.candidates(m)]
+        options: list[Choice] = [*fp8_gemm.candidates(m, prequant)]
         if cublas_gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
             options.insert(0, _CUBLAS)
         times = {}
