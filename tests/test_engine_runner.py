@@ -247,3 +247,31 @@ def test_fp8_gemm_choices_are_kept_per_decode_size_and_per_power_of_two_prefill(
     # Prefill M follows the prompts: a bounded set of buckets, so new lengths reuse a timed choice.
     got = [Fp8GemmChooser.bucket(m, prequant=False) for m in (1, 100, 128, 129, 384, 512, 513, 8000)]
     assert got == [1, 128, 128, 256, 512, 512, 1024, 8192]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [1000, 151_936])
+def test_chunked_triton_sampler_follows_the_torch_rule(vocab: int) -> None:
+    """The graph path's sampler (vocabulary cut into chunks) against engines.sampling's torch rule: the same
+    tokens (a CDF boundary moves by ~1e-7 only), log-probs to FP32 summation order, greedy = first argmax."""
+    from infir2_rl.engines.native import sampler
+    from infir2_rl.engines.sampling import RowSampling, sample_tokens
+
+    rows = 96
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 4).bfloat16()
+    logits[5, 7] = logits[5, vocab - 3] = 60.0  # tied maximum on a greedy row: the first index wins
+    logits[9] = -30.0
+    logits[9, vocab // 2] = 40.0  # nearly all mass on one token, the rest underflows to 0
+    greedy = [i % 8 == 5 for i in range(rows)]
+    params = RowSampling.build(
+        [1.0 + 0.1 * (i % 3) for i in range(rows)], [0] * rows, [1.0] * rows, greedy, list(range(rows)),
+        vocab, torch.device("cuda"),
+    )  # fmt: skip
+    steps = torch.arange(rows, device="cuda") * 7
+    tokens, logprobs = sampler.sample(logits, params, steps, truncating=False)
+    ref_tokens, ref_logprobs = sample_tokens(logits, params, steps, truncating=False)
+    assert torch.equal(tokens, ref_tokens)
+    assert int(tokens[5]) == 7 and int(tokens[9]) == vocab // 2
+    assert float((logprobs - ref_logprobs).abs().max()) < 2e-5

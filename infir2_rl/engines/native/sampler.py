@@ -6,10 +6,12 @@ step), at most the last index with non-zero probability; greedy rows take ``argm
 
 torch computes it in ~12 kernels over (B, V) FP32 tensors (cast, divide, log-softmax, exp, cumsum,
 searchsorted, flip, argmax, gather): at batch 256 and V = 151,936 that is over 1 GB of traffic per step.
-One program per row here reads the BF16 logits three times (max and sum of exponentials; the total of
-the probabilities; the scan to u * total, stopping once found) and writes two numbers. The only
-difference from torch is the order of the FP32 running sum (block-wise instead of torch's scan), which
-moves a CDF boundary by ~1e-7: a token can differ only when u lands that close to one.
+Here four small kernels, the vocabulary cut into ~32 chunks per row so that a few rows still fill the GPU:
+per chunk the max, sum of exponentials and first argmax; per row the log-sum-exp and argmax; per chunk the
+total probability and last index with mass; per row the chunk where the cumulative probability passes
+u * total and the scan inside it (stopping once found). The BF16 logits are read twice plus one chunk. The
+only difference from torch is the order of the FP32 sums (chunk- and block-wise instead of torch's scan),
+which moves a CDF boundary by ~1e-7: a token can differ only when u lands that close to one.
 
 Rows with top-k / top-p truncation use the torch version (``sample_tokens``), as on CPU.
 """
@@ -32,20 +34,28 @@ except ImportError:  # pragma: no cover - CPU-only installs
 if _HAVE_TRITON:
 
     @triton.jit
-    def _sample_kernel(
-        logits_ptr, temp_ptr, greedy_ptr, u_ptr, tok_ptr, lp_ptr, V, stride, BLOCK: tl.constexpr
-    ):
-        row = tl.program_id(0)
+    def _z(base, idx, hi, temp):
+        return tl.math.div_rn(tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32), temp)
+
+    @triton.jit
+    def _chunk_max_kernel(
+        logits_ptr, temp_ptr, m_ptr, s_ptr, best_ptr, best_idx_ptr, V, stride, CHUNK, NCH,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Per (row, chunk): max of z, sum of exp(z - max), first argmax."""
+        row, c = tl.program_id(0), tl.program_id(1)
         base = logits_ptr + row.to(tl.int64) * stride
         temp = tl.load(temp_ptr + row)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
         offs = tl.arange(0, BLOCK)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK,), tl.float32)
         best = tl.full((BLOCK,), float("-inf"), tl.float32)
         best_idx = tl.full((BLOCK,), 0, tl.int32)
-        for start in range(0, V, BLOCK):  # pass 1: per-lane running max, sum of exp, argmax
+        for start in range(lo, hi, BLOCK):
             idx = start + offs
-            z = tl.math.div_rn(tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
+            z = _z(base, idx, hi, temp)
             m_new = tl.maximum(m, z)
             s = tl.where(m_new > float("-inf"), s * tl.exp(m - m_new) + tl.exp(z - m_new), 0.0)
             m = m_new
@@ -53,34 +63,98 @@ if _HAVE_TRITON:
             best_idx = tl.where(better, idx, best_idx)
             best = tl.where(better, z, best)
         mx = tl.max(m, axis=0)
-        lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
+        total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), axis=0)
         top = tl.max(best, axis=0)
-        argmax = tl.min(tl.where(best == top, best_idx, V), axis=0)
+        out = row * NCH + c
+        tl.store(m_ptr + out, mx)
+        tl.store(s_ptr + out, total)
+        tl.store(best_ptr + out, top)
+        tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, V), axis=0))
+
+    @triton.jit
+    def _lse_kernel(m_ptr, s_ptr, best_ptr, best_idx_ptr, lse_ptr, argmax_ptr, V, NCH, CP2: tl.constexpr):
+        """Per row: log-sum-exp and first argmax over the chunks' partials."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, CP2)
+        mask = offs < NCH
+        mc = tl.load(m_ptr + row * NCH + offs, mask=mask, other=float("-inf"))
+        sc = tl.load(s_ptr + row * NCH + offs, mask=mask, other=0.0)
+        mx = tl.max(mc, axis=0)
+        tl.store(
+            lse_ptr + row,
+            mx + tl.log(tl.sum(tl.where(mc > float("-inf"), sc * tl.exp(mc - mx), 0.0), axis=0)),
+        )
+        bc = tl.load(best_ptr + row * NCH + offs, mask=mask, other=float("-inf"))
+        bi = tl.load(best_idx_ptr + row * NCH + offs, mask=mask, other=V)
+        top = tl.max(bc, axis=0)
+        tl.store(argmax_ptr + row, tl.min(tl.where(bc == top, bi, V), axis=0))
+
+    @triton.jit
+    def _chunk_mass_kernel(
+        logits_ptr, temp_ptr, lse_ptr, t_ptr, last_ptr, V, stride, CHUNK, NCH, BLOCK: tl.constexpr
+    ):
+        """Per (row, chunk): total probability and last index with non-zero probability (-1: none)."""
+        row, c = tl.program_id(0), tl.program_id(1)
+        base = logits_ptr + row.to(tl.int64) * stride
+        temp = tl.load(temp_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        offs = tl.arange(0, BLOCK)
         total = 0.0
-        last = 0
-        for start in range(0, V, BLOCK):  # pass 2: total probability, last index with mass
+        last = -1
+        for start in range(lo, hi, BLOCK):
             idx = start + offs
-            z = tl.math.div_rn(tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
-            p = tl.exp(z - lse)
+            p = tl.exp(_z(base, idx, hi, temp) - lse)
             total += tl.sum(p, axis=0)
-            last = tl.maximum(last, tl.max(tl.where(p > 0, idx, 0), axis=0))
-        target = tl.load(u_ptr + row) * total
-        running = 0.0
-        found = V
-        for start in range(0, V, BLOCK):  # pass 3: first index whose cumulative probability > target
-            if found == V:
-                idx = start + offs
-                z = tl.math.div_rn(
-                    tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp
-                )
-                c = tl.cumsum(tl.exp(z - lse), axis=0) + running
-                found = tl.min(tl.where((c > target) & (idx < V), idx, V), axis=0)
-                running = tl.max(c, axis=0)
-        token = tl.minimum(found, last)
-        token = tl.where(tl.load(greedy_ptr + row) != 0, argmax, token)
+            last = tl.maximum(last, tl.max(tl.where(p > 0, idx, -1), axis=0))
+        tl.store(t_ptr + row * NCH + c, total)
+        tl.store(last_ptr + row * NCH + c, last)
+
+    @triton.jit
+    def _pick_kernel(
+        logits_ptr, temp_ptr, greedy_ptr, u_ptr, lse_ptr, argmax_ptr, t_ptr, last_ptr, tok_ptr, lp_ptr,
+        V, stride, CHUNK, NCH, CP2: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Per row: the chunk where the cumulative probability passes u * total, then the scan inside it."""
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * stride
+        temp = tl.load(temp_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        offs_c = tl.arange(0, CP2)
+        mask_c = offs_c < NCH
+        t = tl.load(t_ptr + row * NCH + offs_c, mask=mask_c, other=0.0)
+        lasts = tl.load(last_ptr + row * NCH + offs_c, mask=mask_c, other=-1)
+        target = tl.load(u_ptr + row) * tl.sum(t, axis=0)
+        cum = tl.cumsum(t, axis=0)
+        chunk = tl.min(tl.where((cum > target) & mask_c, offs_c, NCH), axis=0)
+        # u * total can round up to the total (no chunk qualifies): the last token with mass, as torch's rule.
+        token = tl.max(lasts, axis=0)
+        if chunk < NCH:
+            running = tl.sum(tl.where(offs_c == chunk, cum - t, 0.0), axis=0)
+            lo = chunk * CHUNK
+            hi = tl.minimum(lo + CHUNK, V)
+            offs = tl.arange(0, BLOCK)
+            found = V
+            for start in range(lo, hi, BLOCK):
+                if found == V:
+                    idx = start + offs
+                    c = tl.cumsum(tl.exp(_z(base, idx, hi, temp) - lse), axis=0) + running
+                    found = tl.min(tl.where((c > target) & (idx < hi), idx, V), axis=0)
+                    running = tl.max(c, axis=0)
+            # The scan's own sum can end a few ulps short of the chunk total: then the chunk's last token.
+            chunk_last = tl.sum(tl.where(offs_c == chunk, lasts, 0), axis=0)
+            token = tl.where(found < V, found, chunk_last)
+        token = tl.where(tl.load(greedy_ptr + row) != 0, tl.load(argmax_ptr + row), token)
         z_tok = tl.math.div_rn(tl.load(base + token).to(tl.float32), temp)
         tl.store(tok_ptr + row, token.to(tl.int64))
         tl.store(lp_ptr + row, z_tok - lse)
+
+
+# Chunks of the vocabulary per row: enough programs to fill the GPU at small batch (one program per row
+# streamed all 151,936 logits three times: ~160 us per step at any batch up to 132 rows).
+_BLOCK = 2048
+_TARGET_CHUNKS = 32
 
 
 def sample(
@@ -90,11 +164,24 @@ def sample(
     if truncating or not (_HAVE_TRITON and logits_BV.is_cuda):
         return sample_tokens(logits_BV, params, steps_B, truncating)
     rows, vocab = logits_BV.shape
+    chunk = _BLOCK * -(-vocab // (_TARGET_CHUNKS * _BLOCK))
+    nch = -(-vocab // chunk)
+    cp2 = triton.next_power_of_2(nch)
+    dev, stride = logits_BV.device, logits_BV.stride(0)
     u = uniforms(params.keys_B, steps_B).float()
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits_BV.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits_BV.device)
-    _sample_kernel[(rows,)](
-        logits_BV, params.temperature_B, params.greedy_B, u, tokens, logprobs, vocab, logits_BV.stride(0),
-        BLOCK=4096, num_warps=8,
+    m, s, best, t = (torch.empty(rows, nch, dtype=torch.float32, device=dev) for _ in range(4))
+    best_idx, last = (torch.empty(rows, nch, dtype=torch.int32, device=dev) for _ in range(2))
+    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    argmax = torch.empty(rows, dtype=torch.int32, device=dev)
+    tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
+    temp = params.temperature_B
+    grid = (rows, nch)
+    _chunk_max_kernel[grid](logits_BV, temp, m, s, best, best_idx, vocab, stride, chunk, nch, BLOCK=_BLOCK)
+    _lse_kernel[(rows,)](m, s, best, best_idx, lse, argmax, vocab, nch, CP2=cp2)
+    _chunk_mass_kernel[grid](logits_BV, temp, lse, t, last, vocab, stride, chunk, nch, BLOCK=_BLOCK)
+    _pick_kernel[(rows,)](
+        logits_BV, temp, params.greedy_B, u, lse, argmax, t, last, tokens, logprobs,
+        vocab, stride, chunk, nch, CP2=cp2, BLOCK=_BLOCK,
     )  # fmt: skip
     return tokens, logprobs
