@@ -272,6 +272,7 @@ def test_chunked_triton_sampler_follows_the_torch_rule(vocab: int) -> None:
     steps = torch.arange(rows, device="cuda") * 7
     tokens, logprobs = sampler.sample(logits, params, steps, truncating=False)
     ref_tokens, ref_logprobs = sample_tokens(logits, params, steps, truncating=False)
-    assert torch.equal(tokens, ref_tokens)
+    bad = (tokens != ref_tokens).nonzero().flatten().tolist()
+    assert not bad, [(r, int(tokens[r]), int(ref_tokens[r])) for r in bad[:5]]
     assert int(tokens[5]) == 7 and int(tokens[9]) == vocab // 2
-    assert float((logprobs - ref_logprobs).abs().max()) < 2e-5
+    assert float((logprobs - ref_logprobs).abs().max()) < 1e-4  # |log-prob| up to ~40 here

@@ -53,8 +53,8 @@ if _HAVE_TRITON:
         s = tl.zeros((BLOCK,), tl.float32)
         best = tl.full((BLOCK,), float("-inf"), tl.float32)
         best_idx = tl.full((BLOCK,), 0, tl.int32)
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
+        for start in range(0, CHUNK, BLOCK):
+            idx = lo + start + offs
             z = _z(base, idx, hi, temp)
             m_new = tl.maximum(m, z)
             s = tl.where(m_new > float("-inf"), s * tl.exp(m - m_new) + tl.exp(z - m_new), 0.0)
@@ -103,8 +103,8 @@ if _HAVE_TRITON:
         offs = tl.arange(0, BLOCK)
         total = 0.0
         last = -1
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
+        for start in range(0, CHUNK, BLOCK):
+            idx = lo + start + offs
             p = tl.exp(_z(base, idx, hi, temp) - lse)
             total += tl.sum(p, axis=0)
             last = tl.maximum(last, tl.max(tl.where(p > 0, idx, -1), axis=0))
@@ -136,9 +136,9 @@ if _HAVE_TRITON:
             hi = tl.minimum(lo + CHUNK, V)
             offs = tl.arange(0, BLOCK)
             found = V
-            for start in range(lo, hi, BLOCK):
+            for start in range(0, CHUNK, BLOCK):
                 if found == V:
-                    idx = start + offs
+                    idx = lo + start + offs
                     c = tl.cumsum(tl.exp(_z(base, idx, hi, temp) - lse), axis=0) + running
                     found = tl.min(tl.where((c > target) & (idx < hi), idx, V), axis=0)
                     running = tl.max(c, axis=0)
@@ -166,7 +166,7 @@ def sample(
     rows, vocab = logits_BV.shape
     chunk = _BLOCK * -(-vocab // (_TARGET_CHUNKS * _BLOCK))
     nch = -(-vocab // chunk)
-    cp2 = triton.next_power_of_2(nch)
+    cp2 = max(16, triton.next_power_of_2(nch))  # the per-row kernels' vector over chunks (not size 1)
     dev, stride = logits_BV.device, logits_BV.stride(0)
     u = uniforms(params.keys_B, steps_B).float()
     m, s, best, t = (torch.empty(rows, nch, dtype=torch.float32, device=dev) for _ in range(4))
