@@ -254,9 +254,10 @@ def test_fp8_gemm_choices_are_kept_per_decode_size_and_per_power_of_two_prefill(
 @pytest.mark.parametrize("vocab", [1000, 151_936])
 def test_chunked_triton_sampler_follows_the_torch_rule(vocab: int) -> None:
     """The graph path's sampler (vocabulary cut into chunks) against engines.sampling's torch rule: the same
-    tokens (a CDF boundary moves by ~1e-7 only), log-probs to FP32 summation order, greedy = first argmax."""
+    tokens except where u lands within FP32 summation error of a CDF boundary, log-probs to FP32 summation
+    order, greedy = the first argmax, a row with nearly all mass on one token."""
     from infir2_rl.engines.native import sampler
-    from infir2_rl.engines.sampling import RowSampling, sample_tokens
+    from infir2_rl.engines.sampling import RowSampling, sample_tokens, uniforms
 
     rows = 96
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -272,7 +273,15 @@ def test_chunked_triton_sampler_follows_the_torch_rule(vocab: int) -> None:
     steps = torch.arange(rows, device="cuda") * 7
     tokens, logprobs = sampler.sample(logits, params, steps, truncating=False)
     ref_tokens, ref_logprobs = sample_tokens(logits, params, steps, truncating=False)
+    # Tokens differ only where u * total lies within the FP32 summation error of the CDF boundary between
+    # the two (torch scans 151,936 probabilities in another order: ~1e-6 there, against ~7e-6 per token).
+    z = logits.double() / params.temperature_B.double()[:, None]
+    cdf = torch.softmax(z, dim=-1).cumsum(dim=-1)
+    target = uniforms(params.keys_B, steps).double()
     bad = (tokens != ref_tokens).nonzero().flatten().tolist()
-    assert not bad, [(r, int(tokens[r]), int(ref_tokens[r])) for r in bad[:5]]
+    assert len(bad) <= 2, bad
+    for r in bad:
+        lo, hi = sorted((int(tokens[r]), int(ref_tokens[r])))
+        assert abs(float(cdf[r, lo] - target[r])) < 2e-5 and abs(float(cdf[r, hi - 1] - target[r])) < 2e-5
     assert int(tokens[5]) == 7 and int(tokens[9]) == vocab // 2
     assert float((logprobs - ref_logprobs).abs().max()) < 1e-4  # |log-prob| up to ~40 here
