@@ -67,8 +67,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "float32", "bfloat16"),
         default="auto",
         help="trainer.fsdp_param_dtype: bfloat16 runs the trainer under FSDP2 (a one-rank group) on BF16 "
-        "copies of its FP32 masters, as the engine's precision flow (auto: so on a GPU); float32: FP32 "
-        "masters under autocast, no FSDP",
+        "copies of its FP32 masters, as the engine's precision flow; auto and float32: FP32 masters under "
+        "autocast, no FSDP",
     )
     p.add_argument(
         "--pow2-scales",

@@ -133,7 +133,7 @@ def rl_workload(engine: Any, reqs: list[Any], repeats: int) -> dict[str, Any]:
             "mean": tokens / len(lengths),
             "median": statistics.median(lengths),
             "max": max(lengths),
-            "at_max": sum(n == max(r.params.max_new_tokens for r in reqs) for n in lengths),
+            "at_max": lengths.count(max(r.params.max_new_tokens for r in reqs)),
         },
         "lengths": lengths,
     }

@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         "--fsdp-param-dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="torch backend: trainer.fsdp_param_dtype (auto = bfloat16 on a GPU, which runs one-rank FSDP2; "
-        "float32 = plain autocast over the FP32 masters, no FSDP)",
+        help="torch backend: trainer.fsdp_param_dtype (auto and float32 = plain autocast over the FP32 "
+        "masters on one GPU; bfloat16 = one-rank FSDP2 with BF16 forward copies)",
     )
     args = parser.parse_args(argv)
     if args.tiny:

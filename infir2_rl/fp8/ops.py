@@ -51,8 +51,9 @@ _last_input: list[Any] = [None]
 
 
 def _quantize_input_fast(
-    source: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool
+    x: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool, source: torch.Tensor | None
 ) -> tuple[Any, ...]:
+    source = x if source is None else source
     entry = _last_input[0]
     if entry is not None:
         ref, version, dtype, entry_pow2, has_cols, out = entry
@@ -147,7 +148,7 @@ def fp8_linear_forward(
     if m == 0:
         return x.new_zeros(*lead, n, dtype=dtype)
     if gemm.fast_path_ok(x2d, n, k):
-        xq, xs_t, _, _ = _quantize_input_fast(x if source is None else source, x2d, pow2_scales, False)
+        xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, False, source)
         y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, dtype, bias)[:m]
     else:
         y32 = _emulated_mm(
@@ -197,8 +198,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.b_dtype = bias.dtype if bias is not None else None
         if fast:
             # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
-            key = x if source is None else source
-            xq, xs_t, xtq, xts = _quantize_input_fast(key, x2d, pow2_scales, need_cols=need_wgrad)
+            xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, source)
             w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
             if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
                 w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()

@@ -62,9 +62,9 @@ class TorchTrainer:
     """One data-parallel rank of the torch trainer (implements `TrainerBackend`).
 
     Call after the process group is initialized (when there is more than one rank). `fsdp=None`
-    shards with FSDP2 on GPUs when there are several ranks, or on one GPU when `fsdp_param_dtype` is set to
-    bfloat16 (a one-rank group is made if none exists), and replicates (gradient all-reduce) otherwise; True/False force it (FSDP2 also
-    runs on CPU over gloo, which is how it is tested).
+    shards with FSDP2 on GPUs when there are several ranks, or on one GPU when `fsdp_param_dtype` is set
+    to bfloat16 (a one-rank group is made if none exists), and replicates (gradient all-reduce) otherwise;
+    True/False force it (FSDP2 also runs on CPU over gloo, which is how it is tested).
     """
 
     def __init__(
