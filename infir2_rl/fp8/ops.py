@@ -185,6 +185,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         pow2_scales: bool,
         out_dtype: torch.dtype,
         source: torch.Tensor | None,
+        invariant: bool = False,
     ) -> torch.Tensor:
         w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
         lead, k = x.shape[:-1], x.shape[-1]
@@ -197,13 +198,17 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         if fast:
-            # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
-            xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, source)
             w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
             if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
                 w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
+            if invariant:  # true on-policy: the batch-invariant W8A8 kernel the engine runs (x quantized inside)
+                xtq, xts = quant_triton.quantize_cols(x2d, pow2_scales) if need_wgrad else (None, None)
+                y = _invariant_fprop(x2d, w_fp8, w_scale_inv, bias, pow2_scales, out_dtype)
+            else:
+                # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
+                xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, source)
+                y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, out_dtype, bias)[:m]
             ctx.save_for_backward(w_t, s_t, xtq, xts)
-            y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, out_dtype, bias)[:m]
         else:
             ctx.save_for_backward(w_fp8, w_scale_inv, x2d if need_wgrad else None)
             if m == 0:
@@ -233,7 +238,22 @@ class _Fp8LinearFn(torch.autograd.Function):
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _invariant_fprop(
+    x2d: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    pow2: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    from infir2_rl.models.invariant_ops import fp8_mm  # lazy: models.invariant_ops imports this module
+
+    if x2d.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        raise TypeError(f"invariant FP8 linear: input {x2d.dtype}, bias and output must all be {dtype}")
+    return fp8_mm(x2d, w_fp8, w_scale_inv, bias, pow2)
 
 
 def _fast_backward(
@@ -281,12 +301,15 @@ def fp8_linear(
     pow2_scales: bool = False,
     out_dtype: torch.dtype | None = None,
     source: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``.
 
     ``out_dtype`` (default x's) is the output's dtype; the input gradient always comes back in x's dtype.
-    ``source``: as in ``fp8_linear_forward`` (not differentiated through).
+    ``source``: as in ``fp8_linear_forward`` (not differentiated through). ``invariant``: on the GPU fast
+    path the forward GEMM is the batch-invariant kernel of ``models/invariant_ops`` (true on-policy); x,
+    bias and output then share one dtype. Backward is the same either way.
     """
-    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, source)
+    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, source, invariant)
     assert isinstance(out, torch.Tensor)
     return out

@@ -11,6 +11,9 @@ from the same quantizer the trainer uses). Two decode paths, one sampling rule (
 * ``decode_path="eager"`` (``"auto"`` on CPU: CI and the demo): the loop below over transformers'
   ``DynamicCache``, unchanged.
 
+``true_on_policy=True`` (CUDA, BF16 model, Qwen2): the runner decodes by the trainer's batch-invariant walk
+(``models/invariant.py``), so the trainer's log-probs of the samples equal the engine's bit for bit.
+
 Why not transformers' continuous batching (checked in transformers 5.23,
 ``generation/continuous_batching``): ``generate_batch`` / ``ContinuousBatchingManager`` can return
 per-token log-probs (``ContinuousBatchingConfig.return_logprobs``: ``log(softmax(processed scores))``
@@ -103,6 +106,7 @@ class NativeEngine:
         pow2_scales: bool = False,
         decode_path: Literal["auto", "eager", "runner"] = "auto",
         cuda_graphs: bool = True,
+        true_on_policy: bool = False,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from infir2_rl.fp8.checkpoint import load_fp8_model
@@ -148,6 +152,7 @@ class NativeEngine:
         self._released = False
         self._logged_cpu_memory_noop = False
         self.num_decode_steps = 0  # decode steps run so far (tests and progress)
+        self.true_on_policy = true_on_policy
         self._scheduler = self._make_scheduler(decode_path, cuda_graphs)
 
     def _make_scheduler(self, decode_path: str, cuda_graphs: bool) -> Any:
@@ -158,15 +163,21 @@ class NativeEngine:
         from infir2_rl.engines.native.model_runner import SUPPORTED_MODEL_TYPES, Qwen2Runner
         from infir2_rl.engines.native.scheduler import Scheduler
 
+        if self.true_on_policy and (decode_path == "eager" or self.device.type != "cuda"):
+            raise ValueError(
+                f"true_on_policy needs the runner decode path on a CUDA device (got decode_path={decode_path!r},"
+                f" device {self.device}): its batch-invariant kernels are CUDA-only"
+            )
         if decode_path == "eager" or (decode_path == "auto" and self.device.type != "cuda"):
             return None
-        if self.config.model_type not in SUPPORTED_MODEL_TYPES and decode_path == "auto":
+        if self.config.model_type not in SUPPORTED_MODEL_TYPES and decode_path == "auto" and not self.true_on_policy:
             logger.warning(
                 "native engine: model_type %r has no graph decode runner (%s); decoding with the SLOW eager "
                 "transformers loop", self.config.model_type, SUPPORTED_MODEL_TYPES,
             )  # fmt: skip
             return None
-        runner = Qwen2Runner(self.model)  # shares (re-points) the model's tensors: weight sync reaches it
+        # The runner shares (re-points) the model's tensors: weight sync reaches it.
+        runner = Qwen2Runner(self.model, true_on_policy=self.true_on_policy)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         return Scheduler(runner, self.max_batch_size, use_graphs, self.pad_token_id)
 

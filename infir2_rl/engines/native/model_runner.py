@@ -16,6 +16,11 @@ Two entry points, both writing keys and values into a ``KVCache`` by slot:
 * ``decode(tokens_B, positions_B, slots_B)``: one token per row at its own position; no host sync and
   fixed shapes, so ``cuda_graphs`` can capture it.
 Attention goes through ``attention.py`` and every projection through ``linears.py``: one place each.
+
+``true_on_policy=True``: prefill and decode run ``models/invariant.hidden_states`` instead, the walk the
+trainer scores with, over batch-invariant kernels and attending over the cache; the lm_head is the
+invariant GEMM and every token (the first one too) is sampled by ``sampler.py``, whose log-sum-exp the
+trainer's scoring shares. Then the trainer's log-probs equal the engine's bit for bit (invariant.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from infir2_rl.engines.native.fused_ops import rms_norm_torch as rms_norm
 from infir2_rl.engines.native.fused_ops import rotate_torch as rotate
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.linears import Fp8GemmChooser, FusedLinear
+from infir2_rl.models import invariant
+from infir2_rl.models import invariant_ops as inv_ops
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
@@ -49,7 +56,9 @@ class _Layer:
 class Qwen2Runner:
     """Prefill and decode over a slot KV cache for a loaded Qwen2 model (module docstring)."""
 
-    def __init__(self, model: nn.Module, attention_impl: str | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, attention_impl: str | None = None, true_on_policy: bool = False
+    ) -> None:
         config: Any = model.config  # type: ignore[assignment]
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -85,6 +94,16 @@ class Qwen2Runner:
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # (max_positions, D) in the model dtype
+        self.model = model
+        self.true_on_policy = true_on_policy
+        if true_on_policy:
+            invariant.check_model(model)
+            if self.dtype != invariant.DTYPE or not inv_ops.kernels_available(self.device):
+                raise ValueError(
+                    f"true_on_policy needs the batch-invariant kernels: a CUDA device with Triton and a"
+                    f" {invariant.DTYPE} model (got {self.device}, {self.dtype})"
+                )
+            self.cos, self.sin = invariant.rope_tables(config, self.max_positions, self.device)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         if max_len > self.max_positions:
@@ -115,6 +134,8 @@ class Qwen2Runner:
     ) -> Tensor:
         """Run right-padded prompts, store their K/V in ``slots`` (row r takes prompt ``prompt_of_row[r]``);
         returns logits (P, V) at each prompt's last real token."""
+        if self.true_on_policy:
+            return self._prefill_invariant(ids_PL, lengths_P, cache, slots, prompt_of_row)
         num_prompts, length = ids_PL.shape
         cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
         h = F.embedding(ids_PL, self.embed).reshape(num_prompts * length, -1)
@@ -136,6 +157,8 @@ class Qwen2Runner:
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
         and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
         input."""
+        if self.true_on_policy:
+            return self._decode_invariant(tokens_B, positions_B, slots_B, cache)
         quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
         quant_attn = quant and self.quant_attention
         h = F.embedding(tokens_B, self.embed)
@@ -154,6 +177,36 @@ class Qwen2Runner:
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
         return F.linear(x, self.lm_head)
+
+    def _prefill_invariant(
+        self, ids_PL: Tensor, lengths_P: Tensor, cache: KVCache, slots: Tensor, prompt_of_row: Tensor
+    ) -> Tensor:
+        """``prefill`` by the trainer's walk: token t of prompt p attends to keys 0..t of its prompt."""
+        num_prompts, length = ids_PL.shape
+        device = ids_PL.device
+        positions = torch.arange(length, device=device).repeat(num_prompts)
+        seq = torch.arange(num_prompts, device=device).repeat_interleave(length)
+        lens = (positions + 1).to(torch.int32)
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            k, v = (t.view(num_prompts, length, *t.shape[1:]).transpose(1, 2) for t in (k, v))
+            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k, v)
+            return inv_ops.attention(q, k, v, seq, lens)
+
+        h = invariant.hidden_states(self.model, ids_PL.reshape(-1), positions, attend, self.cos, self.sin)
+        last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=device), lengths_P - 1]
+        return invariant.logits(self.model, last)
+
+    def _decode_invariant(self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache) -> Tensor:
+        """``decode`` by the trainer's walk: row b attends to keys 0..positions_B[b] of its cache slot."""
+        lens = (positions_B + 1).to(torch.int32)
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            attention.write_decode(cache.k[i], cache.v[i], slots_B, positions_B, k, v)
+            return inv_ops.attention(q, cache.k[i], cache.v[i], slots_B, lens)
+
+        h = invariant.hidden_states(self.model, tokens_B, positions_B, attend, self.cos, self.sin)
+        return invariant.logits(self.model, h)
 
     def sample(
         self, logits_BV: Tensor, params: Any, steps_B: Tensor, truncating: bool

@@ -159,6 +159,36 @@ _BLOCK = 2048
 _TARGET_CHUNKS = 32
 
 
+def _chunks(vocab: int) -> tuple[int, int, int]:
+    """(chunk size, chunks per row, their power-of-two vector size): a function of the vocabulary only, so a
+    row's sums run in the same order whatever the batch (``models/invariant_ops`` relies on it)."""
+    chunk = _BLOCK * -(-vocab // (_TARGET_CHUNKS * _BLOCK))
+    nch = -(-vocab // chunk)
+    return chunk, nch, max(16, triton.next_power_of_2(nch))  # the per-row kernels' vector (not size 1)
+
+
+def _lse_and_argmax(logits_BV: Tensor, temp_B: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row: log-sum-exp of z = logits.float() / T and the first argmax (two kernels)."""
+    rows, vocab = logits_BV.shape
+    chunk, nch, cp2 = _chunks(vocab)
+    dev = logits_BV.device
+    m, s, best = (torch.empty(rows, nch, dtype=torch.float32, device=dev) for _ in range(3))
+    best_idx = torch.empty(rows, nch, dtype=torch.int32, device=dev)
+    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    argmax = torch.empty(rows, dtype=torch.int32, device=dev)
+    if rows:
+        _chunk_max_kernel[(rows, nch)](
+            logits_BV, temp_B, m, s, best, best_idx, vocab, logits_BV.stride(0), chunk, nch, BLOCK=_BLOCK
+        )
+        _lse_kernel[(rows,)](m, s, best, best_idx, lse, argmax, vocab, nch, CP2=cp2)
+    return lse, argmax
+
+
+def logsumexp(logits_BV: Tensor, temperature_B: Tensor) -> Tensor:
+    """The sampler's log-sum-exp of ``logits.float() / T`` per row (CUDA), T FP32 per row."""
+    return _lse_and_argmax(logits_BV, temperature_B)[0]
+
+
 def sample(
     logits_BV: Tensor, params: RowSampling, steps_B: Tensor, truncating: bool
 ) -> tuple[Tensor, Tensor]:
@@ -166,22 +196,16 @@ def sample(
     if truncating or not (_HAVE_TRITON and logits_BV.is_cuda):
         return sample_tokens(logits_BV, params, steps_B, truncating)
     rows, vocab = logits_BV.shape
-    chunk = _BLOCK * -(-vocab // (_TARGET_CHUNKS * _BLOCK))
-    nch = -(-vocab // chunk)
-    cp2 = max(16, triton.next_power_of_2(nch))  # the per-row kernels' vector over chunks (not size 1)
+    chunk, nch, cp2 = _chunks(vocab)
     dev, stride = logits_BV.device, logits_BV.stride(0)
     u = uniforms(params.keys_B, steps_B).float()
-    m, s, best, t = (torch.empty(rows, nch, dtype=torch.float32, device=dev) for _ in range(4))
-    best_idx, last = (torch.empty(rows, nch, dtype=torch.int32, device=dev) for _ in range(2))
-    lse = torch.empty(rows, dtype=torch.float32, device=dev)
-    argmax = torch.empty(rows, dtype=torch.int32, device=dev)
+    temp = params.temperature_B
+    lse, argmax = _lse_and_argmax(logits_BV, temp)
+    t = torch.empty(rows, nch, dtype=torch.float32, device=dev)
+    last = torch.empty(rows, nch, dtype=torch.int32, device=dev)
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
-    temp = params.temperature_B
-    grid = (rows, nch)
-    _chunk_max_kernel[grid](logits_BV, temp, m, s, best, best_idx, vocab, stride, chunk, nch, BLOCK=_BLOCK)
-    _lse_kernel[(rows,)](m, s, best, best_idx, lse, argmax, vocab, nch, CP2=cp2)
-    _chunk_mass_kernel[grid](logits_BV, temp, lse, t, last, vocab, stride, chunk, nch, BLOCK=_BLOCK)
+    _chunk_mass_kernel[(rows, nch)](logits_BV, temp, lse, t, last, vocab, stride, chunk, nch, BLOCK=_BLOCK)
     _pick_kernel[(rows,)](
         logits_BV, temp, params.greedy_B, u, lse, argmax, t, last, tokens, logprobs,
         vocab, stride, chunk, nch, CP2=cp2, BLOCK=_BLOCK,

@@ -219,7 +219,12 @@ class Scheduler:
                 row_params.stop_token_ids, dtype=torch.long
             )
         state.stop_ids[slots_t] = stops.to(device)
-        first, logprobs = sample_tokens(logits[prompt_of_row], sampling, 0)
+        if self.runner.true_on_policy:  # the log-prob by the sampler kernels the trainer's scoring shares
+            truncating = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+            steps0 = torch.zeros(len(rows), dtype=torch.long, device=device)
+            first, logprobs = self.runner.sample(logits[prompt_of_row], sampling, steps0, truncating)
+        else:
+            first, logprobs = sample_tokens(logits[prompt_of_row], sampling, 0)
         zeros = torch.zeros_like(slots_t)
         state.record(slots_t, first, logprobs, zeros, lengths_t[prompt_of_row])
         for pos, (r, i, s) in zip(row_positions, rows):

@@ -20,6 +20,10 @@ is decided on the device (optim.step_unless_nonfinite): the host waits once, aft
 
 Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
 entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
+
+`true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
+every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
+trainer's log-probs of the engine's samples equal the engine's bit for bit; backward is plain torch math.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class TorchTrainer:
         device: str | torch.device | None = None,
         fsdp: bool | None = None,
         reference: bool = False,
+        true_on_policy: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,6 +132,9 @@ class TorchTrainer:
             D.apply_fsdp2(model, self.fsdp_param_dtype)
         self.model: PreTrainedModel = model
         self.fsdp = D.is_fsdp(model)
+        self.true_on_policy = true_on_policy
+        if true_on_policy:
+            self._check_true_on_policy()
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optimizer_cfg)
@@ -145,6 +153,20 @@ class TorchTrainer:
                 param_dtype=self.fsdp_param_dtype,
             )
 
+    def _check_true_on_policy(self) -> None:
+        from infir2_rl.models import invariant, invariant_ops
+
+        invariant.check_model(self.model)
+        problems = []
+        if not invariant_ops.kernels_available(self.device):
+            problems.append(f"a CUDA device with Triton (device {self.device})")
+        if self.compute_dtype != invariant.DTYPE:
+            problems.append(f"compute dtype {invariant.DTYPE} (model.dtype gives {self.compute_dtype})")
+        if self.fsdp or self.world_size > 1:
+            problems.append("one trainer worker without FSDP (the invariant walk bypasses FSDP's hooks)")
+        if problems:
+            raise ValueError("true_on_policy needs " + "; ".join(problems))
+
     # ------------------------------------------------------------------ forward helpers
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.compute_dtype == torch.float32:
@@ -160,6 +182,17 @@ class TorchTrainer:
         model: PreTrainedModel | None = None,
     ) -> TokenScores:
         """Per-token log-probs (and entropies) at the selected positions, never the full logits."""
+        if self.true_on_policy:
+            from infir2_rl.models import invariant
+
+            logp, entropy = invariant.score_tokens(
+                self.model if model is None else model,
+                batch.input_ids,
+                select_BL & (batch.attention_mask > 0),
+                temperature=temperature,
+                need_entropy=need_entropy,
+            )
+            return TokenScores(logprobs_BL=logp, entropy_BL=entropy)
         return score_tokens(
             self.model if model is None else model,
             batch.input_ids,

@@ -1,0 +1,191 @@
+"""True on-policy forward: one Qwen2 walk, run by the trainer and the rollout engine alike.
+
+Under ``true_on_policy`` (an RL stage setting) the trainer's log-prob of every sampled token equals, bit for
+bit, the one the engine reported, in BF16 and in unified FP8. Two things make that so:
+
+1. Both sides run *this* function over the transformers modules they hold (the trainer's FP32 masters
+   cast to BF16, or its ``Fp8Linear`` FP8 bytes; the engine's BF16 copy or ``Fp8InferenceLinear`` buffers
+   filled from those bytes), so the op order, roundings and precision flow are one piece of code: BF16
+   residual stream, RMSNorm in FP32 then cast, rotary tables computed once by ``rope_tables``, SiLU-gated
+   MLP, BF16 lm_head, log-softmax of ``logits.float() / T``.
+2. Every op with a reduction runs a batch-invariant kernel (``invariant_ops``), so a token's numbers do not
+   depend on whether it sits in a decode batch of 64 rows or in the trainer's 8,192-token forward.
+
+Attention is a callback (``Attend``): the trainer attends within each sequence of its batch
+(``invariant_ops.causal_attention``), the engine writes K/V into its cache and attends over the cache.
+
+What it costs: the kernels trade shape-tuned speed for one tile shape (bench/true_on_policy.py measures it)
+and the engine runs q/k/v and gate/up as separate GEMMs (the same numbers as fused, one tile shape). The
+trainer path is differentiable (invariant forward, plain torch backward) and keeps the padded layout;
+gradient checkpointing and FSDP are not applied to it (the trainer refuses FSDP with true_on_policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from infir2_rl.engines.native.fused_ops import rotate_torch
+from infir2_rl.fp8.linear import Fp8InferenceLinear, Fp8Linear
+from infir2_rl.fp8.ops import fp8_linear
+from infir2_rl.models import invariant_ops as ops
+from infir2_rl.trainers.token_scores import _ChunkedScores
+
+DTYPE = torch.bfloat16  # the one compute dtype of the walk on a GPU
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+# attend(layer index, q (N, H, D), k (N, KVH, D), v (N, KVH, D)) -> (N, H * D), all rotated already.
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse models the walk does not compute exactly as transformers does (one clear line)."""
+    config: Any = model.config  # type: ignore[assignment]
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    problems = []
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type {config.model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type {rope.get('rope_type')!r} (only 'default')")
+    if getattr(config, "use_sliding_window", False):
+        problems.append("sliding-window attention")
+    if problems:
+        raise ValueError("true_on_policy: the invariant forward does not support " + ", ".join(problems))
+
+
+def rope_tables(config: Any, max_positions: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin (max_positions, D) in BF16, transformers' default rotary formula computed on ``device``: the
+    trainer and the engine call this one function, so their tables are the same bytes."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    inv_freq, scaling = Qwen2RotaryEmbedding.compute_default_rope_parameters(config)
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq.to(device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(DTYPE), (emb.sin() * scaling).to(DTYPE)
+
+
+def _cast(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.to(DTYPE)
+
+
+def linear(x: Tensor, module: nn.Module) -> Tensor:
+    """The module's projection of x (N, K) BF16 through the invariant GEMM of its kind."""
+    if isinstance(module, Fp8InferenceLinear):
+        return ops.fp8_mm(x, module.weight, module.weight_scale_inv, _cast(module.bias), module.pow2_scales)
+    if isinstance(module, Fp8Linear) and module.fp8_enabled:
+        fp8w = module._fp8_weight()
+        return fp8_linear(x, module.weight, _cast(module.bias), fp8w, module.pow2_scales, DTYPE, invariant=True)
+    if isinstance(module, nn.Linear):
+        return ops.mm(x, module.weight.to(DTYPE), _cast(module.bias))
+    raise TypeError(f"true_on_policy: no invariant GEMM for {type(module).__name__}")
+
+
+def hidden_states(
+    model: nn.Module, ids_N: Tensor, positions_N: Tensor, attend: Attend, cos: Tensor, sin: Tensor
+) -> Tensor:
+    """Final (normed) hidden states (N, E) in BF16 of tokens ``ids_N`` at ``positions_N``."""
+    inner: Any = model.model  # type: ignore[assignment]
+    config: Any = model.config  # type: ignore[assignment]
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    eps = float(config.rms_norm_eps)
+    n = ids_N.shape[0]
+    c, s = cos[positions_N][:, None], sin[positions_N][:, None]  # (N, 1, D)
+    h = F.embedding(ids_N, inner.embed_tokens.weight).to(DTYPE)
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        x = ops.rms_norm(h, layer.input_layernorm.weight.to(DTYPE), eps)
+        q = rotate_torch(linear(x, attn.q_proj).view(n, heads, dim), c, s)
+        k = rotate_torch(linear(x, attn.k_proj).view(n, kv_heads, dim), c, s)
+        v = linear(x, attn.v_proj).view(n, kv_heads, dim)
+        h = h + linear(attend(i, q, k, v), attn.o_proj)
+        x = ops.rms_norm(h, layer.post_attention_layernorm.weight.to(DTYPE), eps)
+        h = h + linear(F.silu(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+    return ops.rms_norm(h, inner.norm.weight.to(DTYPE), eps)
+
+
+def logits(model: nn.Module, hidden_NE: Tensor) -> Tensor:
+    """BF16 logits (N, V) through the invariant GEMM (the engine's lm_head)."""
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
+    return ops.mm(hidden_NE, head.weight.to(DTYPE))
+
+
+# ---- the trainer's side ----------------------------------------------------------------------------------
+
+
+class _InvariantScores(_ChunkedScores):
+    """``_ChunkedScores`` whose forward is the engine's: invariant lm_head GEMM, the sampler's log-sum-exp.
+    Backward (inherited) recomputes the chunk's logits with the plain GEMM."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden_NH: Tensor,
+        weight_VH: Tensor,
+        targets_N: Tensor,
+        temperature: float,
+        need_entropy: bool,
+        compute_dtype: torch.dtype,
+        chunk_tokens: int,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden_NH.shape[0]
+        h, w = hidden_NH.to(compute_dtype), weight_VH.to(compute_dtype)
+        logp = torch.empty(n, dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if need_entropy else logp.new_empty(0)
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            z = ops.mm(h[s:e], w)
+            temps = torch.full((e - s,), temperature, dtype=torch.float32, device=h.device)
+            logp[s:e], lse[s:e] = ops.token_logprobs(z, temps, targets_N[s:e])
+            if need_entropy:  # a metric and a bonus term: torch's log-softmax, not bit-matched to anything
+                logp_all = torch.log_softmax(z.float() / temperature, dim=-1)
+                entropy[s:e] = -(logp_all.exp() * logp_all).sum(-1)
+        ctx.save_for_backward(h, weight_VH, targets_N, lse, entropy)
+        ctx.temperature, ctx.need_entropy, ctx.chunk_tokens = temperature, need_entropy, chunk_tokens
+        ctx.hidden_dtype = hidden_NH.dtype
+        return logp, entropy
+
+
+def score_tokens(
+    model: nn.Module,
+    input_ids_BL: Tensor,
+    select_BL: Tensor,
+    *,
+    temperature: float,
+    need_entropy: bool,
+    chunk_tokens: int = 2048,
+) -> tuple[Tensor, Tensor | None]:
+    """(log-probs (B, L), entropies (B, L) or None) of right-padded rows, zeros where not selected; position
+    t is scored from the hidden state at t - 1, as ``trainers/torch/scoring.score_tokens`` does."""
+    batch, length = input_ids_BL.shape
+    config: Any = model.config  # type: ignore[assignment]
+    device = input_ids_BL.device
+    cos, sin = rope_tables(config, length, device)
+    positions = torch.arange(length, device=device).repeat(batch)
+
+    def attend(_: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kv = (t.view(batch, length, *t.shape[1:]).transpose(1, 2) for t in (k, v))
+        return ops.causal_attention(q.view(batch, length, *q.shape[1:]), *kv).view(batch * length, -1)
+
+    with torch.autocast(device.type, enabled=False):
+        hidden = hidden_states(model, input_ids_BL.reshape(-1), positions, attend, cos, sin)
+        hidden = hidden.view(batch, length, -1)
+        picked = select_BL.bool().clone()
+        picked[:, 0] = False
+        head: Any = model.get_output_embeddings()  # type: ignore[operator]
+        logp, entropy = _InvariantScores.apply(
+            hidden[:, :-1][picked[:, 1:]], head.weight, input_ids_BL[:, 1:][picked[:, 1:]].long(),
+            float(temperature), need_entropy, DTYPE, chunk_tokens,
+        )  # fmt: skip
+    logp_BL = logp.new_zeros(batch, length)
+    logp_BL[picked] = logp
+    entropy_BL = None
+    if need_entropy:
+        entropy_BL = entropy.new_zeros(batch, length)
+        entropy_BL[picked] = entropy
+    return logp_BL, entropy_BL

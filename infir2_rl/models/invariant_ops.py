@@ -1,0 +1,303 @@
+"""Batch-invariant ops for true on-policy RL: a token's numbers never depend on what it is batched with.
+
+Why: under ``true_on_policy`` the trainer's log-prob of every sampled token must equal, bit for bit, the
+one the rollout engine reported, yet the two run different batches: the trainer scores whole sequences
+(thousands of rows per GEMM, attention over a causal block), the engine decodes one token per row against
+a KV cache. Fast kernels choose tiles, split-K and attention splits by shape, so the same token's FP32 sums
+run in another order and its last bits differ; FP8 quantizers then turn those bits into whole e4m3 steps
+(docs/mismatch.md). Each op here computes a row (a token) with one instruction sequence whatever the
+number of rows:
+
+* ``mm``: BF16 GEMM (Triton) at one tile shape for every M (``MM_TILE``), no split-K, the bias added in FP32
+  before the single rounding.
+* ``fp8_mm``: the engine's W8A8 kernel (``engines/native/fp8_gemm``) at one launch shape (``FP8_CONFIG``),
+  its input quantized inside with the trainer's 1x128 rule.
+* ``attention``: one program per (token, KV head); the token's G query heads (padded to 16 rows) walk its
+  keys from position 0 in fixed blocks of ``ATTN_BLOCK`` with an online softmax. A decode row and the same
+  position of a full-sequence forward run the same loop; only where keys and values are read from differs
+  (a cache slot or a sequence's own tensor). A fully masked block is an exact no-op (alpha 1, p 0), so a
+  row's result does not depend on how far its neighbours' loops run.
+* ``rms_norm``: the engine's row kernel (``engines/native/fused_ops``), one program per row.
+* ``token_logprobs``: the sampler's chunked log-sum-exp (``engines/native/sampler``: chunks depend on the
+  vocabulary size only) and its ``z / T`` with IEEE division.
+Rotary embedding, SiLU, products and residual adds are elementwise torch ops, invariant as they are.
+
+Backward (the trainer's): ``mm``, ``attention`` and ``rms_norm`` are autograd Functions whose backward is
+plain torch math (cuBLAS matmuls, SDPA / RMSNorm recomputed). Gradients need not match anything bit for bit:
+only the forward values enter the policy ratio.
+
+CPU (tests): the same functions fall back to their torch references (``F.linear``, masked SDPA, the torch
+RMSNorm, FP8 emulation), so the model walk of ``invariant.py`` runs in CPU tests; bit equality between
+trainer and engine is a promise of the CUDA kernels only (tests/test_true_on_policy_gpu.py), and the
+trainer and engine refuse ``true_on_policy`` without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
+from infir2_rl.fp8.ops import fp8_linear_forward
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs
+    _HAVE_TRITON = False
+
+MM_TILE = (64, 64, 64)  # BM, BN, BK of the BF16 GEMM: the same for every M (that is the invariance)
+MM_WARPS, MM_STAGES = 4, 3
+FP8_CONFIG = fp8_gemm.GemmConfig(64, 64, 1, 4, 3)  # no split-K: the K blocks of a row add up in one order
+ATTN_ROWS = 16  # query rows per attention program: the G heads of one KV head, padded
+ATTN_BLOCK = 64  # keys per step of the attention loop
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the bit-for-bit kernels run on ``device`` (CUDA with Triton)."""
+    return _HAVE_TRITON and device.type == "cuda"
+
+
+if _HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _mm_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
+        HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        kk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + kk
+            x = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                mask=(rows[:, None] < M) & (ks[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                mask=(cols[None, :] < N) & (ks[:, None] < K),
+                other=0.0,
+            )
+            acc = tl.dot(x, w, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, len_ptr,
+        sq_r, sq_h, sk_s, sk_h, sk_t, sv_s, sv_h, sv_t, so_r, so_h, sm_scale,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        r, kvh = tl.program_id(0), tl.program_id(1)
+        seq = tl.load(seq_ptr + r).to(tl.int64)
+        n = tl.load(len_ptr + r)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        heads = kvh * G + g
+        qm = (g < G)[:, None]
+        q = tl.load(q_ptr + r.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :], mask=qm, other=0.0)
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        k_base = k_ptr + seq * sk_s + kvh * sk_h
+        v_base = v_ptr + seq * sv_s + kvh * sv_h
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n, BLOCK):
+            t = start + offs
+            tm = t < n
+            k = tl.load(k_base + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=tm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.where(tm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=tm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
+
+    @triton.jit
+    def _token_logprob_kernel(logits_ptr, temp_ptr, lse_ptr, tok_ptr, lp_ptr, stride):
+        row = tl.program_id(0)
+        tok = tl.load(tok_ptr + row)
+        z = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride + tok).to(tl.float32), tl.load(temp_ptr + row))
+        tl.store(lp_ptr + row, z - tl.load(lse_ptr + row))
+
+
+# ---- GEMMs ------------------------------------------------------------------------------------------------
+
+
+def _mm_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    if not kernels_available(x.device):
+        return F.linear(x, w, bias)
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    bm, bn, bk = MM_TILE
+    _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, num_warps=MM_WARPS, num_stages=MM_STAGES,
+    )  # fmt: skip
+    return y
+
+
+class _Mm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        return _mm_forward(x, w, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = dy @ w if ctx.needs_input_grad[0] else None
+        dw = dy.t() @ x if ctx.needs_input_grad[1] else None
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ w^T + bias`` for x (M, K), w (N, K) in one dtype (BF16 on GPU): every row computed alike."""
+    if w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"mm: x {x.dtype}, w {w.dtype}, bias {None if bias is None else bias.dtype}: cast first")
+    out = _Mm.apply(x, w, bias)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow2: bool) -> Tensor:
+    """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``)."""
+    if not kernels_available(x.device):
+        return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
+    return fp8_gemm.w8a8_fused(x.contiguous(), w_fp8, scale_inv, bias, FP8_CONFIG, pow2)
+
+
+# ---- attention --------------------------------------------------------------------------------------------
+
+
+def attention(q_RHD: Tensor, k_SKTD: Tensor, v_SKTD: Tensor, seq_R: Tensor, len_R: Tensor) -> Tensor:
+    """Row r (a token) attends to keys 0..len_R[r]-1 of sequence seq_R[r]: q (R, H, D), k / v (S, KVH, T, D)
+    (a KV cache, or a batch of sequences) -> (R, H * D). No autograd (``causal_attention`` has it)."""
+    rows, heads, dim = q_RHD.shape
+    kv_heads = k_SKTD.shape[1]
+    group = heads // kv_heads
+    if not kernels_available(q_RHD.device):
+        keys = k_SKTD[seq_R].repeat_interleave(group, dim=1)  # (R, H, T, D)
+        values = v_SKTD[seq_R].repeat_interleave(group, dim=1)
+        mask = torch.arange(keys.shape[2], device=q_RHD.device)[None, :] < len_R[:, None]
+        out = F.scaled_dot_product_attention(q_RHD[:, :, None], keys, values, attn_mask=mask[:, None, None])
+        return out.reshape(rows, heads * dim)
+    if group > ATTN_ROWS or dim & (dim - 1) or k_SKTD.stride(-1) != 1 or v_SKTD.stride(-1) != 1:
+        raise ValueError(
+            f"invariant attention: {heads} query heads per {kv_heads} KV heads, head dim {dim}: needs at most"
+            f" {ATTN_ROWS} query heads per KV head, a power-of-two head dim and unit-stride K/V rows"
+        )
+    q = q_RHD.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
+    if rows:
+        _attention_kernel[(rows, kv_heads)](
+            q, k_SKTD, v_SKTD, out, seq_R, len_R,
+            q.stride(0), q.stride(1), *k_SKTD.stride()[:3], *v_SKTD.stride()[:3], out.stride(0), out.stride(1),
+            dim**-0.5, G=group, GP=ATTN_ROWS, D=dim, BLOCK=ATTN_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out.reshape(rows, heads * dim)
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Forward: ``attention`` with row (b, t) over keys 0..t of sequence b. Backward: causal SDPA recomputed."""
+
+    @staticmethod
+    def forward(ctx: Any, q_BLHD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor) -> Tensor:  # type: ignore[override]
+        batch, length, heads, dim = q_BLHD.shape
+        device = q_BLHD.device
+        seq = torch.arange(batch, device=device).repeat_interleave(length)
+        lens = torch.arange(1, length + 1, device=device, dtype=torch.int32).repeat(batch)
+        ctx.save_for_backward(q_BLHD, k_BKLD, v_BKLD)
+        out = attention(q_BLHD.reshape(batch * length, heads, dim), k_BKLD, v_BKLD, seq, lens)
+        return out.view(batch, length, heads * dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            group = q.shape[2] // k.shape[1]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.repeat_interleave(group, dim=1),
+                v.repeat_interleave(group, dim=1),
+                is_causal=True,
+            ).transpose(1, 2)
+            grads = torch.autograd.grad(out.reshape(grad.shape), (q, k, v), grad)
+        return grads
+
+
+def causal_attention(q_BLHD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor) -> Tensor:
+    """Causal self-attention of whole sequences through the invariant kernel, differentiable: q (B, L, H, D),
+    k / v (B, KVH, L, D) -> (B, L, H * D). Row (b, t) sees keys 0..t (right padding is never attended to by
+    a real token)."""
+    out = _CausalAttention.apply(q_BLHD, k_BKLD.contiguous(), v_BKLD.contiguous())
+    assert isinstance(out, Tensor)
+    return out
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------------------
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        out = fused_ops.add_rms_norm(x.contiguous(), None, weight, eps)
+        assert isinstance(out, Tensor)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = fused_ops.rms_norm_torch(x, weight, ctx.eps)
+            dx, dw = torch.autograd.grad(out, (x, weight), grad)
+        return dx, dw, None
+
+
+def rms_norm(x_NE: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen2RMSNorm of rows x (N, E), one program per row on CUDA; weight in x's dtype."""
+    out = _RmsNorm.apply(x_NE, weight, eps)
+    assert isinstance(out, Tensor)
+    return out
+
+
+# ---- log-probs --------------------------------------------------------------------------------------------
+
+
+def token_logprobs(logits_NV: Tensor, temperature_N: Tensor, tokens_N: Tensor) -> tuple[Tensor, Tensor]:
+    """(log softmax(z)[token], logsumexp(z)) per row, z = logits.float() / T, as the engine's sampler
+    computes them (FP32, (N,) each). ``temperature_N``: FP32 per row."""
+    rows, vocab = logits_NV.shape
+    if not (kernels_available(logits_NV.device) and sampler._HAVE_TRITON):
+        z = logits_NV.float() / temperature_N[:, None]
+        lse = torch.logsumexp(z, dim=-1)
+        return z.gather(1, tokens_N[:, None]).squeeze(1) - lse, lse
+    lse = sampler.logsumexp(logits_NV, temperature_N)
+    logp = torch.empty(rows, dtype=torch.float32, device=logits_NV.device)
+    if rows:
+        _token_logprob_kernel[(rows,)](logits_NV, temperature_N, lse, tokens_N, logp, logits_NV.stride(0))
+    return logp, lse

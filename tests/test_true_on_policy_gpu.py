@@ -1,0 +1,139 @@
+"""true_on_policy on a GPU: the trainer's log-probs of the engine's samples equal the engine's bit for bit.
+
+The kernels first (a row's result does not depend on its batch), then the whole flow on a small random
+Qwen2: NativeEngine(true_on_policy) samples with the weights TorchTrainer(true_on_policy) pushes, the
+trainer scores the samples, and every scored token's log-prob must be exactly the engine's, in BF16 and in
+unified FP8, at two temperatures, after a weight update too. The fast mode's gap is printed for contrast.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.models.factory import init_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("tp") / "small4", "small", seed=5, num_hidden_layers=4)
+
+
+def test_gemm_rows_do_not_depend_on_the_batch() -> None:
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 384, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(1200, 384, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(1200, device="cuda", generator=gen).bfloat16()
+    full = ops.mm(x, w, b)
+    assert (full.float() - (x.float() @ w.float().t() + b.float())).abs().max() < 0.5
+    for rows in (slice(0, 1), slice(3, 19), slice(500, 757)):
+        assert torch.equal(ops.mm(x[rows], w, b), full[rows])
+
+
+def test_fp8_gemm_rows_do_not_depend_on_the_batch() -> None:
+    from infir2_rl.fp8.quant_triton import quantize_weight
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(700, 512, device="cuda", generator=gen).bfloat16()
+    w_fp8, scale = quantize_weight(torch.randn(640, 512, device="cuda", generator=gen))
+    full = ops.fp8_mm(x, w_fp8, scale, None, False)
+    for rows in (slice(0, 1), slice(5, 37), slice(300, 700)):
+        assert torch.equal(ops.fp8_mm(x[rows], w_fp8, scale, None, False), full[rows])
+
+
+def test_decode_attention_over_a_cache_equals_the_full_sequence_rows() -> None:
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    batch, length, heads, kv_heads, dim = 3, 150, 6, 2, 64
+    q = torch.randn(batch, length, heads, dim, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(batch, kv_heads, length, dim, device="cuda", generator=gen).bfloat16() for _ in "kv")
+    full = ops.causal_attention(q, k, v)  # (B, L, H*D)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), k.repeat_interleave(3, 1).float(), v.repeat_interleave(3, 1).float(),
+        is_causal=True,
+    ).transpose(1, 2).reshape(batch, length, -1)  # fmt: skip
+    assert (full.float() - ref).abs().max() < 2e-2
+    # A cache of 5 slots holding the sequences in slots 4, 0, 2 (longer than the sequences), decode rows at
+    # assorted positions.
+    cache_k = torch.zeros(5, kv_heads, 256, dim, device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.zeros_like(cache_k)
+    slots = torch.tensor([4, 0, 2], device="cuda")
+    cache_k[slots, :, :length], cache_v[slots, :, :length] = k, v
+    rows_b = torch.tensor([0, 1, 2, 2, 0, 1], device="cuda")
+    rows_t = torch.tensor([0, 63, 64, 149, 100, 127], device="cuda")
+    out = ops.attention(q[rows_b, rows_t], cache_k, cache_v, slots[rows_b], (rows_t + 1).int())
+    assert torch.equal(out, full[rows_b, rows_t])
+
+
+def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool):  # type: ignore[no-untyped-def]
+    from infir2_rl.trainers.torch.trainer import TorchTrainer
+
+    return TorchTrainer(
+        ModelConfig(path=str(model_dir)),
+        TrainerConfig(micro_batch_size=8),
+        OptimizerConfig(),
+        fp8=fp8,
+        total_steps=1,
+        true_on_policy=true_on_policy,
+    )
+
+
+def _round(trainer, engine, version: int, temperature: float):  # type: ignore[no-untyped-def]
+    """Push the trainer's weights, sample, score: (trainer log-probs, engine log-probs, loss mask) per batch."""
+    from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
+    from infir2_rl.types import GenerateRequest, SamplingParams
+    from infir2_rl.weight_sync.buckets import build_buckets
+
+    for bucket in build_buckets(trainer.export_weights(), 1 << 30, version=version):
+        engine.update_weights(bucket)
+    gen = torch.Generator().manual_seed(version)
+    params = SamplingParams(temperature=temperature, max_new_tokens=40)
+    requests = [
+        GenerateRequest(
+            f"r{i}", torch.randint(10, 300, (5 + 7 * i,), generator=gen).tolist(), n=4, params=params, seed=i
+        )
+        for i in range(6)
+    ]
+    samples = sorted(engine.generate(requests), key=lambda s: (s.request_id, s.index))
+    batch = RolloutBatch(samples=samples, rewards=[0.0] * 24, group_size=4, labels=["0"] * 6)
+    tokens = to_token_batches(batch, torch.zeros(24), pad_id=0, micro_batch_size=8)
+    logps = trainer.forward_logprobs(tokens, temperature=temperature)
+    return [(lp[:, 1:], tb.rollout_logprobs[:, 1:], tb.loss_mask[:, 1:] > 0) for lp, tb in zip(logps, tokens)]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
+def test_trainer_log_probs_equal_the_engine_bit_for_bit(model_dir: Path, fp8: bool) -> None:
+    from infir2_rl.engines.native.engine import NativeEngine
+
+    trainer = _trainer(model_dir, fp8, True)
+    engine = NativeEngine(str(model_dir), fp8=fp8, max_batch_size=8, true_on_policy=True)
+    scored = 0
+    for version, temperature in ((1, 1.0), (2, 1.1)):
+        if version == 2:  # a weight update in between: the new bytes reach both sides
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.add_(torch.randn_like(p) * 1e-3)
+            trainer.invalidate_fp8_cache()
+        for train_lp, engine_lp, mask in _round(trainer, engine, version, temperature):
+            diff = (train_lp - engine_lp)[mask]
+            scored += int(mask.sum())
+            assert diff.abs().max().item() == 0.0, f"max |dlogp| {diff.abs().max().item():.3e}"
+    assert scored > 500
+
+
+def test_fast_mode_is_not_bit_equal(model_dir: Path) -> None:
+    """The contrast the setting exists for: without it the same flow differs (so the test above can fail)."""
+    from infir2_rl.engines.native.engine import NativeEngine
+
+    trainer = _trainer(model_dir, True, False)
+    engine = NativeEngine(str(model_dir), fp8=True, max_batch_size=8)
+    diffs = [(t - e)[m].abs().max().item() for t, e, m in _round(trainer, engine, 1, 1.0)]
+    print(f"fast mode unified FP8 max |dlogp| per batch: {diffs}")
+    assert max(diffs) > 0
