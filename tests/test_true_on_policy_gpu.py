@@ -85,13 +85,13 @@ def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool):  # type: ignore[
     )
 
 
-def _round(trainer, engine, version: int, temperature: float):  # type: ignore[no-untyped-def]
+def _round(trainer, engine, version: int, temperature: float, fp8: bool):  # type: ignore[no-untyped-def]
     """Push the trainer's weights, sample, score: (trainer log-probs, engine log-probs, loss mask) per batch."""
     from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
     from infir2_rl.types import GenerateRequest, SamplingParams
     from infir2_rl.weight_sync.buckets import build_buckets
 
-    for bucket in build_buckets(trainer.export_weights(), 1 << 30, version=version):
+    for bucket in build_buckets(trainer.export_weights(fp8=fp8), 1 << 30, version=version):
         engine.update_weights(bucket)
     gen = torch.Generator().manual_seed(version)
     params = SamplingParams(temperature=temperature, max_new_tokens=40)
@@ -121,7 +121,7 @@ def test_trainer_log_probs_equal_the_engine_bit_for_bit(model_dir: Path, fp8: bo
                 for p in trainer.model.parameters():
                     p.add_(torch.randn_like(p) * 1e-3)
             trainer.invalidate_fp8_cache()
-        for train_lp, engine_lp, mask in _round(trainer, engine, version, temperature):
+        for train_lp, engine_lp, mask in _round(trainer, engine, version, temperature, fp8):
             diff = (train_lp - engine_lp)[mask]
             scored += int(mask.sum())
             assert diff.abs().max().item() == 0.0, f"max |dlogp| {diff.abs().max().item():.3e}"
@@ -134,6 +134,6 @@ def test_fast_mode_is_not_bit_equal(model_dir: Path) -> None:
 
     trainer = _trainer(model_dir, True, False)
     engine = NativeEngine(str(model_dir), fp8=True, max_batch_size=8)
-    diffs = [(t - e)[m].abs().max().item() for t, e, m in _round(trainer, engine, 1, 1.0)]
+    diffs = [(t - e)[m].abs().max().item() for t, e, m in _round(trainer, engine, 1, 1.0, True)]
     print(f"fast mode unified FP8 max |dlogp| per batch: {diffs}")
     assert max(diffs) > 0
