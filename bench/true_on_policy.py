@@ -51,7 +51,7 @@ def run(path: Path, fp8: bool, true_on_policy: bool, args: argparse.Namespace) -
     trainer = TorchTrainer(
         ModelConfig(path=str(path)),
         TrainerConfig(micro_batch_size=args.micro_batch),
-        OptimizerConfig(lr=1e-7),
+        OptimizerConfig(lr=1e-7, min_lr=0.0),
         fp8=fp8,
         total_steps=10,
         true_on_policy=true_on_policy,
