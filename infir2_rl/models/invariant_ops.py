@@ -140,21 +140,28 @@ if _HAVE_TRITON:
 # ---- GEMMs ------------------------------------------------------------------------------------------------
 
 
-def _mm_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    if not kernels_available(x.device):
-        return F.linear(x, w, bias)
+def mm_launch(
+    x: Tensor, w: Tensor, bias: Tensor | None, tile: tuple[int, int, int], warps: int, stages: int
+) -> Tensor:
+    """The BF16 kernel at a given launch shape (``bench/invariant_gemm.py`` compares shapes bit for bit)."""
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, bn, bk = MM_TILE
+    bm, bn, bk = tile
     _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0),
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, num_warps=MM_WARPS, num_stages=MM_STAGES,
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
+
+
+def _mm_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    if not kernels_available(x.device):
+        return F.linear(x, w, bias)
+    return mm_launch(x, w, bias, MM_TILE, MM_WARPS, MM_STAGES)
 
 
 class _Mm(torch.autograd.Function):

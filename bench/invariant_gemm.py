@@ -1,0 +1,100 @@
+"""Which launch shapes of the batch-invariant GEMMs give the same bits, and how fast each runs (CUDA).
+
+true_on_policy needs a row's GEMM result to be the same whatever the batch (``models/invariant_ops``). One
+fixed launch shape guarantees it; different shapes may give the same bits too when they run the same
+per-element arithmetic (the tensor-core instruction and the order of K steps), which would allow a shape
+per M range. For each decoder GEMM shape of Qwen2.5-1.5B (and its lm_head), this computes M = 4096 rows
+with the reference shape and every candidate at M in ``--rows``, compares bit for bit, and times each
+candidate (CUDA events, median of 20 after 3 warm-ups) at each M. FP8: the in-kernel quantizing W8A8 kernel
+and the pre-quantized variant (``quant_triton.quantize_rows`` then the kernel), every launch shape.
+
+    python bench/invariant_gemm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+SHAPES = {  # name: (K, N) of the 1.5B shape
+    "q|o": (1536, 1536), "k|v": (1536, 256), "gate|up": (1536, 8960), "down": (8960, 1536), "lm_head": (1536, 151936),
+}  # fmt: skip
+BF16_TILES = [  # (BM, BN, BK, warps, stages); the first is the reference (MM_TILE)
+    (64, 64, 64, 4, 3), (16, 64, 64, 4, 3), (64, 32, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 32, 4, 4),
+]  # fmt: skip
+
+
+def _time(fn: Callable[[], object]) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) * 1e3  # us
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 4096])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/invariant_gemm.py needs a CUDA GPU")
+        return 2
+    from infir2_rl.engines.native import fp8_gemm
+    from infir2_rl.fp8 import quant_triton
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; times in us at M = {args.rows}")
+    fp8_cfgs = [ops.FP8_CONFIG] + [
+        fp8_gemm.GemmConfig(bm, bn, 1, w, st)
+        for bm, bn, w, st in ((16, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3))
+    ]  # fmt: skip
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        x = (torch.randn(max(args.rows), k, device="cuda", generator=gen) * 2).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
+        ref = ops.mm_launch(x, w, None, BF16_TILES[0][:3], *BF16_TILES[0][3:])
+        print(f"-- {name} (K {k}, N {n}) BF16")
+        for tile in BF16_TILES:
+            same = all(
+                torch.equal(ops.mm_launch(x[:m], w, None, tile[:3], *tile[3:]), ref[:m]) for m in args.rows
+            )
+            times = [_time(lambda m=m: ops.mm_launch(x[:m], w, None, tile[:3], *tile[3:])) for m in args.rows]
+            print(f"   {str(tile):24s} bit-equal {same!s:5s} " + " ".join(f"{t:9.1f}" for t in times))
+        cublas = [_time(lambda m=m: torch.nn.functional.linear(x[:m], w)) for m in args.rows]
+        print(f"   {'cuBLAS F.linear':24s} {'':15s} " + " ".join(f"{t:9.1f}" for t in cublas))
+        if name == "lm_head":
+            continue
+        w8, s8 = quant_triton.quantize_weight(w.float())
+        ref8 = fp8_gemm.w8a8_fused(x, w8, s8, None, fp8_cfgs[0])
+        print(f"-- {name} FP8 W8A8 (in-kernel quantization | pre-quantized rows)")
+        for cfg in fp8_cfgs:
+            def pre(m: int, cfg: fp8_gemm.GemmConfig = cfg) -> torch.Tensor:
+                q, s_t = quant_triton.quantize_rows(x[:m])
+                return fp8_gemm.w8a8_fused(q, w8, s8, None, cfg, False, s_t, m, torch.bfloat16)
+
+            same = all(torch.equal(fp8_gemm.w8a8_fused(x[:m], w8, s8, None, cfg), ref8[:m]) for m in args.rows)
+            same_pre = all(torch.equal(pre(m), ref8[:m]) for m in args.rows)
+            times = [_time(lambda m=m: fp8_gemm.w8a8_fused(x[:m], w8, s8, None, cfg)) for m in args.rows]
+            times_pre = [_time(lambda m=m: pre(m)) for m in args.rows]
+            print(
+                f"   {str(cfg):24s} bit-equal {same!s:5s}|{same_pre!s:5s} "
+                + " ".join(f"{a:7.1f}|{b:<7.1f}" for a, b in zip(times, times_pre))
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
