@@ -14,6 +14,7 @@ and the pre-quantized variant (``quant_triton.quantize_rows`` then the kernel), 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import torch
 SHAPES = {  # name: (K, N) of the 1.5B shape
     "q|o": (1536, 1536), "k|v": (1536, 256), "gate|up": (1536, 8960), "down": (8960, 1536), "lm_head": (1536, 151936),
 }  # fmt: skip
-BF16_TILES = [  # (BM, BN, BK, warps, stages); the first is the reference (MM_TILE)
+BF16_TILES = [  # (BM, BN, BK, warps, stages); the first is the reference
     (64, 64, 64, 4, 3), (16, 64, 64, 4, 3), (64, 32, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
     (128, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 32, 4, 4),
 ]  # fmt: skip
@@ -43,6 +44,15 @@ def _time(fn: Callable[[], object]) -> float:
     return statistics.median(times) * 1e3  # us
 
 
+def _prequantized(x: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, cfg: object) -> torch.Tensor:
+    from infir2_rl.engines.native import fp8_gemm
+    from infir2_rl.fp8 import quant_triton
+
+    assert isinstance(cfg, fp8_gemm.GemmConfig)
+    q, s_t = quant_triton.quantize_rows(x)
+    return fp8_gemm.w8a8_fused(q, w8, s8, None, cfg, False, s_t, x.shape[0], torch.bfloat16)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 4096])
@@ -57,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; times in us at M = {args.rows}")
-    fp8_cfgs = [ops.FP8_CONFIG] + [
+    fp8_cfgs = [fp8_gemm.GemmConfig(64, 64, 1, 4, 3)] + [
         fp8_gemm.GemmConfig(bm, bn, 1, w, st)
         for bm, bn, w, st in ((16, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3))
     ]  # fmt: skip
@@ -71,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             same = all(
                 torch.equal(ops.mm_launch(x[:m], w, None, tile[:3], *tile[3:]), ref[:m]) for m in args.rows
             )
-            times = [_time(lambda m=m: ops.mm_launch(x[:m], w, None, tile[:3], *tile[3:])) for m in args.rows]
+            times = [
+                _time(functools.partial(ops.mm_launch, x[:m], w, None, tile[:3], *tile[3:]))
+                for m in args.rows
+            ]
             print(f"   {str(tile):24s} bit-equal {same!s:5s} " + " ".join(f"{t:9.1f}" for t in times))
-        cublas = [_time(lambda m=m: torch.nn.functional.linear(x[:m], w)) for m in args.rows]
+        cublas = [_time(functools.partial(torch.nn.functional.linear, x[:m], w)) for m in args.rows]
         print(f"   {'cuBLAS F.linear':24s} {'':15s} " + " ".join(f"{t:9.1f}" for t in cublas))
         if name == "lm_head":
             continue
@@ -81,14 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         ref8 = fp8_gemm.w8a8_fused(x, w8, s8, None, fp8_cfgs[0])
         print(f"-- {name} FP8 W8A8 (in-kernel quantization | pre-quantized rows)")
         for cfg in fp8_cfgs:
-            def pre(m: int, cfg: fp8_gemm.GemmConfig = cfg) -> torch.Tensor:
-                q, s_t = quant_triton.quantize_rows(x[:m])
-                return fp8_gemm.w8a8_fused(q, w8, s8, None, cfg, False, s_t, m, torch.bfloat16)
-
-            same = all(torch.equal(fp8_gemm.w8a8_fused(x[:m], w8, s8, None, cfg), ref8[:m]) for m in args.rows)
-            same_pre = all(torch.equal(pre(m), ref8[:m]) for m in args.rows)
-            times = [_time(lambda m=m: fp8_gemm.w8a8_fused(x[:m], w8, s8, None, cfg)) for m in args.rows]
-            times_pre = [_time(lambda m=m: pre(m)) for m in args.rows]
+            inside = [functools.partial(fp8_gemm.w8a8_fused, x[:m], w8, s8, None, cfg) for m in args.rows]
+            before = [functools.partial(_prequantized, x[:m], w8, s8, cfg) for m in args.rows]
+            same = all(torch.equal(f(), ref8[:m]) for f, m in zip(inside, args.rows))
+            same_pre = all(torch.equal(f(), ref8[:m]) for f, m in zip(before, args.rows))
+            times, times_pre = [_time(f) for f in inside], [_time(f) for f in before]
             print(
                 f"   {str(cfg):24s} bit-equal {same!s:5s}|{same_pre!s:5s} "
                 + " ".join(f"{a:7.1f}|{b:<7.1f}" for a, b in zip(times, times_pre))

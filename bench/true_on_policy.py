@@ -70,8 +70,11 @@ def run(path: Path, fp8: bool, true_on_policy: bool, args: argparse.Namespace) -
         gen = torch.Generator().manual_seed(call)
         requests = [
             GenerateRequest(
-                f"r{i}", torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist(),
-                n=args.samples, params=params, seed=1000 * call + i,
+                f"r{i}",
+                torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist(),
+                n=args.samples,
+                params=params,
+                seed=1000 * call + i,
             )  # fmt: skip
             for i in range(args.prompts)
         ]
@@ -164,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         if fast and tp:
             keys = ("rollout_s", "score_s", "train_s")
             ratio = {k: statistics.median(tp[k]) / statistics.median(fast[k]) for k in keys}
-            print(f"{precision}: true_on_policy / fast time: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+            print(
+                f"{precision}: true_on_policy / fast time: "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items())
+            )
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1))
+        args.out.write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
+        )
     return 0
 
 

@@ -39,11 +39,13 @@ def make_engine_backend(
     pow2_scales: bool = False,
     device: str = "auto",
     gpu_share: float | None = None,
+    true_on_policy: bool = False,
 ) -> EngineBackend:
     """The backend ``rollout.backend`` names, loading ``rollout.fp8_checkpoint`` when FP8 and set, else ``model_path``.
 
     ``fp8``: generate with blockwise FP8 W8A8 decoder linears (the RL stage's ``rollout_fp8``, from its precision).
     ``gpu_share``: the engine's share of a GPU it shares with a trainer worker (colocated), None on GPUs of its own.
+    ``true_on_policy``: decode with the trainer's batch-invariant forward (native backend only).
     """
     fp8_checkpoint = rollout.fp8_checkpoint if fp8 else None
     if rollout.backend == "native":
@@ -57,9 +59,15 @@ def make_engine_backend(
             device=device,
             max_batch_size=rollout.max_batch_size,
             pow2_scales=pow2_scales,
+            true_on_policy=true_on_policy,
         )
     if rollout.backend == "sglang":
         from infir2_rl.engines.sglang.engine import SglangEngine
+
+        if true_on_policy:
+            raise ValueError(
+                "true_on_policy is built for rollout.backend=native only (SGLang engines: not built)"
+            )
 
         return SglangEngine.launch(
             fp8_checkpoint or model_path,
@@ -84,6 +92,7 @@ class RolloutEngine:
         device: str = "auto",
         engine_index: int = 0,
         gpu_share: float | None = None,
+        true_on_policy: bool = False,
     ) -> None:
         # Before the backend imports transformers / huggingface_hub, which read it at import time.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,6 +105,7 @@ class RolloutEngine:
             pow2_scales=pow2_scales,
             device=device,
             gpu_share=gpu_share,
+            true_on_policy=true_on_policy,
         )
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
@@ -157,4 +167,5 @@ def create_engine(cfg: RlStageConfig, placement: Placement, index: int) -> Actor
         device="cuda" if placement.plan.use_gpu else "cpu",
         engine_index=index,
         gpu_share=placement.plan.engine.gpus if placement.plan.colocate else None,
+        true_on_policy=cfg.true_on_policy,
     )

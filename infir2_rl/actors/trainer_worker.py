@@ -78,6 +78,8 @@ class TrainerSpec:
     reference: bool = False
     # Train the decoder linears in blockwise FP8 (the stage's precision: `train_fp8`).
     fp8: bool = True
+    # RL stages with true_on_policy: forwards by the engine's batch-invariant walk (models/invariant.py).
+    true_on_policy: bool = False
 
     @classmethod
     def from_stage(
@@ -94,6 +96,7 @@ class TrainerSpec:
             torch_threads=cfg.placement.trainer_threads,
             reference=isinstance(cfg, RlStageConfig) and cfg.algorithm.needs_reference,
             fp8=cfg.train_fp8,
+            true_on_policy=isinstance(cfg, RlStageConfig) and cfg.true_on_policy,
         )
 
 
@@ -145,6 +148,7 @@ class TrainerWorker:
             seed=self.spec.seed,
             fsdp=self.spec.fsdp,
             reference=self.spec.reference,
+            true_on_policy=self.spec.true_on_policy,
         )
         return str(self._backend.device)
 

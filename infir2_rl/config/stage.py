@@ -174,6 +174,10 @@ class RlStageConfig(_StageBase):
     # exact FP8 bytes it trains with. "bf16_train_fp8_rollout": trainer in BF16, weights cast to FP8 at sync
     # (the setup Jet-RL shows diverging). "bf16": no FP8 anywhere (baseline).
     precision: Literal["unified_fp8", "bf16_train_fp8_rollout", "bf16"] = "unified_fp8"
+    # The trainer's log-prob of every sampled token equals the engine's bit for bit (bf16 and unified_fp8):
+    # both run one batch-invariant forward (models/invariant.py). Needs CUDA, the native engine, the torch
+    # trainer with one worker; costs throughput (docs/performance.md, "true on-policy").
+    true_on_policy: bool = False
     data: RlDataConfig = RlDataConfig()
     trainer: RlTrainerConfig = RlTrainerConfig()
     optimizer: OptimizerConfig = OptimizerConfig(
@@ -225,6 +229,18 @@ class RlStageConfig(_StageBase):
                 f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: RL sampling needs top_p=1.0 and top_k=-1"
                 " so engine log-probs are the plain tempered softmax the trainer recomputes"
             )
+        if self.true_on_policy:
+            problems = []
+            if self.precision == "bf16_train_fp8_rollout":
+                problems.append(
+                    "precision bf16 or unified_fp8 (a BF16 trainer cannot reproduce FP8 rollout bits)"
+                )
+            if r.backend != "native":
+                problems.append("rollout.backend=native")
+            if self.trainer.backend != "torch" or self.trainer.num_workers != 1:
+                problems.append("trainer.backend=torch with trainer.num_workers=1 (no FSDP)")
+            if problems:
+                raise ValueError("true_on_policy=true needs " + "; ".join(problems))
         if self.trainer.backend == "megatron" and self.algorithm.kl_coef > 0:
             raise ValueError(
                 f"algorithm.kl_coef={self.algorithm.kl_coef} needs a reference model, which trainer.backend=megatron"

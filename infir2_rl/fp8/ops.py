@@ -201,7 +201,9 @@ class _Fp8LinearFn(torch.autograd.Function):
             w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
             if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
                 w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
-            if invariant:  # true on-policy: the batch-invariant W8A8 kernel the engine runs (x quantized inside)
+            if (
+                invariant
+            ):  # true on-policy: the batch-invariant W8A8 kernel the engine runs (x quantized inside)
                 xtq, xts = quant_triton.quantize_cols(x2d, pow2_scales) if need_wgrad else (None, None)
                 y = _invariant_fprop(x2d, w_fp8, w_scale_inv, bias, pow2_scales, out_dtype)
             else:

@@ -78,7 +78,9 @@ def linear(x: Tensor, module: nn.Module) -> Tensor:
         return ops.fp8_mm(x, module.weight, module.weight_scale_inv, _cast(module.bias), module.pow2_scales)
     if isinstance(module, Fp8Linear) and module.fp8_enabled:
         fp8w = module._fp8_weight()
-        return fp8_linear(x, module.weight, _cast(module.bias), fp8w, module.pow2_scales, DTYPE, invariant=True)
+        return fp8_linear(
+            x, module.weight, _cast(module.bias), fp8w, module.pow2_scales, DTYPE, invariant=True
+        )
     if isinstance(module, nn.Linear):
         return ops.mm(x, module.weight.to(DTYPE), _cast(module.bias))
     raise TypeError(f"true_on_policy: no invariant GEMM for {type(module).__name__}")

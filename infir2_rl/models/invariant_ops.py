@@ -8,10 +8,10 @@ run in another order and its last bits differ; FP8 quantizers then turn those bi
 (docs/mismatch.md). Each op here computes a row (a token) with one instruction sequence whatever the
 number of rows:
 
-* ``mm``: BF16 GEMM (Triton) at one tile shape for every M (``MM_TILE``), no split-K, the bias added in FP32
-  before the single rounding.
-* ``fp8_mm``: the engine's W8A8 kernel (``engines/native/fp8_gemm``) at one launch shape (``FP8_CONFIG``),
-  its input quantized inside with the trainer's 1x128 rule.
+* ``mm``: BF16 GEMM (Triton), no split-K, the bias added in FP32 before the single rounding; the tile shape
+  follows M only among shapes measured to give the same bits (``MM_TILES``, comment there).
+* ``fp8_mm``: the trainer's 1x128 activation quantizer, then the engine's W8A8 kernel
+  (``engines/native/fp8_gemm``) without split-K, at wgmma shapes (``FP8_CONFIGS``).
 * ``attention``: one program per (token, KV head); the token's G query heads (padded to 16 rows) walk its
   keys from position 0 in fixed blocks of ``ATTN_BLOCK`` with an online softmax. A decode row and the same
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
+from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.ops import fp8_linear_forward
 
 try:
@@ -51,9 +52,18 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     _HAVE_TRITON = False
 
-MM_TILE = (64, 64, 64)  # BM, BN, BK of the BF16 GEMM: the same for every M (that is the invariance)
-MM_WARPS, MM_STAGES = 4, 3
-FP8_CONFIG = fp8_gemm.GemmConfig(64, 64, 1, 4, 3)  # no split-K: the K blocks of a row add up in one order
+# Launch shapes. What makes a row's result independent of M is the per-element arithmetic: the K steps in
+# order from 0 (no split-K) on one kind of tensor-core instruction. bench/invariant_gemm.py measured (H100,
+# 2026-11-24) that every BF16 tile shape tried (BM 16..128, BN 32..256, BK 32..128) gives the same bits, and
+# every FP8 shape with BM >= 64 (wgmma) does, with the activation quantized inside the kernel or before it;
+# BM 16 FP8 (mma.sync) does not. So the shape may follow M (small tiles for decode, large for the
+# trainer), but FP8 never goes below BM 64, and tests/test_true_on_policy_gpu.py checks rows across the
+# switch.
+MM_SMALL_M = 256  # BF16: up to this many rows the decode shape, above it the trainer's
+MM_TILES = {"small": ((64, 64, 128), 4, 3), "large": ((128, 128, 64), 8, 3)}  # (BM, BN, BK), warps, stages
+# FP8: the activation quantized first (quant_triton.quantize_rows, the trainer's 1x128 rule), then the W8A8
+# kernel: re-quantizing inside every N tile cost 3x at M = 256 for down_proj (K 8960) and 6x at M = 4096.
+FP8_CONFIGS = {"small": fp8_gemm.GemmConfig(64, 64, 1, 4, 3), "large": fp8_gemm.GemmConfig(64, 128, 1, 4, 3)}
 ATTN_ROWS = 16  # query rows per attention program: the G heads of one KV head, padded
 ATTN_BLOCK = 64  # keys per step of the attention loop
 
@@ -91,7 +101,9 @@ if _HAVE_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask
+        )
 
     @triton.jit
     def _attention_kernel(
@@ -127,13 +139,19 @@ if _HAVE_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(o_ptr + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
+        tl.store(
+            o_ptr + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=qm,
+        )
 
     @triton.jit
     def _token_logprob_kernel(logits_ptr, temp_ptr, lse_ptr, tok_ptr, lp_ptr, stride):
         row = tl.program_id(0)
         tok = tl.load(tok_ptr + row)
-        z = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride + tok).to(tl.float32), tl.load(temp_ptr + row))
+        z = tl.math.div_rn(
+            tl.load(logits_ptr + row.to(tl.int64) * stride + tok).to(tl.float32), tl.load(temp_ptr + row)
+        )
         tl.store(lp_ptr + row, z - tl.load(lse_ptr + row))
 
 
@@ -158,10 +176,15 @@ def mm_launch(
     return y
 
 
+def _size(m: int) -> str:
+    return "small" if m <= MM_SMALL_M else "large"
+
+
 def _mm_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     if not kernels_available(x.device):
         return F.linear(x, w, bias)
-    return mm_launch(x, w, bias, MM_TILE, MM_WARPS, MM_STAGES)
+    tile, warps, stages = MM_TILES[_size(x.shape[0])]
+    return mm_launch(x, w, bias, tile, warps, stages)
 
 
 class _Mm(torch.autograd.Function):
@@ -183,7 +206,9 @@ class _Mm(torch.autograd.Function):
 def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ w^T + bias`` for x (M, K), w (N, K) in one dtype (BF16 on GPU): every row computed alike."""
     if w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"mm: x {x.dtype}, w {w.dtype}, bias {None if bias is None else bias.dtype}: cast first")
+        raise TypeError(
+            f"mm: x {x.dtype}, w {w.dtype}, bias {None if bias is None else bias.dtype}: cast first"
+        )
     out = _Mm.apply(x, w, bias)
     assert isinstance(out, Tensor)
     return out
@@ -193,7 +218,9 @@ def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow
     """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``)."""
     if not kernels_available(x.device):
         return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
-    return fp8_gemm.w8a8_fused(x.contiguous(), w_fp8, scale_inv, bias, FP8_CONFIG, pow2)
+    m = x.shape[0]
+    q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2)
+    return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, bias, FP8_CONFIGS[_size(m)], pow2, s_t, m, x.dtype)
 
 
 # ---- attention --------------------------------------------------------------------------------------------

@@ -170,7 +170,11 @@ class NativeEngine:
             )
         if decode_path == "eager" or (decode_path == "auto" and self.device.type != "cuda"):
             return None
-        if self.config.model_type not in SUPPORTED_MODEL_TYPES and decode_path == "auto" and not self.true_on_policy:
+        if (
+            self.config.model_type not in SUPPORTED_MODEL_TYPES
+            and decode_path == "auto"
+            and not self.true_on_policy
+        ):
             logger.warning(
                 "native engine: model_type %r has no graph decode runner (%s); decoding with the SLOW eager "
                 "transformers loop", self.config.model_type, SUPPORTED_MODEL_TYPES,

@@ -75,7 +75,9 @@ def candidates(m: int, prequant: bool = True) -> list[GemmConfig]:
 
 if _HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (models/invariant_ops relies on it)
+    @triton.jit(
+        do_not_specialize=["M"]
+    )  # one compiled kernel for every M (models/invariant_ops relies on it)
     def _w8a8_kernel(
         x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr,
         M, N, K, KB, kb_per_split, stride_xm, xs_rows,

@@ -197,7 +197,9 @@ class Qwen2Runner:
         last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=device), lengths_P - 1]
         return invariant.logits(self.model, last)
 
-    def _decode_invariant(self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache) -> Tensor:
+    def _decode_invariant(
+        self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache
+    ) -> Tensor:
         """``decode`` by the trainer's walk: row b attends to keys 0..positions_B[b] of its cache slot."""
         lens = (positions_B + 1).to(torch.int32)
 

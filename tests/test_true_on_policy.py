@@ -1,0 +1,113 @@
+"""true_on_policy on CPU: the shared walk computes what transformers computes, and every refusal is one line.
+
+Bit equality between trainer and engine is the GPU kernels' promise (tests/test_true_on_policy_gpu.py);
+here the walk (models/invariant.py) runs on its torch references, which checks its wiring (rotary tables,
+grouped-query attention, biases, norms, the lm_head and temperature) and its backward against the
+transformers model in the same dtype.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.config.stage import RlStageConfig
+from infir2_rl.fp8.linear import swap_to_fp8_training
+from infir2_rl.models import invariant
+from infir2_rl.models.factory import init_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread: None) -> None:
+    """Single-threaded torch for this module (see conftest.one_thread)."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("tp") / "tiny", preset="tiny", seed=4)
+
+
+def _hf_scores(model: torch.nn.Module, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = model(input_ids=ids).logits.float() / temperature
+    return torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(2)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_walk_equals_the_transformers_forward_and_backward(model_dir: Path, fp8: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    if fp8:
+        swap_to_fp8_training(model)
+    ids = torch.randint(10, 300, (3, 24), generator=torch.Generator().manual_seed(0))
+    select = torch.ones_like(ids, dtype=torch.bool)
+    select[2, 15:] = False  # a shorter row: its tail is not scored
+    logp, entropy = invariant.score_tokens(model, ids, select, temperature=1.1, need_entropy=True)
+    assert entropy is not None and (entropy[:, 1:][select[:, 1:]] > 0).all()
+    assert (logp[~select] == 0).all() and (logp[:, 0] == 0).all()
+    ref = _hf_scores(model, ids, 1.1)
+    picked = select[:, 1:]
+    assert (logp[:, 1:][picked] - ref[picked]).abs().max() < 2e-3
+
+    # Gradients of the same loss through both paths (invariant forward, plain torch backward).
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_walk = torch.autograd.grad(logp[:, 1:][picked].sum(), params, allow_unused=True)
+    grads_hf = torch.autograd.grad(_hf_scores(model, ids, 1.1)[picked].sum(), params, allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), grads_walk, grads_hf):
+        assert a is not None and b is not None, name
+        rel = (a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)
+        # BF16 rounding alone puts the two within ~2%; FP8 quantizes the output gradients, so their small
+        # forward differences move every parameter's gradient by ~4-6% (all alike: a wiring error is O(1)).
+        assert rel < (0.1 if fp8 else 0.05), f"{name}: relative gradient difference {rel:.3f}"
+
+
+def test_rope_tables_match_transformers(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    cos, sin = invariant.rope_tables(model.config, 64, torch.device("cpu"))
+    ref_cos, ref_sin = model.model.rotary_emb(cos, torch.arange(64)[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+
+
+def test_unsupported_models_are_refused_by_name(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        invariant.check_model(model)
+
+
+def test_trainer_and_engine_refuse_without_the_gpu_kernels(model_dir: Path) -> None:
+    from infir2_rl.engines.native.engine import NativeEngine
+    from infir2_rl.trainers.torch.trainer import TorchTrainer
+
+    with pytest.raises(ValueError, match="true_on_policy needs a CUDA device with Triton"):
+        TorchTrainer(
+            ModelConfig(path=str(model_dir), dtype="float32"),
+            TrainerConfig(),
+            OptimizerConfig(),
+            fp8=False,
+            total_steps=1,
+            device="cpu",
+            true_on_policy=True,
+        )
+    with pytest.raises(ValueError, match="true_on_policy needs the runner decode path on a CUDA device"):
+        NativeEngine(str(model_dir), fp8=False, device="cpu", true_on_policy=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"precision": "bf16_train_fp8_rollout"}, "a BF16 trainer cannot reproduce"),
+        ({"rollout": {"backend": "sglang"}}, "rollout.backend=native"),
+        ({"trainer": {"num_workers": 2}}, "trainer.num_workers=1"),
+    ],
+)
+def test_the_stage_setting_refuses_what_is_not_built(overrides: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RlStageConfig(true_on_policy=True, **overrides)
+    assert RlStageConfig(true_on_policy=True).true_on_policy
