@@ -207,3 +207,24 @@ def test_micro_batches_cover_every_row_in_order_under_a_token_budget(assets: tup
     assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
     shards = shard_micro_batches(batch, world_size=2, micro_batch_size=3)
     assert [[p.num_sequences for p in s] for s in shards] == [[3, 1], [3, 1]]
+
+
+def test_export_after_a_fused_optimizer_step_sends_the_updated_fp8_weights(
+    assets: tuple[Path, TokenBatch],
+) -> None:
+    """torch's fused AdamW (the CUDA default) does not bump the weights' version counters, so the FP8 weight
+    cache keyed on them went stale: the push after a step sent the pre-update bytes (found on an H100 by
+    bench/true_on_policy.py). The fused optimizer runs on CPU too, which makes this a CPU test."""
+    from infir2_rl.fp8.quant import quantize_weight_blockwise
+
+    model, batch = assets
+    trainer = make_trainer(model, fp8=True, lr=1e-3)
+    trainer.optimizer = torch.optim.AdamW(trainer.params, lr=1e-3, fused=True)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    trainer.train_step([batch], SftLossFn(), num_target_tokens(batch))
+    exported = dict(trainer.export_weights())
+    for name in trainer.fp8_linears[:3]:
+        w = trainer.model.get_submodule(name).weight
+        w_fp8, scale_inv = quantize_weight_blockwise(w.detach())
+        assert torch.equal(exported[f"{name}.weight"].view(torch.uint8), w_fp8.view(torch.uint8)), name
+        assert torch.equal(exported[f"{name}.weight_scale_inv"], scale_inv), name

@@ -37,10 +37,11 @@ def _ceil_div(a: int, b: int) -> int:
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run in blockwise FP8; parameters and state dict are unchanged.
 
-    The FP8 weight is cached per weight version (``weight._version``, bumped by every in-place update
-    such as an optimizer step or ``load_state_dict``) and storage, so micro-batches of one step share one
-    quantization. Writes through ``weight.data`` bypass the version counter: call
-    ``invalidate_fp8_cache()`` after them. The cache holds 1 byte per weight (2 on the GPU fast path,
+    The FP8 weight is cached per weight version (``weight._version``, bumped by in-place tensor ops such as
+    ``load_state_dict`` or the unfused AdamW) and storage, so micro-batches of one step share one
+    quantization. Writes through ``weight.data`` and torch's fused optimizers (``AdamW(fused=True)``, the
+    CUDA default here: checked in torch 2.13, ``_version`` stays put) bypass the version counter: call
+    ``invalidate_fp8_cache()`` after them (the trainers do, after every optimizer step). The cache holds 1 byte per weight (2 on the GPU fast path,
     which also keeps W^T in FP8 for dgrad).
     """
 

@@ -14,9 +14,10 @@ bit, the one the engine reported, in BF16 and in unified FP8. Two things make th
 Attention is a callback (``Attend``): the trainer attends within each sequence of its batch
 (``invariant_ops.causal_attention``), the engine writes K/V into its cache and attends over the cache.
 
-What it costs: the kernels trade shape-tuned speed for one tile shape (bench/true_on_policy.py measures it)
-and the engine runs q/k/v and gate/up as separate GEMMs (the same numbers as fused, one tile shape). The
-trainer path is differentiable (invariant forward, plain torch backward) and keeps the padded layout;
+The engine's prefill runs this function; its decode step keeps its fused kernels, each bit-identical to
+the op here it replaces (engines/native/model_runner.py says which). What it costs: the invariant GEMMs and
+attention trade shape-tuned speed for shapes that give the same bits at every M (bench/true_on_policy.py
+measures the cost, bench/invariant_gemm.py the shapes). The trainer path is differentiable (invariant forward, plain torch backward) and keeps the padded layout;
 gradient checkpointing and FSDP are not applied to it (the trainer refuses FSDP with true_on_policy).
 """
 
@@ -106,7 +107,7 @@ def hidden_states(
         v = linear(x, attn.v_proj).view(n, kv_heads, dim)
         h = h + linear(attend(i, q, k, v), attn.o_proj)
         x = ops.rms_norm(h, layer.post_attention_layernorm.weight.to(DTYPE), eps)
-        h = h + linear(F.silu(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+        h = h + linear(ops.silu_mul(linear(x, mlp.gate_proj), linear(x, mlp.up_proj)), mlp.down_proj)
     return ops.rms_norm(h, inner.norm.weight.to(DTYPE), eps)
 
 

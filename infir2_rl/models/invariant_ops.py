@@ -17,12 +17,13 @@ number of rows:
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
   (a cache slot or a sequence's own tensor). A fully masked block is an exact no-op (alpha 1, p 0), so a
   row's result does not depend on how far its neighbours' loops run.
-* ``rms_norm``: the engine's row kernel (``engines/native/fused_ops``), one program per row.
+* ``rms_norm``, ``silu_mul``: the engine's kernels (``engines/native/fused_ops``), one program per row.
 * ``token_logprobs``: the sampler's chunked log-sum-exp (``engines/native/sampler``: chunks depend on the
   vocabulary size only) and its ``z / T`` with IEEE division.
-Rotary embedding, SiLU, products and residual adds are elementwise torch ops, invariant as they are.
+Rotary embedding and residual adds are elementwise torch ops, invariant as they are (the engine's fused
+rotary kernel rounds after each product and sum exactly as they do).
 
-Backward (the trainer's): ``mm``, ``attention`` and ``rms_norm`` are autograd Functions whose backward is
+Backward (the trainer's): ``mm``, ``attention``, ``rms_norm`` and ``silu_mul`` are autograd Functions whose backward is
 plain torch math (cuBLAS matmuls, SDPA / RMSNorm recomputed). Gradients need not match anything bit for bit:
 only the forward values enter the policy ratio.
 
@@ -218,9 +219,24 @@ def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow
     """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``)."""
     if not kernels_available(x.device):
         return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
-    m = x.shape[0]
     q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2)
-    return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, bias, FP8_CONFIGS[_size(m)], pow2, s_t, m, x.dtype)
+    return fp8_mm_quantized(q, s_t, x.shape[0], w_fp8, scale_inv, bias, pow2, x.dtype)
+
+
+def fp8_mm_quantized(
+    q: Tensor,
+    s_t: Tensor,
+    rows: int,
+    w_fp8: Tensor,
+    scale_inv: Tensor,
+    bias: Tensor | None,
+    pow2: bool,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``fp8_mm`` of rows already quantized by the trainer's rule: q (M_pad, K) e4m3, s_t (Kb, M_pad) (the
+    engine's producer kernels write them, ``fused_ops.QuantizedRows``)."""
+    cfg = FP8_CONFIGS[_size(rows)]
+    return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, bias, cfg, pow2, s_t, rows, out_dtype)
 
 
 # ---- attention --------------------------------------------------------------------------------------------
@@ -315,6 +331,33 @@ class _RmsNorm(torch.autograd.Function):
 def rms_norm(x_NE: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Qwen2RMSNorm of rows x (N, E), one program per row on CUDA; weight in x's dtype."""
     out = _RmsNorm.apply(x_NE, weight, eps)
+    assert isinstance(out, Tensor)
+    return out
+
+
+# ---- SiLU * up -------------------------------------------------------------------------------------------
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        out = fused_ops.silu_mul(torch.cat((gate, up), dim=-1))
+        assert isinstance(out, Tensor)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        gate, up = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            dgate, dup = torch.autograd.grad(F.silu(gate) * up, (gate, up), grad)
+        return dgate, dup
+
+
+def silu_mul(gate_NI: Tensor, up_NI: Tensor) -> Tensor:
+    """``silu(gate) * up`` by the engine's kernel (``fused_ops.silu_mul``: its exponential is Triton's, which
+    need not round like torch's), so the trainer's MLP input is the engine's bit for bit."""
+    out = _SiluMul.apply(gate_NI, up_NI)
     assert isinstance(out, Tensor)
     return out
 

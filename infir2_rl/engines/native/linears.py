@@ -141,9 +141,14 @@ class FusedLinear:
     """One GEMM over sibling projections (list order), sharing storage with the HF modules (module doc)."""
 
     def __init__(
-        self, modules: list[nn.Module], chooser: Fp8GemmChooser | None, out_dtype: torch.dtype
+        self,
+        modules: list[nn.Module],
+        chooser: Fp8GemmChooser | None,
+        out_dtype: torch.dtype,
+        invariant: bool = False,
     ) -> None:
         self.fp8 = isinstance(modules[0], Fp8InferenceLinear)
+        self.invariant = invariant  # true_on_policy: the batch-invariant GEMMs of models/invariant_ops
         if any(isinstance(m, Fp8InferenceLinear) != self.fp8 for m in modules):
             raise ValueError(
                 f"cannot fuse FP8 and non-FP8 projections: {[type(m).__name__ for m in modules]}"
@@ -200,6 +205,8 @@ class FusedLinear:
     def __call__(self, x: Activation) -> Tensor:
         """x (M, K) -> (M, out_features); the FP8 path quantizes x per 1x128 tile like the trainer (x may
         arrive already quantized by its producer, ``fused_ops.QuantizedRows``)."""
+        if self.invariant:
+            return self._invariant(x)
         if not self.fp8:
             assert isinstance(x, Tensor)
             return F.linear(x, self.weight, self.bias)
@@ -212,6 +219,19 @@ class FusedLinear:
             return run_fp8(_CUBLAS, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
         choice = self.chooser.pick(x, self.weight, self.scale, self.bias, self.out_dtype)
         return run_fp8(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
+
+    def _invariant(self, x: Activation) -> Tensor:
+        from infir2_rl.models import invariant_ops
+
+        if not self.fp8:
+            assert isinstance(x, Tensor)
+            return invariant_ops.mm(x, self.weight, self.bias)
+        assert self.scale is not None
+        if isinstance(x, QuantizedRows):
+            return invariant_ops.fp8_mm_quantized(
+                x.q, x.s_t, x.m, self.weight, self.scale, self.bias, self.pow2_scales
+            )
+        return invariant_ops.fp8_mm(x, self.weight, self.scale, self.bias, self.pow2_scales)
 
     def split(self, y: Tensor) -> list[Tensor]:
         """The parts of a fused output (M, out_features), in module order."""

@@ -17,10 +17,14 @@ Two entry points, both writing keys and values into a ``KVCache`` by slot:
   fixed shapes, so ``cuda_graphs`` can capture it.
 Attention goes through ``attention.py`` and every projection through ``linears.py``: one place each.
 
-``true_on_policy=True``: prefill and decode run ``models/invariant.hidden_states`` instead, the walk the
-trainer scores with, over batch-invariant kernels and attending over the cache; the lm_head is the
-invariant GEMM and every token (the first one too) is sampled by ``sampler.py``, whose log-sum-exp the
-trainer's scoring shares. Then the trainer's log-probs equal the engine's bit for bit (invariant.py).
+``true_on_policy=True``: the trainer's log-probs must equal the engine's bit for bit (models/invariant.py).
+Prefill runs ``invariant.hidden_states``, the walk the trainer scores with. Decode keeps its fused kernels,
+each of which computes what the walk's op computes bit for bit (add + RMSNorm, rotary, SiLU*up, the FP8
+producers' quantizer: same roundings, per-row sums in one order), and swaps what is not invariant: every
+GEMM takes the invariant shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same
+bits as the walk's separate GEMMs, since a column's result does not depend on its tile), attention is
+``invariant_ops.attention`` over the cache and the lm_head ``invariant_ops.mm``. Every token (the first
+one too) is sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 """
 
 from __future__ import annotations
@@ -43,14 +47,16 @@ SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
 class _Layer:
-    def __init__(self, layer: Any, chooser: Fp8GemmChooser | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, layer: Any, chooser: Fp8GemmChooser | None, dtype: torch.dtype, invariant: bool
+    ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm: Tensor = layer.input_layernorm.weight
         self.post_norm: Tensor = layer.post_attention_layernorm.weight
-        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], chooser, dtype)
-        self.o = FusedLinear([attn.o_proj], chooser, dtype)
-        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], chooser, dtype)
-        self.down = FusedLinear([mlp.down_proj], chooser, dtype)
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], chooser, dtype, invariant)
+        self.o = FusedLinear([attn.o_proj], chooser, dtype, invariant)
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], chooser, dtype, invariant)
+        self.down = FusedLinear([mlp.down_proj], chooser, dtype, invariant)
 
 
 class Qwen2Runner:
@@ -81,7 +87,8 @@ class Qwen2Runner:
         self.final_norm: Tensor = inner.norm.weight
         head: Any = model.lm_head
         self.lm_head: Tensor = head.weight  # BF16: never quantized
-        self.layers = [_Layer(layer, self.chooser, self.dtype) for layer in inner.layers]
+        self.true_on_policy = true_on_policy
+        self.layers = [_Layer(layer, self.chooser, self.dtype, true_on_policy) for layer in inner.layers]
         self.fp8 = self.layers[0].qkv.fp8
         self.pow2 = pow2
         q_part, k_part, v_part = self.layers[0].qkv.part_slices
@@ -95,7 +102,6 @@ class Qwen2Runner:
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # (max_positions, D) in the model dtype
         self.model = model
-        self.true_on_policy = true_on_policy
         if true_on_policy:
             invariant.check_model(model)
             if self.dtype != invariant.DTYPE or not inv_ops.kernels_available(self.device):
@@ -157,10 +163,10 @@ class Qwen2Runner:
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
         and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
         input."""
-        if self.true_on_policy:
-            return self._decode_invariant(tokens_B, positions_B, slots_B, cache)
         quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
-        quant_attn = quant and self.quant_attention
+        invariant_ = self.true_on_policy
+        quant_attn = quant and self.quant_attention and not invariant_
+        lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
         delta: Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -169,14 +175,19 @@ class Qwen2Runner:
                 layer.qkv(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
                 self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
             )  # fmt: skip
-            a = attention.decode(
-                q, cache.k[i], cache.v[i], slots_B, positions_B + 1, self.attention_impl, quant_attn, pow2
-            )
+            if invariant_:
+                a: Tensor | fused_ops.QuantizedRows = inv_ops.attention(
+                    q, cache.k[i], cache.v[i], slots_B, lengths_B
+                )
+            else:
+                a = attention.decode(
+                    q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
+                )
             x = fused_ops.add_rms_norm(h, layer.o(a), layer.post_norm, eps, quant, pow2)
             delta = layer.down(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
-        return F.linear(x, self.lm_head)
+        return inv_ops.mm(x, self.lm_head) if invariant_ else F.linear(x, self.lm_head)
 
     def _prefill_invariant(
         self, ids_PL: Tensor, lengths_P: Tensor, cache: KVCache, slots: Tensor, prompt_of_row: Tensor
@@ -196,19 +207,6 @@ class Qwen2Runner:
         h = invariant.hidden_states(self.model, ids_PL.reshape(-1), positions, attend, self.cos, self.sin)
         last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=device), lengths_P - 1]
         return invariant.logits(self.model, last)
-
-    def _decode_invariant(
-        self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache
-    ) -> Tensor:
-        """``decode`` by the trainer's walk: row b attends to keys 0..positions_B[b] of its cache slot."""
-        lens = (positions_B + 1).to(torch.int32)
-
-        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            attention.write_decode(cache.k[i], cache.v[i], slots_B, positions_B, k, v)
-            return inv_ops.attention(q, cache.k[i], cache.v[i], slots_B, lens)
-
-        h = invariant.hidden_states(self.model, tokens_B, positions_B, attend, self.cos, self.sin)
-        return invariant.logits(self.model, h)
 
     def sample(
         self, logits_BV: Tensor, params: Any, steps_B: Tensor, truncating: bool

@@ -346,6 +346,7 @@ class MegatronTrainer:
             num_sequences += batch.num_sequences
         lr = float(self.scheduler.get_last_lr()[0])
         norm, skipped = self._update(lr)
+        self.invalidate_fp8_cache()  # fused optimizers do not bump the weights' version counters
         if skipped:
             self.num_skipped += 1
             log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, norm)

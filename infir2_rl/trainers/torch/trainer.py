@@ -264,6 +264,9 @@ class TorchTrainer:
         grad_norm = self._grad_norm()
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, self.optimizer_cfg.grad_clip)
+        # The fused AdamW (CUDA) updates the weights without bumping their version counters, so the FP8
+        # weight caches cannot see the update: without this the next export sent the pre-update FP8 bytes.
+        self.invalidate_fp8_cache()
         if skipped:
             self.num_skipped += 1
             log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
