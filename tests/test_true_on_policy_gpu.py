@@ -72,6 +72,69 @@ def test_decode_attention_over_a_cache_equals_the_full_sequence_rows() -> None:
     assert torch.equal(out, full[rows_b, rows_t])
 
 
+@pytest.mark.parametrize("hidden, heads, kv_heads, inter", [(384, 6, 2, 1024), (1536, 12, 2, 8960)])
+def test_the_decode_steps_fused_kernels_compute_the_walks_ops_bit_for_bit(
+    hidden: int, heads: int, kv_heads: int, inter: int
+) -> None:
+    """Each fused kernel the true_on_policy decode step keeps, against the op of the walk it stands for."""
+    from infir2_rl.engines.native import fused_ops
+    from infir2_rl.fp8 import quant_triton
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows, dim = 37, hidden // heads
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    h, delta, w = rand(rows, hidden), rand(rows, hidden), rand(hidden, scale=0.1) + 1
+    # residual add + RMSNorm (and its FP8 producer quantization) vs torch add, then the norm kernel
+    walk = ops.rms_norm(h + delta, w, 1e-6)
+    fused_h = h.clone()
+    assert torch.equal(fused_ops.add_rms_norm(fused_h, delta, w, 1e-6), walk)
+    assert torch.equal(fused_h, h + delta)
+    qr = fused_ops.add_rms_norm(h.clone(), delta, w, 1e-6, quant=True)
+    q_ref, s_ref = quant_triton.quantize_rows(walk)
+    assert isinstance(qr, fused_ops.QuantizedRows)
+    assert torch.equal(qr.q[:rows].view(torch.uint8), q_ref[:rows].view(torch.uint8))
+    assert torch.equal(qr.s_t[:, :rows], s_ref[:, :rows])
+    # SiLU * up (and its quantization)
+    gate_up = rand(rows, 2 * inter, scale=3.0)
+    act = ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+    qs = fused_ops.silu_mul(gate_up, quant=True)
+    assert isinstance(qs, fused_ops.QuantizedRows)
+    q_ref, s_ref = quant_triton.quantize_rows(act)
+    assert torch.equal(qs.q[:rows].view(torch.uint8), q_ref[:rows].view(torch.uint8))
+    assert torch.equal(qs.s_t[:, :rows], s_ref[:, :rows])
+    # rotary embedding + KV write vs the walk's torch rotation
+    from infir2_rl.engines.native.fused_ops import rotate_torch
+
+    qkv = rand(rows, (heads + 2 * kv_heads) * dim)
+    positions = torch.randint(0, 500, (rows,), device="cuda", generator=gen)
+    cos, sin = rand(512, dim), rand(512, dim)
+    k_cache = torch.zeros(rows + 1, kv_heads, 512, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(rows, device="cuda")
+    k_off, v_off = heads * dim, (heads + kv_heads) * dim
+    q = fused_ops.rope_write_kv(
+        qkv, positions, slots, cos, sin, k_cache, v_cache, heads, kv_heads, k_off, v_off
+    )
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    assert torch.equal(q, rotate_torch(qkv[:, :k_off].view(rows, heads, dim), c, s))
+    k_walk = rotate_torch(qkv[:, k_off:v_off].view(rows, kv_heads, dim), c, s)
+    assert torch.equal(k_cache[slots, :, positions], k_walk)
+    # fused q|k|v at decode size vs the walk's separate GEMMs at a trainer's M
+    x, wq, wk = (
+        rand(rows, hidden),
+        rand(heads * dim, hidden, scale=0.05),
+        rand(kv_heads * dim, hidden, scale=0.05),
+    )
+    big = torch.cat([x, rand(1000, hidden)])
+    fused = ops.mm(x, torch.cat([wq, wk]))
+    assert torch.equal(fused[:, : heads * dim], ops.mm(big, wq)[:rows])
+    assert torch.equal(fused[:, heads * dim :], ops.mm(big, wk)[:rows])
+
+
 def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool):  # type: ignore[no-untyped-def]
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
