@@ -133,6 +133,19 @@ def test_the_decode_steps_fused_kernels_compute_the_walks_ops_bit_for_bit(
     fused = ops.mm(x, torch.cat([wq, wk]))
     assert torch.equal(fused[:, : heads * dim], ops.mm(big, wq)[:rows])
     assert torch.equal(fused[:, heads * dim :], ops.mm(big, wk)[:rows])
+    # FP8: fused q|k weights (their own scale blocks) on producer-quantized rows at decode size vs the walk's
+    # separate GEMMs on its own quantization at a trainer's M
+    from infir2_rl.fp8.quant_triton import quantize_weight
+
+    (q8, qs), (k8, ks) = quantize_weight(wq.float()), quantize_weight(wk.float())
+    normed = fused_ops.add_rms_norm(x.clone(), None, w, 1e-6, quant=True)
+    assert isinstance(normed, fused_ops.QuantizedRows)
+    walk_x = ops.rms_norm(big, w, 1e-6)
+    fused8 = ops.fp8_mm_quantized(
+        normed.q, normed.s_t, rows, torch.cat([q8, k8]), torch.cat([qs, ks]), None, False
+    )
+    assert torch.equal(fused8[:, : heads * dim], ops.fp8_mm(walk_x, q8, qs, None, False)[:rows])
+    assert torch.equal(fused8[:, heads * dim :], ops.fp8_mm(walk_x, k8, ks, None, False)[:rows])
 
 
 def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool):  # type: ignore[no-untyped-def]

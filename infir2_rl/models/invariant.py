@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from infir2_rl.engines.native.fused_ops import rotate_torch
 from infir2_rl.fp8.linear import Fp8InferenceLinear, Fp8Linear
 from infir2_rl.fp8.ops import fp8_linear
 from infir2_rl.models import invariant_ops as ops
@@ -97,13 +96,14 @@ def hidden_states(
     dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     eps = float(config.rms_norm_eps)
     n = ids_N.shape[0]
-    c, s = cos[positions_N][:, None], sin[positions_N][:, None]  # (N, 1, D)
     h = F.embedding(ids_N, inner.embed_tokens.weight).to(DTYPE)
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         x = ops.rms_norm(h, layer.input_layernorm.weight.to(DTYPE), eps)
-        q = rotate_torch(linear(x, attn.q_proj).view(n, heads, dim), c, s)
-        k = rotate_torch(linear(x, attn.k_proj).view(n, kv_heads, dim), c, s)
+        q, k = ops.rope(
+            linear(x, attn.q_proj).view(n, heads, dim), linear(x, attn.k_proj).view(n, kv_heads, dim),
+            positions_N, cos, sin,
+        )  # fmt: skip
         v = linear(x, attn.v_proj).view(n, kv_heads, dim)
         h = h + linear(attend(i, q, k, v), attn.o_proj)
         x = ops.rms_norm(h, layer.post_attention_layernorm.weight.to(DTYPE), eps)

@@ -17,13 +17,15 @@ number of rows:
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
   (a cache slot or a sequence's own tensor). A fully masked block is an exact no-op (alpha 1, p 0), so a
   row's result does not depend on how far its neighbours' loops run.
-* ``rms_norm``, ``silu_mul``: the engine's kernels (``engines/native/fused_ops``), one program per row.
+* ``rms_norm``, ``rope``, ``silu_mul``: the engine's decode kernels (``engines/native/fused_ops``), one
+  program per row, so the trainer's values are the engine's by construction. (The rotary kernel and torch's
+  op-by-op rotation differ in the last bit at head dim 64 on an H100, though not at 128.)
 * ``token_logprobs``: the sampler's chunked log-sum-exp (``engines/native/sampler``: chunks depend on the
   vocabulary size only) and its ``z / T`` with IEEE division.
-Rotary embedding and residual adds are elementwise torch ops, invariant as they are (the engine's fused
-rotary kernel rounds after each product and sum exactly as they do).
+Residual adds are elementwise torch ops, invariant as they are (the fused add of the engine's norm kernel
+rounds as torch's add does).
 
-Backward (the trainer's): ``mm``, ``attention``, ``rms_norm`` and ``silu_mul`` are autograd Functions whose backward is
+Backward (the trainer's): ``mm``, ``attention``, ``rms_norm``, ``rope`` and ``silu_mul`` are autograd Functions whose backward is
 plain torch math (cuBLAS matmuls, SDPA / RMSNorm recomputed). Gradients need not match anything bit for bit:
 only the forward values enter the policy ratio.
 
@@ -333,6 +335,57 @@ def rms_norm(x_NE: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = _RmsNorm.apply(x_NE, weight, eps)
     assert isinstance(out, Tensor)
     return out
+
+
+# ---- rotary embedding -----------------------------------------------------------------------------------
+
+
+def _rotate_adjoint(g: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """Gradient of ``rotate_torch`` (y = x c + R(x) s, R(x) = [-x2, x1]): g c + R^T(g s), R^T(u) = [u2, -u1]."""
+    g32 = g.float()
+    u = g32 * s.float()
+    half = g.shape[-1] // 2
+    return (g32 * c.float() + torch.cat((u[..., half:], -u[..., :half]), dim=-1)).to(g.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(positions, cos, sin)
+        n, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        k_flat = k.reshape(n, -1)
+        qkv = torch.cat((q.reshape(n, -1), k_flat, k_flat), dim=1)  # the kernel's v columns: a scratch copy
+        k_out = torch.empty(n, kv_heads, dim, dtype=q.dtype, device=q.device)
+        scratch = torch.empty_like(k_out)
+        # Rows written as "cache slots" of a cache whose position stride is 0: k_out[r] = rotated k of row r.
+        k_cache = k_out[:, :, None].expand(n, kv_heads, 2, dim)
+        v_cache = scratch[:, :, None].expand(n, kv_heads, 2, dim)
+        q_out = fused_ops.rope_write_kv(
+            qkv, positions, torch.arange(n, device=q.device), cos, sin, k_cache, v_cache,
+            heads, kv_heads, heads * dim, (heads + kv_heads) * dim,
+        )  # fmt: skip
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        positions, cos, sin = ctx.saved_tensors
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        return _rotate_adjoint(gq, c, s), _rotate_adjoint(gk, c, s), None, None, None
+
+
+def rope(
+    q_NHD: Tensor, k_NKD: Tensor, positions_N: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Rotary embedding of q (N, H, D) and k (N, KVH, D) at each row's position, by the engine's decode kernel
+    (``fused_ops.rope_write_kv``) on CUDA; ``cos`` / ``sin``: (max positions, D) tables."""
+    if not kernels_available(q_NHD.device):
+        c, s = cos[positions_N][:, None], sin[positions_N][:, None]
+        return fused_ops.rotate_torch(q_NHD, c, s), fused_ops.rotate_torch(k_NKD, c, s)
+    q, k = _Rope.apply(q_NHD.contiguous(), k_NKD.contiguous(), positions_N, cos, sin)
+    return q, k
 
 
 # ---- SiLU * up -------------------------------------------------------------------------------------------
