@@ -17,6 +17,7 @@ from infir2_rl.config.stage import RlStageConfig
 from infir2_rl.fp8.linear import swap_to_fp8_training
 from infir2_rl.models import invariant
 from infir2_rl.models.factory import init_model
+from infir2_rl.trainers.torch import invariant_scoring
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +45,7 @@ def test_walk_equals_the_transformers_forward_and_backward(model_dir: Path, fp8:
     ids = torch.randint(10, 300, (3, 24), generator=torch.Generator().manual_seed(0))
     select = torch.ones_like(ids, dtype=torch.bool)
     select[2, 15:] = False  # a shorter row: its tail is not scored
-    logp, entropy = invariant.score_tokens(model, ids, select, temperature=1.1, need_entropy=True)
+    logp, entropy = invariant_scoring.score_tokens(model, ids, select, temperature=1.1, need_entropy=True)
     assert entropy is not None and (entropy[:, 1:][select[:, 1:]] > 0).all()
     assert (logp[~select] == 0).all() and (logp[:, 0] == 0).all()
     ref = _hf_scores(model, ids, 1.1)

@@ -21,6 +21,7 @@ The bias is never quantized. The master weight's dtype (FP32 or BF16) is the dty
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,9 @@ import torch
 
 from infir2_rl.fp8 import gemm, quant_triton
 from infir2_rl.fp8.quant import dequantize_weight_blockwise, fake_quantize_tiles
+
+# A forward GEMM standing in for cuBLASLt's: (x (M, K), w_fp8 (N, K), scale_inv, bias, pow2) -> y (M, N).
+Fprop = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         pow2_scales: bool,
         out_dtype: torch.dtype,
         source: torch.Tensor | None,
-        invariant: bool = False,
+        fprop: Fprop | None = None,
     ) -> torch.Tensor:
         w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
         lead, k = x.shape[:-1], x.shape[-1]
@@ -201,11 +205,11 @@ class _Fp8LinearFn(torch.autograd.Function):
             w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
             if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
                 w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
-            if (
-                invariant
-            ):  # true on-policy: the batch-invariant W8A8 kernel the engine runs (x quantized inside)
+            if fprop is not None:  # the caller's forward GEMM (true on-policy: the engine's invariant kernel)
                 xtq, xts = quant_triton.quantize_cols(x2d, pow2_scales) if need_wgrad else (None, None)
-                y = _invariant_fprop(x2d, w_fp8, w_scale_inv, bias, pow2_scales, out_dtype)
+                y = fprop(x2d, w_fp8, w_scale_inv, bias, pow2_scales)
+                if y.dtype != out_dtype:
+                    raise TypeError(f"fp8_linear: fprop returned {y.dtype}, the output dtype is {out_dtype}")
             else:
                 # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
                 xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, source)
@@ -241,21 +245,6 @@ class _Fp8LinearFn(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return dx, dw, db, None, None, None, None, None
-
-
-def _invariant_fprop(
-    x2d: torch.Tensor,
-    w_fp8: torch.Tensor,
-    w_scale_inv: torch.Tensor,
-    bias: torch.Tensor | None,
-    pow2: bool,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    from infir2_rl.models.invariant_ops import fp8_mm  # lazy: models.invariant_ops imports this module
-
-    if x2d.dtype != dtype or (bias is not None and bias.dtype != dtype):
-        raise TypeError(f"invariant FP8 linear: input {x2d.dtype}, bias and output must all be {dtype}")
-    return fp8_mm(x2d, w_fp8, w_scale_inv, bias, pow2)
 
 
 def _fast_backward(
@@ -303,15 +292,16 @@ def fp8_linear(
     pow2_scales: bool = False,
     out_dtype: torch.dtype | None = None,
     source: torch.Tensor | None = None,
-    invariant: bool = False,
+    fprop: Fprop | None = None,
 ) -> torch.Tensor:
     """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``.
 
     ``out_dtype`` (default x's) is the output's dtype; the input gradient always comes back in x's dtype.
-    ``source``: as in ``fp8_linear_forward`` (not differentiated through). ``invariant``: on the GPU fast
-    path the forward GEMM is the batch-invariant kernel of ``models/invariant_ops`` (true on-policy); x,
-    bias and output then share one dtype. Backward is the same either way.
+    ``source``: as in ``fp8_linear_forward`` (not differentiated through). ``fprop``: on the GPU fast path,
+    the forward GEMM ``fprop(x2d, w_fp8, scale_inv, bias, pow2) -> y`` (in the output dtype) instead of
+    cuBLASLt's (true on-policy passes the engine's batch-invariant kernel, ``models/invariant_ops.fp8_mm``);
+    the backward is the same either way. The CPU emulation ignores it.
     """
-    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, source, invariant)
+    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, source, fprop)
     assert isinstance(out, torch.Tensor)
     return out

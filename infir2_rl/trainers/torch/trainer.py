@@ -183,9 +183,9 @@ class TorchTrainer:
     ) -> TokenScores:
         """Per-token log-probs (and entropies) at the selected positions, never the full logits."""
         if self.true_on_policy:
-            from infir2_rl.models import invariant
+            from infir2_rl.trainers.torch import invariant_scoring
 
-            logp, entropy = invariant.score_tokens(
+            logp, entropy = invariant_scoring.score_tokens(
                 self.model if model is None else model,
                 batch.input_ids,
                 select_BL & (batch.attention_mask > 0),
