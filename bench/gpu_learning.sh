@@ -4,7 +4,10 @@
 # `infir2-rl report` overlays them (compare_*.png). Usage, on a GPU machine from the repository root:
 #
 #   bash bench/gpu_learning.sh OUT_DIR [SEED] [overrides...]     # e.g. sft:trainer.max_steps=50 rl:rollout.num_steps=3
+#   MODES="unified_fp8 unified_fp8+top" bash bench/gpu_learning.sh OUT_DIR [SEED]   # fast vs true_on_policy
 #
+# MODES (default: the three precision setups) lists the runs; a mode ending in "+top" runs its RL stages with
+# true_on_policy=true (the trainer's log-probs equal the engine's bit for bit) and writes OUT_DIR/<mode>_top.
 # One Ray head with 3 logical GPUs that all map to the one physical GPU (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES:
 # every actor sees cuda:0), so each pipeline's placement group takes "its" GPU and the three runs overlap; a
 # 100M model leaves the GPU mostly idle between kernel launches, so they slow each other down little. Each run
@@ -14,7 +17,8 @@ set -u
 out=${1:?usage: bash bench/gpu_learning.sh OUT_DIR [SEED] [overrides...]}
 seed=${2:-0}
 shift $(( $# >= 2 ? 2 : 1 ))
-modes=(unified_fp8 bf16_train_fp8_rollout bf16)
+read -r -a specs <<< "${MODES:-unified_fp8 bf16_train_fp8_rollout bf16}"
+modes=("${specs[@]/+top/_top}")
 mkdir -p "$out"
 if ! command -v ray >/dev/null; then  # Ray importable (e.g. on PYTHONPATH) but its CLI not installed
     ray() { python -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' "$@"; }
@@ -25,9 +29,11 @@ ray start --head --num-gpus=${#modes[@]} --include-dashboard=false --disable-usa
     cat "$out/ray_start.log"; exit 1; }
 export RAY_ADDRESS=auto
 start=$(date +%s)
-for mode in "${modes[@]}"; do
+for spec in "${specs[@]}"; do
+    mode=${spec/+top/_top}
+    top=(); [ "$spec" != "${spec%+top}" ] && top=(rl:true_on_policy=true)
     timeout "${LIMIT_S:-500}" python -m infir2_rl.cli demo --pipeline configs/gpu/pipeline_100m.yaml --preset 100m \
-        --precision "$mode" --seed "$seed" --out "$out/$mode" "$@" >"$out/$mode.log" 2>&1 &
+        --precision "${spec%+top}" --seed "$seed" --out "$out/$mode" "${top[@]}" "$@" >"$out/$mode.log" 2>&1 &
 done
 wait
 echo "three runs done in $(( $(date +%s) - start )) s"

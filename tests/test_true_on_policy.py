@@ -106,6 +106,9 @@ def test_trainer_and_engine_refuse_without_the_gpu_kernels(model_dir: Path) -> N
         ({"precision": "bf16_train_fp8_rollout"}, "a BF16 trainer cannot reproduce"),
         ({"rollout": {"backend": "sglang"}}, "rollout.backend=native"),
         ({"trainer": {"num_workers": 2}}, "trainer.num_workers=1"),
+        ({"trainer": {"fsdp_param_dtype": "bfloat16"}}, "trainer.fsdp_param_dtype auto or float32"),
+        ({"trainer": {"pack_sequences": True}}, "trainer.pack_sequences=false"),
+        ({"model": {"gradient_checkpointing": True}}, "model.gradient_checkpointing=false"),
     ],
 )
 def test_the_stage_setting_refuses_what_is_not_built(overrides: dict, message: str) -> None:

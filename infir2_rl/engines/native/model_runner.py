@@ -19,12 +19,16 @@ Attention goes through ``attention.py`` and every projection through ``linears.p
 
 ``true_on_policy=True``: the trainer's log-probs must equal the engine's bit for bit (models/invariant.py).
 Prefill runs ``invariant.hidden_states``, the walk the trainer scores with. Decode keeps its fused kernels,
-each of which computes what the walk's op computes bit for bit (add + RMSNorm, rotary, SiLU*up, the FP8
-producers' quantizer: same roundings, per-row sums in one order), and swaps what is not invariant: every
-GEMM takes the invariant shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same
-bits as the walk's separate GEMMs, since a column's result does not depend on its tile), attention is
-``invariant_ops.attention`` over the cache and the lm_head ``invariant_ops.mm``. Every token (the first
-one too) is sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
+each of which computes what the walk's op computes bit for bit (add + RMSNorm, rotary, SiLU*up: same
+roundings, per-row sums in one order), and swaps what is not invariant: every GEMM takes the invariant
+shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same bits as the walk's separate
+GEMMs, since a column's result does not depend on its tile), attention is ``invariant_ops.attention`` over
+the cache and the lm_head ``invariant_ops.mm``. In FP8 the GEMM inputs are quantized by the walk's
+quantizer (``quant_triton.quantize_rows``), not by the norm and SiLU kernels' quantizing variants
+(``producer_quant`` off): compiled with that epilogue, the norm kernel's codes differed from
+``quantize_rows`` of its plain output in 8 of 32,768 rows at hidden 1536 (H100, 2026-11-25), enough to
+give unified FP8 at 1.5B a train/rollout K3 of 9e-4 instead of 0. Every token (the first one too) is
+sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ class Qwen2Runner:
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # (max_positions, D) in the model dtype
         self.model = model
+        # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each).
+        # Not under true_on_policy: see the module docstring.
+        self.producer_quant = not true_on_policy
         if true_on_policy:
             invariant.check_model(model)
             if self.dtype != invariant.DTYPE or not inv_ops.kernels_available(self.device):
@@ -163,7 +170,7 @@ class Qwen2Runner:
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
         and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
         input."""
-        quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
+        quant, pow2, eps = self.fp8 and tokens_B.is_cuda and self.producer_quant, self.pow2, self.eps
         invariant_ = self.true_on_policy
         quant_attn = quant and self.quant_attention and not invariant_
         lengths_B = (positions_B + 1).to(torch.int32)
