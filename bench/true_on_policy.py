@@ -9,7 +9,9 @@ pushes them), then
 * score: the trainer's ``forward_logprobs`` over that batch (the RL step's old log-probs);
 * train: one GRPO ``train_step`` over it in micro-batches of ``--micro-batch`` sequences, then the new
   weights pushed to the engine (so every call samples from the trainer's current weights);
-* mismatch of the warm-up batch and every timed one: max and mean |dlogp| and K3 (``algo.mismatch``).
+* mismatch of the warm-up batch and every timed one: max and mean |dlogp| and K3 (``algo.mismatch``); in
+  FP8 also the K3 of the same samples scored by the trainer with its FP8 off (the mixed setup), so issue 20's
+  fast-mode ratios (unified / BF16, mixed / unified) come out of one run.
 
 Prints one line per (precision, mode) and the time ratios true_on_policy / fast; ``--out`` writes JSON.
 Default shape: Qwen2.5-1.5B with its 151,936-token vocabulary, random weights (``bench/train_step.py``'s
@@ -64,7 +66,13 @@ def run(path: Path, fp8: bool, true_on_policy: bool, args: argparse.Namespace) -
         engine.update_weights(bucket)
     vocab = engine.vocab_size
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
-    out: dict[str, Any] = {"rollout_s": [], "score_s": [], "train_s": [], "mismatch": []}
+    out: dict[str, Any] = {
+        "rollout_s": [],
+        "score_s": [],
+        "train_s": [],
+        "mismatch": [],
+        "k3_dense_trainer": [],
+    }
     loss_fn = GrpoLoss(AlgorithmConfig(), args.temperature)
     for call in range(args.repeats + 1):
         gen = torch.Generator().manual_seed(call)
@@ -101,6 +109,11 @@ def run(path: Path, fp8: bool, true_on_policy: bool, args: argparse.Namespace) -
             {"max_abs": stats.abs_logp_diff_max, "mean_abs": stats.abs_logp_diff_mean, "k3": stats.k3,
              "tokens": stats.num_tokens}
         )  # fmt: skip
+        if fp8:  # the same FP8 samples scored with the trainer's FP8 off: the mixed (BF16-train) setup's K3
+            dense = torch.cat(
+                [lp[:, 1:].flatten() for lp in trainer.forward_logprobs(micro, args.temperature, fp8=False)]
+            )
+            out["k3_dense_trainer"].append(mismatch_metrics(dense[None], engine_lp[None], mask[None]).k3)
         # The rest of an RL step: one GRPO update, then the new weights pushed to the engine.
         for mb, lp in zip(micro, logps):
             mb.old_logprobs = lp
@@ -159,9 +172,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"  score {statistics.median(r['score_s']):6.2f} s  train {statistics.median(r['train_s']):6.2f} s"
                 f"  max|dlogp| {max(m['max_abs'] for m in mm):.3e}"
                 f"  mean|dlogp| {statistics.mean(m['mean_abs'] for m in mm):.3e}"
-                f"  K3 {statistics.mean(m['k3'] for m in mm):.3e}  ({sum(m['tokens'] for m in mm)} tokens)",
+                f"  K3 {statistics.mean(m['k3'] for m in mm):.3e}  ({sum(m['tokens'] for m in mm)} tokens)"
+                + (
+                    f"  dense-trainer K3 {statistics.mean(r['k3_dense_trainer']):.3e}"
+                    if r["k3_dense_trainer"]
+                    else ""
+                ),
                 flush=True,
             )
+    bf16, fp8 = results.get("bf16/fast"), results.get("unified_fp8/fast")
+    if bf16 and fp8:  # issue 20's fast-mode goals: unified <= 3x BF16, and >= 10x below mixed
+        k3 = {
+            name: statistics.mean(m["k3"] for m in r["mismatch"])
+            for name, r in (("bf16", bf16), ("fp8", fp8))
+        }
+        mixed = statistics.mean(fp8["k3_dense_trainer"])
+        print(
+            f"fast mode: K3 unified FP8 / BF16 {k3['fp8'] / k3['bf16']:.1f}x, mixed / unified FP8 {mixed / k3['fp8']:.1f}x"
+        )
     for precision in args.precisions:
         fast, tp = results.get(f"{precision}/fast"), results.get(f"{precision}/true_on_policy")
         if fast and tp:
