@@ -172,7 +172,7 @@ class Qwen2Runner:
         input."""
         quant, pow2, eps = self.fp8 and tokens_B.is_cuda and self.producer_quant, self.pow2, self.eps
         invariant_ = self.true_on_policy
-        quant_attn = quant and self.quant_attention and not invariant_
+        quant_attn = quant and self.quant_attention
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
         delta: Tensor | None = None
