@@ -133,6 +133,10 @@ def test_phase_timer_accumulates_named_phases(monkeypatch: pytest.MonkeyPatch) -
 def test_peak_memory_is_a_plausible_number_of_gib() -> None:
     # This test process has imported torch and pytest: well over 50 MiB, well under 1 TiB.
     assert 0.05 < peak_memory_gb() < 1024
+    from infir2_rl.metrics.logger import memory_gb
+
+    peak, reserved = memory_gb(reset_peak=True)  # CPU: the RSS high-water mark, which never restarts
+    assert memory_gb()[0] >= peak > 0.05 and reserved == 0.0
 
 
 def test_progress_bar_counts_and_can_be_disabled(capsys: pytest.CaptureFixture[str]) -> None:

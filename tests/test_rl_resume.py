@@ -111,6 +111,9 @@ def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, r
         else:
             assert m[names.MISMATCH_K3] > 1e-7, m
         assert names.MISMATCH_DENSE_K3 not in m  # only measured when the trainer runs FP8
+        # Each phase's memory (CPU: the engine's and the trainer's RSS high-water marks, nothing reserved).
+        for phase in ("rollout", "score", "train", "sync"):
+            assert m[f"memory/{phase}_peak_gb"] > 0.01 and m[f"memory/{phase}_reserved_gb"] == 0.0, m
 
 
 def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(

@@ -97,6 +97,7 @@ class RolloutEngine:
         # Before the backend imports transformers / huggingface_hub, which read it at import time.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.engine_index = engine_index
+        self.in_process = rollout.backend == "native"  # SGLang's model lives in its server process
         self.backend = make_engine_backend(
             rollout,
             model_path,
@@ -135,6 +136,13 @@ class RolloutEngine:
 
     def resume_memory(self) -> None:
         self.backend.resume_memory()
+
+    def memory(self) -> tuple[float, float] | None:
+        """(peak, reserved) GiB of this process since the last call (``metrics.logger.memory_gb``), None when
+        the engine's memory is not in this process (SGLang)."""
+        from infir2_rl.metrics.logger import memory_gb
+
+        return memory_gb(reset_peak=True) if self.in_process else None
 
 
 def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle]:

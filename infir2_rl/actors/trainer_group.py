@@ -119,6 +119,10 @@ class TrainerGroup:
         result.metrics[names.PERF_PEAK_MEMORY_GB] = peak
         return result
 
+    def memory(self) -> list[tuple[float, float]]:
+        """Each rank's (peak, reserved) GiB since the last call (``TrainerWorker.memory``)."""
+        return self._all("memory")
+
     def forward_logprobs(self, batch: TokenBatch, temperature: float = 1.0, fp8: bool = True) -> Tensor:
         """Per-token log-probs of the whole batch, B x L float32, 0 at position 0 and on padding.
 

@@ -164,6 +164,12 @@ class TrainerWorker:
         stats.metrics[names.PERF_PEAK_MEMORY_GB] = self.backend.peak_memory_gb()
         return stats
 
+    def memory(self) -> tuple[float, float]:
+        """(peak, reserved) GiB of this rank's process since the last call (``metrics.logger.memory_gb``)."""
+        from infir2_rl.metrics.logger import memory_gb
+
+        return memory_gb(reset_peak=True)
+
     def forward_logprobs(
         self, batches: Sequence[TokenBatch], temperature: float, fp8: bool = True
     ) -> list[Tensor]:

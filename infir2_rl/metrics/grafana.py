@@ -104,6 +104,19 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Peak memory", (names.PERF_PEAK_MEMORY_GB,), "decgbytes", "CUDA max allocated, or peak RSS."
             ),
+            PanelSpec(
+                "Memory per RL phase",
+                (
+                    names.MEMORY_ROLLOUT_PEAK_GB,
+                    names.MEMORY_SCORE_PEAK_GB,
+                    names.MEMORY_TRAIN_PEAK_GB,
+                    names.MEMORY_SYNC_PEAK_GB,
+                    names.MEMORY_TRAIN_RESERVED_GB,
+                ),
+                "decgbytes",
+                "Peak CUDA allocation of the engines (rollout) and the trainer (score, train, weight push), and"
+                " the trainer allocator's reserved memory after training.",
+            ),
         ),
     ),
 )

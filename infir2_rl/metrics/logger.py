@@ -151,14 +151,27 @@ class PhaseTimer:
 
 
 def peak_memory_gb() -> float:
-    """Peak memory of this process in GiB: CUDA max allocated when CUDA is in use, else the RSS high-water mark."""
+    """Peak memory of this process in GiB: CUDA max allocated (since the last ``memory_gb(reset_peak=True)``)
+    when CUDA is in use, else the RSS high-water mark."""
+    return memory_gb()[0]
+
+
+def memory_gb(reset_peak: bool = False) -> tuple[float, float]:
+    """(peak, reserved) of this process in GiB. CUDA in use: the allocator's max allocated since its last
+    reset, and what it holds reserved now (allocated plus cached blocks: what another process on the GPU
+    cannot have); ``reset_peak`` then restarts the peak. Else the RSS high-water mark (it never restarts)
+    and 0."""
     torch = sys.modules.get("torch")  # never import torch just to find out CUDA is unused
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return float(torch.cuda.max_memory_allocated()) / 2**30
+        peak = float(torch.cuda.max_memory_allocated()) / 2**30
+        reserved = float(torch.cuda.memory_reserved()) / 2**30
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return peak, reserved
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is kilobytes on Linux, bytes on macOS.
     bytes_used = max_rss if sys.platform == "darwin" else max_rss * 1024
-    return bytes_used / 2**30
+    return bytes_used / 2**30, 0.0
 
 
 def progress(total: int, desc: str, enabled: bool | None = None) -> tqdm:

@@ -27,6 +27,19 @@ TRAIN_UPDATES_PER_ROLLOUT = "train/updates_per_rollout"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_STEP_TIME_S = "perf/step_time_s"
 PERF_PEAK_MEMORY_GB = "perf/peak_memory_gb"
+# RL: memory of each phase of a step, GiB (``metrics.logger.memory_gb``), the largest process of the role:
+# the engines' peak CUDA allocation during the rollout (native engines; SGLang's lives in its server), the
+# trainer's during scoring (old, reference and dense log-probs), training and the weight push; and what each
+# process's allocator holds reserved at the phase's end. On CPU the peak is the RSS high-water mark and
+# reserved 0. (The counters restart at each phase, so in RL stages perf/peak_memory_gb is the train phase's.)
+MEMORY_ROLLOUT_PEAK_GB = "memory/rollout_peak_gb"
+MEMORY_ROLLOUT_RESERVED_GB = "memory/rollout_reserved_gb"
+MEMORY_SCORE_PEAK_GB = "memory/score_peak_gb"
+MEMORY_SCORE_RESERVED_GB = "memory/score_reserved_gb"
+MEMORY_TRAIN_PEAK_GB = "memory/train_peak_gb"
+MEMORY_TRAIN_RESERVED_GB = "memory/train_reserved_gb"
+MEMORY_SYNC_PEAK_GB = "memory/sync_peak_gb"
+MEMORY_SYNC_RESERVED_GB = "memory/sync_reserved_gb"
 
 # Rollout batch: rewards, lengths (tokens), fraction cut at the max length, sampling speed.
 ROLLOUT_REWARD_MEAN = "rollout/reward_mean"

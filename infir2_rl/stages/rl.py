@@ -127,6 +127,8 @@ def rl_step(
     """Advantages, old log-probs and mismatch, the optimizer step(s), weight push."""
     advantages = grpo_advantages(batch.rewards_tensor(), batch.group_size, cfg.algorithm.normalize_std)
     (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
+    memory = actors.memory(names.MEMORY_ROLLOUT_PEAK_GB, names.MEMORY_ROLLOUT_RESERVED_GB, engines=True)
+    actors.trainer.memory()  # restarts the ranks' peak counters: the scoring phase starts here
     actors.engines_sleep()
     with timer("old_logprobs"):
         tokens.old_logprobs = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature)
@@ -144,16 +146,20 @@ def rl_step(
             dense_logp = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature, fp8=False)
         dense = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis)
         mismatch |= dense.as_metrics(names.MISMATCH_DENSE)
+    memory |= actors.memory(names.MEMORY_SCORE_PEAK_GB, names.MEMORY_SCORE_RESERVED_GB)
     with timer("train"):
         all_stats = _train_on(cfg, actors, tokens, loss_fn)
+    memory |= actors.memory(names.MEMORY_TRAIN_PEAK_GB, names.MEMORY_TRAIN_RESERVED_GB)
     stats = _mean_stats(all_stats)
     actors.engines_wake()
     with timer("weight_sync"):
         push = actors.sync.push_from(actors.trainer, cfg.rollout_fp8, version=step)
+    memory |= actors.memory(names.MEMORY_SYNC_PEAK_GB, names.MEMORY_SYNC_RESERVED_GB)
     metrics = {
         **batch.metrics,
         **train_metrics(stats, 0, stats.step_time_s),
         **mismatch,
+        **memory,
         names.TRAIN_UPDATES_PER_ROLLOUT: float(len(all_stats)),
         names.WEIGHT_SYNC_PUSH_S: push.seconds,
         names.WEIGHT_SYNC_BYTES: float(push.bytes),

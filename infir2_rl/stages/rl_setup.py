@@ -88,6 +88,17 @@ class RlActors:
         if self.colocated_gpu:
             call_all([Call(e, "resume_memory") for e in self.engines])
 
+    def memory(self, peak_key: str, reserved_key: str, engines: bool = False) -> dict[str, float]:
+        """The trainer ranks' (or the engines') peak since the last call and reserved memory, largest process,
+        under the given metric keys; their peak counters restart (names.MEMORY_*)."""
+        if engines:
+            values = [v for v in call_all([Call(e, "memory") for e in self.engines]) if v is not None]
+        else:
+            values = self.trainer.memory()
+        if not values:
+            return {}
+        return {peak_key: max(p for p, _ in values), reserved_key: max(r for _, r in values)}
+
     def checkpointable(self) -> _RlCheckpointWriter:
         return _RlCheckpointWriter(self)
 
