@@ -24,10 +24,10 @@ roundings, per-row sums in one order), and swaps what is not invariant: every GE
 shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same bits as the walk's separate
 GEMMs, since a column's result does not depend on its tile), attention is ``invariant_ops.attention`` over
 the cache and the lm_head ``invariant_ops.mm``. In FP8 the GEMM inputs are quantized by the walk's
-quantizer (``quant_triton.quantize_rows``), not by the norm and SiLU kernels' quantizing variants
-(``producer_quant`` off): compiled with that epilogue, the norm kernel's codes differed from
-``quantize_rows`` of its plain output in 8 of 32,768 rows at hidden 1536 (H100, 2026-11-25), enough to
-give unified FP8 at 1.5B a train/rollout K3 of 9e-4 instead of 0. Every token (the first one too) is
+quantizer (``quant_triton.quantize_rows``), not by the norm and SiLU kernels' quantizing variants: compiled
+with that epilogue, the norm kernel's codes differed from ``quantize_rows`` of its plain output in 8 of
+32,768 rows at hidden 1536 (H100, 2026-11-25), enough to give unified FP8 at 1.5B a train/rollout K3 of
+9e-4 instead of 0. Every token (the first one too) is
 sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 """
 
@@ -106,9 +106,6 @@ class Qwen2Runner:
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # (max_positions, D) in the model dtype
         self.model = model
-        # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each).
-        # Not under true_on_policy: see the module docstring.
-        self.producer_quant = not true_on_policy
         if true_on_policy:
             invariant.check_model(model)
             if self.dtype != invariant.DTYPE or not inv_ops.kernels_available(self.device):
@@ -170,8 +167,10 @@ class Qwen2Runner:
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
         and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
         input."""
-        quant, pow2, eps = self.fp8 and tokens_B.is_cuda and self.producer_quant, self.pow2, self.eps
         invariant_ = self.true_on_policy
+        # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each), but
+        # not under true_on_policy, where the GEMMs quantize with the walk's quantizer (module docstring).
+        quant, pow2, eps = self.fp8 and tokens_B.is_cuda and not invariant_, self.pow2, self.eps
         quant_attn = quant and self.quant_attention
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
