@@ -26,6 +26,7 @@ compute (CPU) it agrees with ``algo.logprobs.token_logprobs`` to FP32 rounding (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,8 +43,22 @@ def _chunk_z(h_c: Tensor, w_c: Tensor, temperature: float) -> Tensor:
     return z
 
 
+# One chunk's scores: (h_c (C, H), w (V, H), targets (C,), T, need_z) -> (logp (C,), lse (C,), the tempered
+# FP32 logits z (C, V) when need_z, else None).
+ChunkScores = Callable[[Tensor, Tensor, Tensor, float, bool], tuple[Tensor, Tensor, Tensor | None]]
+
+
+def _plain_chunk(
+    h_c: Tensor, w: Tensor, targets_C: Tensor, temperature: float, need_z: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    z = _chunk_z(h_c, w, temperature)
+    lse_c = torch.logsumexp(z, dim=-1)
+    return z.gather(1, targets_C[:, None]).squeeze(1) - lse_c, lse_c, z
+
+
 class _ChunkedScores(torch.autograd.Function):
-    """(logp (N,), entropy (N,) or empty) from hidden (N, H) and weight (V, H); see the module docstring."""
+    """(logp (N,), entropy (N,) or empty) from hidden (N, H) and weight (V, H); see the module docstring.
+    The forward's per-chunk log-probs come from ``chunk_scores``; the backward is the plain one always."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -55,6 +70,7 @@ class _ChunkedScores(torch.autograd.Function):
         need_entropy: bool,
         compute_dtype: torch.dtype,
         chunk_tokens: int,
+        chunk_scores: ChunkScores,
     ) -> tuple[Tensor, Tensor]:
         n = hidden_NH.shape[0]
         h = hidden_NH.to(compute_dtype)
@@ -65,11 +81,9 @@ class _ChunkedScores(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk_tokens):
                 e = min(s + chunk_tokens, n)
-                z = _chunk_z(h[s:e], w, temperature)
-                lse_c = torch.logsumexp(z, dim=-1)
-                lse[s:e] = lse_c
-                logp[s:e] = z.gather(1, targets_N[s:e, None]).squeeze(1) - lse_c
+                logp[s:e], lse[s:e], z = chunk_scores(h[s:e], w, targets_N[s:e], temperature, need_entropy)
                 if need_entropy:
+                    assert z is not None
                     # H = -sum p log p, with log p from log_softmax ((z - max) - log sum exp(z - max)): both
                     # lse - E[z] and z - lse lose digits to cancellation on peaked rows where z is large.
                     logp_all = torch.log_softmax(z, dim=-1)
@@ -112,7 +126,7 @@ class _ChunkedScores(torch.autograd.Function):
                 if dw is not None:
                     dw += (g_c.t() @ h[s:e]).float()
         dw_out = dw.to(weight_VH.dtype) if dw is not None else None
-        return dh, dw_out, None, None, None, None, None
+        return dh, dw_out, None, None, None, None, None, None
 
 
 def chunked_token_scores(
@@ -124,12 +138,14 @@ def chunked_token_scores(
     need_entropy: bool = False,
     compute_dtype: torch.dtype | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_scores: ChunkScores = _plain_chunk,
 ) -> tuple[Tensor, Tensor | None]:
     """``log softmax(h W^T / T)[y]`` per row (float32, (N,)) and, with ``need_entropy``, the entropy (nats).
 
     Differentiable w.r.t. ``hidden_NH`` and ``weight_VH``; never holds more than ``chunk_tokens`` rows of
     logits. ``compute_dtype`` is the GEMMs' dtype (default: the hidden states'); gradients come back in the
-    inputs' dtypes, the weight's accumulated in FP32.
+    inputs' dtypes, the weight's accumulated in FP32. ``chunk_scores`` computes a chunk's forward values (the
+    true_on_policy scorer passes the engine's kernels); the backward is the plain path's either way.
     """
     if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
         raise ValueError(
@@ -143,6 +159,7 @@ def chunked_token_scores(
         raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1.")
     dtype = compute_dtype or hidden_NH.dtype
     logp, entropy = _ChunkedScores.apply(
-        hidden_NH, weight_VH, targets_N.long(), float(temperature), need_entropy, dtype, chunk_tokens
-    )
+        hidden_NH, weight_VH, targets_N.long(), float(temperature), need_entropy, dtype, chunk_tokens,
+        chunk_scores,
+    )  # fmt: skip
     return logp, (entropy if need_entropy else None)

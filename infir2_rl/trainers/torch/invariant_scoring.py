@@ -2,10 +2,11 @@
 
 ``score_tokens`` runs ``models/invariant.hidden_states`` over right-padded rows (each row attends within
 itself through ``invariant_ops.causal_attention``), then the lm_head and log-softmax the way the engine's
-sampler computes them (``_InvariantScores``: the invariant BF16 GEMM and the sampler's chunked log-sum-exp),
-so the log-prob of a sampled token equals the engine's bit for bit. Backward is plain torch math (the
-inherited ``_ChunkedScores.backward`` recomputes each chunk's logits with the ordinary GEMM): only forward
-values enter the policy ratio. Like ``scoring.py`` it never materialises the logits of the whole batch.
+sampler computes them (``_engine_chunk`` inside ``token_scores.chunked_token_scores``: the invariant BF16
+GEMM and the sampler's chunked log-sum-exp), so the log-prob of a sampled token equals the engine's bit for
+bit. Backward is plain torch math (``chunked_token_scores`` recomputes each chunk's logits with the ordinary
+GEMM): only forward values enter the policy ratio. Like ``scoring.py`` it never materialises the logits of
+the whole batch.
 """
 
 from __future__ import annotations
@@ -17,41 +18,18 @@ from torch import Tensor, nn
 
 from infir2_rl.models import invariant
 from infir2_rl.models import invariant_ops as ops
-from infir2_rl.trainers.token_scores import _ChunkedScores
+from infir2_rl.trainers.token_scores import DEFAULT_CHUNK_TOKENS, chunked_token_scores
 
 
-class _InvariantScores(_ChunkedScores):
-    """``_ChunkedScores`` whose forward is the engine's: invariant lm_head GEMM, the sampler's log-sum-exp.
-    Backward (inherited) recomputes the chunk's logits with the plain GEMM."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden_NH: Tensor,
-        weight_VH: Tensor,
-        targets_N: Tensor,
-        temperature: float,
-        need_entropy: bool,
-        compute_dtype: torch.dtype,
-        chunk_tokens: int,
-    ) -> tuple[Tensor, Tensor]:
-        n = hidden_NH.shape[0]
-        h, w = hidden_NH.to(compute_dtype), weight_VH.to(compute_dtype)
-        logp = torch.empty(n, dtype=torch.float32, device=h.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if need_entropy else logp.new_empty(0)
-        for s in range(0, n, chunk_tokens):
-            e = min(s + chunk_tokens, n)
-            z = ops.mm(h[s:e], w)
-            temps = torch.full((e - s,), temperature, dtype=torch.float32, device=h.device)
-            logp[s:e], lse[s:e] = ops.token_logprobs(z, temps, targets_N[s:e])
-            if need_entropy:  # a metric and a bonus term: torch's log-softmax, not bit-matched to anything
-                logp_all = torch.log_softmax(z.float() / temperature, dim=-1)
-                entropy[s:e] = -(logp_all.exp() * logp_all).sum(-1)
-        ctx.save_for_backward(h, weight_VH, targets_N, lse, entropy)
-        ctx.temperature, ctx.need_entropy, ctx.chunk_tokens = temperature, need_entropy, chunk_tokens
-        ctx.hidden_dtype = hidden_NH.dtype
-        return logp, entropy
+def _engine_chunk(
+    h_c: Tensor, w: Tensor, targets_C: Tensor, temperature: float, need_z: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk as the engine scores it: the invariant lm_head GEMM, the sampler's log-sum-exp and
+    ``z / T``; the entropy's logits (a metric and a bonus term) are not bit-matched to anything."""
+    z = ops.mm(h_c, w)
+    temps = torch.full((h_c.shape[0],), temperature, dtype=torch.float32, device=h_c.device)
+    logp, lse = ops.token_logprobs(z, temps, targets_C)
+    return logp, lse, z.float() / temperature if need_z else None
 
 
 def score_tokens(
@@ -61,7 +39,7 @@ def score_tokens(
     *,
     temperature: float,
     need_entropy: bool,
-    chunk_tokens: int = 2048,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[Tensor, Tensor | None]:
     """(log-probs (B, L), entropies (B, L) or None) of right-padded rows, zeros where not selected; position
     t is scored from the hidden state at t - 1, as ``trainers/torch/scoring.score_tokens`` does."""
@@ -81,14 +59,15 @@ def score_tokens(
         picked = select_BL.bool().clone()
         picked[:, 0] = False
         head: Any = model.get_output_embeddings()  # type: ignore[operator]
-        logp, entropy = _InvariantScores.apply(
-            hidden[:, :-1][picked[:, 1:]], head.weight, input_ids_BL[:, 1:][picked[:, 1:]].long(),
-            float(temperature), need_entropy, invariant.DTYPE, chunk_tokens,
+        logp, entropy = chunked_token_scores(
+            hidden[:, :-1][picked[:, 1:]], head.weight, input_ids_BL[:, 1:][picked[:, 1:]],
+            temperature=temperature, need_entropy=need_entropy, compute_dtype=invariant.DTYPE,
+            chunk_tokens=chunk_tokens, chunk_scores=_engine_chunk,
         )  # fmt: skip
     logp_BL = logp.new_zeros(batch, length)
     logp_BL[picked] = logp
     entropy_BL = None
-    if need_entropy:
+    if entropy is not None:
         entropy_BL = entropy.new_zeros(batch, length)
         entropy_BL[picked] = entropy
     return logp_BL, entropy_BL
