@@ -329,3 +329,35 @@ def test_context_parallelism_is_refused_when_the_config_loads() -> None:
         {"kind": "sft", "trainer": {"backend": "megatron", "num_workers": 2, "context_parallel_size": 2}}
     )
     assert "trainer.context_parallel_size=2" in msg and "not built" in msg
+
+
+def test_cuda_graphs_refuses_what_a_captured_graph_cannot_hold() -> None:
+    """trainer.cuda_graphs: one line at load for packing, several workers, checkpointing, true_on_policy."""
+    from infir2_rl.config.stage import RlStageConfig, SftStageConfig
+
+    with pytest.raises(
+        ValueError, match="cuda_graphs=true needs trainer.backend=torch with pack_sequences=false"
+    ):
+        SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "pack_sequences": True}})
+    with pytest.raises(ValueError, match="cuda_graphs=true needs one trainer worker without FSDP"):
+        SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "num_workers": 2}})
+    with pytest.raises(ValueError, match="cuda_graphs=true needs model.gradient_checkpointing=false"):
+        SftStageConfig.model_validate(
+            {"trainer": {"cuda_graphs": True}, "model": {"gradient_checkpointing": True}}
+        )
+    with pytest.raises(ValueError, match="cuda_graphs=true needs true_on_policy=false"):
+        RlStageConfig.model_validate({"trainer": {"cuda_graphs": True}, "true_on_policy": True})
+    assert SftStageConfig.model_validate({"trainer": {"cuda_graphs": True}}).trainer.cuda_graphs
+
+
+def test_cuda_graphs_on_a_cpu_trainer_is_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+    from infir2_rl.models.factory import init_model
+    from infir2_rl.trainers.torch.trainer import TorchTrainer
+
+    model = init_model(tmp_path / "model", preset="tiny")
+    with pytest.raises(ValueError, match="cuda_graphs=true needs one CUDA device"):
+        TorchTrainer(
+            ModelConfig(path=str(model)), TrainerConfig(cuda_graphs=True), OptimizerConfig(),
+            fp8=False, total_steps=1, device="cpu",
+        )  # fmt: skip

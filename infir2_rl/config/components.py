@@ -115,6 +115,11 @@ class TrainerConfig(_Config):
     # stays within each sequence through a block-diagonal mask from position_ids). Same loss and gradients
     # as padded up to rounding; pays when lengths differ a lot (RL responses).
     pack_sequences: bool = False
+    # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
+    # training (trainers/torch/layer_graphs.py), one capture per micro-batch shape (at most 4; others run
+    # eagerly). Takes the host out of the step (Python autograd, cuBLASLt setup, launches); the graphs' memory
+    # pool stays reserved between steps. Not with pack_sequences, FSDP or gradient checkpointing.
+    cuda_graphs: bool = False
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
     # Stop the stage, publishing nothing, after this many steps in a row skipped for a non-finite gradient
@@ -146,6 +151,11 @@ class TrainerConfig(_Config):
             raise ValueError(
                 "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
                 " trainer.backend=megatron"
+            )
+        if self.cuda_graphs and (self.backend != "torch" or self.pack_sequences):
+            raise ValueError(
+                "trainer.cuda_graphs=true needs trainer.backend=torch with pack_sequences=false (packed"
+                " micro-batches pass per-sequence attention arguments a captured graph cannot hold)"
             )
         if self.backend == "megatron" and self.context_parallel_size > 1:
             raise ValueError(

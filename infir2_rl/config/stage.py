@@ -129,6 +129,20 @@ class _StageBase(_Config):
         # by TrainerGroup before any actor starts.
         if t.backend == "megatron":
             check_model_dir(self.model.path, t.tensor_parallel_size, self.train_fp8)
+        if t.cuda_graphs:
+            graph_problems = []
+            if t.num_workers != 1 or t.fsdp_param_dtype == "bfloat16":
+                graph_problems.append(
+                    "one trainer worker without FSDP (num_workers=1, fsdp_param_dtype auto)"
+                )
+            if self.model.gradient_checkpointing:
+                graph_problems.append("model.gradient_checkpointing=false")
+            if getattr(self, "true_on_policy", False):
+                graph_problems.append(
+                    "true_on_policy=false (its scoring walk does not run the layers' forwards)"
+                )
+            if graph_problems:
+                raise ValueError("trainer.cuda_graphs=true needs " + "; ".join(graph_problems))
         dp = t.data_parallel_size
         per_step = t.micro_batch_size * dp
         if t.max_tokens_per_gpu is None and self.global_batch_size % per_step:

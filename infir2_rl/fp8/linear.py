@@ -85,16 +85,22 @@ class Fp8Linear(nn.Linear):
                 "Fp8Linear: the weight is an FSDP shard outside a forward; export with "
                 "TorchTrainer.export_weights() or call export_fp8() from a forward hook"
             )
+        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Inside a CUDA graph capture (trainers/torch/layer_graphs.py) the quantization is recorded, so
+            # every replay quantizes the weight as it is then; caching the captured tensors would hand graph
+            # memory to later eager code.
+            return self._quantize()
         key = self._weight_key()
         if self._fp8_cache is None or self._fp8_cache[0] != key:
-            w = self.weight.detach()
-            if gemm.fast_path_ok(w, self.out_features, self.in_features):
-                w_fp8, scale_inv, w_fp8_t = quant_triton.quantize_weight_with_transpose(w, self.pow2_scales)
-                fp8w = Fp8Weight(w_fp8, scale_inv, w_fp8_t, scale_inv.t().contiguous())
-            else:
-                fp8w = Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=self.pow2_scales))
-            self._fp8_cache = (key, fp8w)
+            self._fp8_cache = (key, self._quantize())
         return self._fp8_cache[1]
+
+    def _quantize(self) -> Fp8Weight:
+        w = self.weight.detach()
+        if gemm.fast_path_ok(w, self.out_features, self.in_features):
+            w_fp8, scale_inv, w_fp8_t = quant_triton.quantize_weight_with_transpose(w, self.pow2_scales)
+            return Fp8Weight(w_fp8, scale_inv, w_fp8_t, scale_inv.t().contiguous())
+        return Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=self.pow2_scales))
 
     def export_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`` exactly as forward uses them."""

@@ -47,6 +47,7 @@ from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
+from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
@@ -135,6 +136,18 @@ class TorchTrainer:
         self.true_on_policy = true_on_policy
         if true_on_policy:
             self._check_true_on_policy()
+        # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
+        self.layer_graphs: LayerGraphs | None = None
+        if trainer_cfg.cuda_graphs:
+            if self.device.type != "cuda" or self.fsdp or true_on_policy or self.pack_sequences:
+                raise ValueError(
+                    f"trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy or packing "
+                    f"(device {self.device}, fsdp {self.fsdp}, true_on_policy {true_on_policy}, "
+                    f"pack_sequences {self.pack_sequences})"
+                )
+            if model_cfg.gradient_checkpointing:
+                raise ValueError("trainer.cuda_graphs=true needs model.gradient_checkpointing=false")
+            self.layer_graphs = LayerGraphs(self.model)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optimizer_cfg)
@@ -171,7 +184,11 @@ class TorchTrainer:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        # The CUDA graphs cannot hold autocast's cache of weight casts (layer_graphs.py); it saves nothing here
+        # anyway, since each weight is cast once per forward.
+        return torch.autocast(
+            device_type=self.device.type, dtype=self.compute_dtype, cache_enabled=self.layer_graphs is None
+        )
 
     def _scores(
         self,
@@ -272,7 +289,8 @@ class TorchTrainer:
             log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
         else:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # The backward graphs add into the .grad tensors they were captured with: keep those (zeroed).
+        self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
         self.step += 1
         names = self._metric_names(metric_sums)
         totals = self._sum_over_ranks(
