@@ -68,7 +68,7 @@ def test_fused_quantizers_match_eager_bit_for_bit(
     w_fp8, w_s = quant_triton.quantize_weight(w, pow2)
     w_ref, ws_ref = quantize_weight_blockwise_eager(w, pow2_scales=pow2)
     assert _same_bytes(w_fp8, w_ref) and torch.equal(w_s, ws_ref)
-    w_fp8, w_s, w_t = quant_triton.quantize_weight_with_transpose(w, pow2)  # FP32 takes torch's transpose
+    w_fp8, w_s, w_t = quant_triton.quantize_weight_with_transpose(w, pow2)  # FP32: transpose_fp8
     assert _same_bytes(w_fp8, w_ref) and torch.equal(w_s, ws_ref) and _same_bytes(w_t, w_ref.t().contiguous())
     x3 = x.reshape(1, m, k)
     q3, s3 = quantize_activation(x3, pow2_scales=pow2)  # public API dispatches to the fused kernel
@@ -230,3 +230,9 @@ def test_fused_quantizers_give_a_non_finite_block_scale_nan(bad: float, pow2: bo
     assert xs[3, 1].isnan() and int(xs.isnan().sum()) == 1
     _, st = quant_triton.quantize_cols(x, pow2)
     assert st[0, 130].isnan() and int(st.isnan().sum()) == 1
+
+
+@pytest.mark.parametrize("shape", [(1536, 8960), (8960, 1536), (100, 70), (1, 129), (256, 256)])
+def test_transpose_fp8_moves_the_same_bytes_as_torch(shape: tuple[int, int]) -> None:
+    q = (torch.randn(*shape, device=CUDA) * 100).to(torch.float8_e4m3fn)
+    assert _same_bytes(quant_triton.transpose_fp8(q), q.t().contiguous())

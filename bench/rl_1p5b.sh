@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 20, item 4: unified FP8 RL at the Qwen2.5-1.5B shape (random weights, Qwen's 151,936-token vocabulary),
+# trainer and native engine colocated on ONE GPU, STEPS RL steps (default 50) of configs/gpu/rl_stage1.yaml
+# (32 prompts x 8 samples, T = 1.0), cuda_ipc weight sync after every step. Random weights rarely stop, so
+# nearly every response runs to max_response_len: the heaviest case for memory. Dynamic sampling is off so
+# every step trains (rewards are all 0, the update is ~0, but forward, backward and optimizer run in full).
+# Prints, per step, the phase peaks (memory/{rollout,score,train,sync}_peak_gb and _reserved_gb) and the
+# step's phase times, then whether all STEPS steps finished. Usage, from the repository root on a GPU machine:
+#
+#   bash bench/rl_1p5b.sh OUT_DIR [overrides...]      # e.g. STEPS=10 ... rollout.max_response_len=128
+set -u
+out=${1:?usage: bash bench/rl_1p5b.sh OUT_DIR [overrides...]}
+shift
+steps=${STEPS:-50}
+mkdir -p "$out"
+export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+model=$(python -c 'import sys; sys.path.insert(0, "bench"); from train_step import model_dir; print(model_dir(False))')
+python -m infir2_rl.cli make-data --out "$out/data" --num-sft 16 --num-rl 4096 >/dev/null
+if ! command -v ray >/dev/null; then  # Ray importable (e.g. on PYTHONPATH) but its CLI not installed
+    ray() { python -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' "$@"; }
+fi
+ray stop --force >/dev/null 2>&1
+ray start --head --num-gpus=1 --include-dashboard=false --disable-usage-stats >"$out/ray_start.log" 2>&1 \
+    || { cat "$out/ray_start.log"; exit 1; }
+export RAY_ADDRESS=auto
+start=$(date +%s)
+python -m infir2_rl.cli run configs/gpu/rl_stage1.yaml \
+    "model.path=$model" "data.train_path=$out/data/rl_train.jsonl" "data.test_path=null" \
+    "run_dir=$out/run" "rollout.num_steps=$steps" rollout.eval_every=0 rollout.dynamic_sampling=false \
+    rollout.max_response_len=256 data.max_prompt_tokens=64 trainer.micro_batch_size=32 \
+    metrics.dense_trainer_mismatch=false "$@" >"$out/run.log" 2>&1
+rc=$?
+echo "exit $rc after $(( $(date +%s) - start )) s (log: $out/run.log)"
+ray stop --force >/dev/null 2>&1
+python - "$out/run/metrics.jsonl" "$steps" <<'EOF'
+import json, sys
+from pathlib import Path
+
+path, want = Path(sys.argv[1]), int(sys.argv[2])
+rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+rows = [r for r in rows if "memory/train_peak_gb" in r]
+phases = ("rollout", "score", "train", "sync")
+print("step | " + " | ".join(f"{p} peak/reserved GiB" for p in phases) + " | rollout / old_logprobs / train / weight_sync s")
+for r in rows:
+    cells = [f"{r.get(f'memory/{p}_peak_gb', float('nan')):6.2f} / {r.get(f'memory/{p}_reserved_gb', float('nan')):6.2f}" for p in phases]
+    times = " / ".join(f"{r.get(f'time/{t}_s', float('nan')):.2f}" for t in ("rollout", "old_logprobs", "train", "weight_sync"))
+    print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times}")
+for p in phases:
+    vals = [r[f"memory/{p}_peak_gb"] for r in rows if f"memory/{p}_peak_gb" in r]
+    res = [r[f"memory/{p}_reserved_gb"] for r in rows if f"memory/{p}_reserved_gb" in r]
+    if vals:
+        print(f"max over steps, {p}: peak {max(vals):.2f} GiB, reserved {max(res):.2f} GiB")
+print(f"{len(rows)} of {want} steps logged: {'ALL' if len(rows) >= want else 'NOT ALL'}")
+EOF
+exit $rc
