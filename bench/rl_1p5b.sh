@@ -8,6 +8,8 @@
 # step's phase times, then whether all STEPS steps finished. Usage, from the repository root on a GPU machine:
 #
 #   bash bench/rl_1p5b.sh OUT_DIR [overrides...]      # e.g. STEPS=10 ... rollout.max_response_len=128
+#
+# LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed.
 set -u
 out=${1:?usage: bash bench/rl_1p5b.sh OUT_DIR [overrides...]}
 shift
@@ -24,7 +26,7 @@ ray start --head --num-gpus=1 --include-dashboard=false --disable-usage-stats >"
     || { cat "$out/ray_start.log"; exit 1; }
 export RAY_ADDRESS=auto
 start=$(date +%s)
-python -m infir2_rl.cli run configs/gpu/rl_stage1.yaml \
+timeout "${LIMIT_S:-86400}" python -m infir2_rl.cli run configs/gpu/rl_stage1.yaml \
     "model.path=$model" "data.train_path=$out/data/rl_train.jsonl" "data.test_path=null" \
     "run_dir=$out/run" "rollout.num_steps=$steps" rollout.eval_every=0 rollout.dynamic_sampling=false \
     rollout.max_response_len=256 data.max_prompt_tokens=64 trainer.micro_batch_size=32 \
