@@ -20,6 +20,7 @@ the same ``decode_step`` runs eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -97,6 +98,15 @@ def padded_size(num_rows: int, sizes: list[int]) -> int:
     return next(s for s in sizes if s >= num_rows)
 
 
+@functools.cache
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture's warm-up. cuBLAS(Lt) keeps a workspace (32 MiB on
+    Hopper) per stream it has run on, for the life of the process: a new stream per capture grew the engine by
+    ~0.19 GiB per release/resume cycle until torch's pool of 32 streams came round (bench/release_check.py
+    --cycles, docs/performance.md)."""
+    return torch.cuda.Stream(device)
+
+
 class GraphDecoder:
     """Replays ``decode_step`` from CUDA graphs per padded batch size (eager on CPU)."""
 
@@ -118,7 +128,7 @@ class GraphDecoder:
         ids = self.slot_input[:size]
         saved = ids.clone()
         ids.fill_(self.state.scratch)  # warm-up and capture touch only the scratch slot
-        stream = torch.cuda.Stream()
+        stream = warmup_stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiles kernels, picks FP8 GEMMs, settles the allocator

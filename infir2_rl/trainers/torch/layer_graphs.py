@@ -32,9 +32,9 @@ Layers are found as ``model.model.layers`` (transformers' Qwen2/Llama layout) an
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -43,6 +43,13 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 WARMUP_ITERS = 2
+
+
+@functools.cache
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device: cuBLAS(Lt) keeps a workspace per stream for the life of the process,
+    so a new stream per capture would grow memory (as engines/native/cuda_graphs.warmup_stream explains)."""
+    return torch.cuda.Stream(device)
 
 
 class GradsReplaced(RuntimeError):
@@ -127,7 +134,7 @@ class LayerGraphs:
         self.captures = 0
         self.replays = 0
         for i, layer in enumerate(self.layers):
-            layer.forward = partial(self._call, i)  # type: ignore[method-assign]
+            layer.forward = functools.partial(self._call, i)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Restore the layers' own forwards and drop every graph (its pool memory goes with them)."""
@@ -285,7 +292,7 @@ class LayerGraphs:
 
         # Warm-up on a side stream: Triton compiles, cuBLAS(Lt) handles and workspaces, and the FP8
         # self-check happen here, not inside a capture. Gradients go to autograd.grad's outputs, not .grad.
-        side = torch.cuda.Stream()
+        side = warmup_stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in range(n):
