@@ -44,6 +44,7 @@ from transformers import PreTrainedModel
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
+from infir2_rl.trainers.microbatch import bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
@@ -268,6 +269,8 @@ class TorchTrainer:
             if batch is None:
                 (self._dummy_scores().sum() * 0.0).backward()
                 continue
+            if self.layer_graphs is not None:  # a few lengths, so that a few captured graphs serve them all
+                batch = pad_length(batch, bucket_length(batch.input_ids.shape[1]))
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             weight = out.num_units / total_units
             (out.loss * (weight * grad_scale)).backward()
