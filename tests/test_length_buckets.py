@@ -35,7 +35,7 @@ def test_a_padded_micro_batch_scores_and_loses_as_the_unpadded_one(tmp_path: Pat
         ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=1
     )
     examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
-    batch = to_token_batch(examples[:8], trainer.tokenizer.pad_token_id)
+    batch = to_token_batch(examples[:8], trainer.tokenizer.pad_token_id).to(trainer.device)
     length = batch.input_ids.shape[1]
     padded = pad_length(batch, bucket_length(length) + 7)
     assert padded.input_ids.shape[1] == bucket_length(length) + 7
