@@ -6,7 +6,8 @@ Functions, sets up cuBLASLt for each scaled_mm and launches dozens of kernels, s
 them. Replaying each layer's forward and backward from a CUDA graph takes that host work out; what stays
 eager is the embedding, the final norm, the token scores, the loss and the optimizer.
 
-How, for one input shape (captured on its first use, at most ``max_shapes`` shapes):
+How, for one input shape (captured on its first use, at most ``max_shapes`` shapes; the trainer pads its
+training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
 
 * Forward graphs of layers 0..n-1 are captured in that order, layer i reading layer i-1's output buffer
   (no copy between layers); backward graphs in reverse, layer i writing its input gradient where layer

@@ -21,6 +21,10 @@ is decided on the device (optim.step_unless_nonfinite): the host waits once, aft
 Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
 entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
 
+`trainer.cuda_graphs` (one CUDA GPU, opt-in): the decoder layers' forward and backward of training micro-batches
+are replayed from CUDA graphs (layer_graphs.py); micro-batches are padded to a length bucket, gradients are
+zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache.
+
 `true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
 every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
 trainer's log-probs of the engine's samples equal the engine's bit for bit; backward is plain torch math.
