@@ -28,7 +28,7 @@ cache_enabled=False)``): a cached cast made during a capture would be graph memo
 reads.
 
 Layers are found as ``model.model.layers`` (transformers' Qwen2/Llama layout) and patched per instance
-(``layer.forward``), so parameter names, state dicts and checkpoints are unchanged; ``remove()`` undoes it.
+(``layer.forward``), so parameter names, state dicts and checkpoints are unchanged.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _fp8_state(layer: nn.Module) -> tuple[bool, ...]:
 class _ShapeGraphs:
     """Forward and backward CUDA graphs of every layer for one input shape, and their static buffers."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, clock: list[int]) -> None:
         self.fwd = [torch.cuda.CUDAGraph() for _ in range(n)]
         self.bwd = [torch.cuda.CUDAGraph() for _ in range(n)]
         self.inputs: list[Tensor] = []  # layer i's input (layer i-1's output buffer for i > 0)
@@ -84,11 +84,12 @@ class _ShapeGraphs:
         self.cos: Tensor | None = None
         self.sin: Tensor | None = None
         self.mask: Tensor | None = None
-        self.grads: list[Tensor] = []  # the .grad tensors the backward graphs add into
-        self.params: list[nn.Parameter] = []
-        # Forwards begun on any shape (shared with the other shapes: they share one memory pool). A backward
+        self.grads: list[
+            Tensor
+        ] = []  # the .grad tensors the backward graphs add into (LayerGraphs._all_params)
+        # Forwards begun on any shape (one counter for all shapes: they share one memory pool). A backward
         # replay whose forward is no longer the latest would read activations another forward overwrote.
-        self.clock: list[int] = [0]
+        self.clock = clock
 
 
 class _Replay(torch.autograd.Function):
@@ -127,6 +128,7 @@ class LayerGraphs:
         self.max_shapes = max_shapes
         self._eager: list[Callable[..., Tensor]] = [layer.forward for layer in self.layers]
         self._params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        self._all_params = [p for params in self._params for p in params]
         self._shapes: dict[tuple[Any, ...], _ShapeGraphs] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._active: tuple[_ShapeGraphs, tuple[Tensor, Tensor], Tensor | None] | None = None
@@ -136,19 +138,6 @@ class LayerGraphs:
         self.replays = 0
         for i, layer in enumerate(self.layers):
             layer.forward = functools.partial(self._call, i)  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        """Restore the layers' own forwards and drop every graph (its pool memory goes with them)."""
-        for layer in self.layers:
-            if "forward" in layer.__dict__:
-                del layer.forward
-        self._shapes.clear()
-        self._active = None
-
-    def release(self) -> None:
-        """Drop the captured graphs (their memory pool is freed); the next training forward captures again."""
-        self._shapes.clear()
-        self._active = None
 
     @property
     def num_shapes(self) -> int:
@@ -233,7 +222,7 @@ class LayerGraphs:
         self, graphs: _ShapeGraphs, mask: Tensor | None, position_embeddings: tuple[Tensor, Tensor] | None
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
-        for p, g in zip(graphs.params, graphs.grads, strict=True):
+        for p, g in zip(self._all_params, graphs.grads, strict=True):
             if p.grad is not g:
                 raise GradsReplaced(
                     "trainer.cuda_graphs: a parameter's .grad was replaced or set to None after the backward "
@@ -282,14 +271,11 @@ class LayerGraphs:
 
     def _capture(self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]) -> _ShapeGraphs:
         n = len(self.layers)
-        graphs = _ShapeGraphs(n)
-        graphs.clock = self._clock
-        for params in self._params:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        graphs.params = [p for params in self._params for p in params]
-        graphs.grads = [p.grad for p in graphs.params]  # type: ignore[misc]
+        graphs = _ShapeGraphs(n, self._clock)
+        for p in self._all_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        graphs.grads = [p.grad for p in self._all_params]  # type: ignore[misc]
 
         # Warm-up on a side stream: Triton compiles, cuBLAS(Lt) handles and workspaces, and the FP8
         # self-check happen here, not inside a capture. Gradients go to autograd.grad's outputs, not .grad.

@@ -144,14 +144,18 @@ class TorchTrainer:
         # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
         self.layer_graphs: LayerGraphs | None = None
         if trainer_cfg.cuda_graphs:
-            if self.device.type != "cuda" or self.fsdp or true_on_policy or self.pack_sequences:
+            blockers = {
+                f"device {self.device}": self.device.type != "cuda",
+                "FSDP": self.fsdp,
+                "true_on_policy": true_on_policy,
+                "pack_sequences": self.pack_sequences,
+                "gradient checkpointing": model_cfg.gradient_checkpointing,
+            }
+            if any(blockers.values()):
                 raise ValueError(
-                    f"trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy or packing "
-                    f"(device {self.device}, fsdp {self.fsdp}, true_on_policy {true_on_policy}, "
-                    f"pack_sequences {self.pack_sequences})"
+                    "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy, packing or "
+                    f"gradient checkpointing; here: {', '.join(k for k, v in blockers.items() if v)}"
                 )
-            if model_cfg.gradient_checkpointing:
-                raise ValueError("trainer.cuda_graphs=true needs model.gradient_checkpointing=false")
             self.layer_graphs = LayerGraphs(self.model)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
