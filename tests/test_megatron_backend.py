@@ -97,8 +97,11 @@ def test_twenty_sft_steps_track_the_torch_backend(assets: tuple) -> None:
         ]
     assert len(losses["torch"]) == 20
     assert losses["megatron"][-1] < losses["megatron"][0] - 0.5  # it learns
-    # Same numbers up to FP32 summation order, which Adam's 1/sqrt(v) amplifies slowly over the steps.
-    assert losses["megatron"] == pytest.approx(losses["torch"], rel=2e-3)
+    # Same numbers up to FP32 summation order, which Adam's 1/sqrt(v) and the FP8 rounding of the updated weights
+    # amplify over the steps, by an amount that depends on the CPU's kernels: on an AVX2-only AMD EPYC
+    # (2026-11-25) the relative gap rose to 2.6e-3 at step 10 and fell back to 3e-5 by step 11 (2e-3 held on
+    # the CI machines before).
+    assert losses["megatron"] == pytest.approx(losses["torch"], rel=5e-3)
 
 
 def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:

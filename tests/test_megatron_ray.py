@@ -83,7 +83,9 @@ def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ra
     assert stats_2.loss == pytest.approx(stats_1.loss, rel=1e-6)
     assert stats_2.grad_norm == pytest.approx(stats_1.grad_norm, rel=1e-5)
     assert (after_1 - before_1).abs().max() > 1e-2  # the step changed the model
-    torch.testing.assert_close(after_2, after_1, rtol=0, atol=1e-4)
+    # Rounding-level only: 1.6e-4 absolute (2.7e-5 relative) on an AVX2-only CPU, 2026-11-25; the step moves
+    # log-probs by more than 1e-2.
+    torch.testing.assert_close(after_2, after_1, rtol=1e-4, atol=1e-4)
 
 
 def test_rl_stage_runs_two_steps_with_weight_sync_into_the_native_engine(

@@ -60,7 +60,11 @@ def test_a_planted_engine_difference_is_found_at_its_op_and_first_position(
     report = probe.main(_args(model_dir, "eager"))
     assert report["first_disagreement"]["position"] == 0
     assert report["first_disagreement"]["op"] == "L2.post_norm"
-    assert report["ops"]["L2.o_proj"]["prefill"]["max_abs"] == 0.0  # nothing before it moved
+    # Nothing before it moved beyond FP32 summation order: the engine's prompt-only attention and the trainer's
+    # full-sequence one were bit-equal on the earlier CI machines, not on an AVX2-only AMD EPYC (6e-8 from
+    # L0.attn on, 2026-11-25).
+    assert report["ops"]["L2.o_proj"]["prefill"]["max_abs"] < 1e-6
+    assert report["ops"]["L2.post_norm"]["prefill"]["max_abs"] > 1e-3  # the planted change, 1% of one weight
 
 
 def test_identical_recordings_report_no_disagreement() -> None:

@@ -84,9 +84,8 @@ class _ShapeGraphs:
         self.cos: Tensor | None = None
         self.sin: Tensor | None = None
         self.mask: Tensor | None = None
-        self.grads: list[
-            Tensor
-        ] = []  # the .grad tensors the backward graphs add into (LayerGraphs._all_params)
+        # The .grad tensors the backward graphs add into, in the order of LayerGraphs._all_params.
+        self.grads: list[Tensor] = []
         # Forwards begun on any shape (one counter for all shapes: they share one memory pool). A backward
         # replay whose forward is no longer the latest would read activations another forward overwrote.
         self.clock = clock
