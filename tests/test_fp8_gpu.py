@@ -232,6 +232,22 @@ def test_fused_quantizers_give_a_non_finite_block_scale_nan(bad: float, pow2: bo
     assert st[0, 130].isnan() and int(st.isnan().sum()) == 1
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_quantizers_give_an_underflowing_block_scale_one_as_the_reference(pow2: bool) -> None:
+    w = torch.zeros(256, 384, device=CUDA)
+    w[5, 200] = 1e-43  # block (0, 1): amax / 448 underflows to 0 in FP32
+    w[128:] = torch.randn(128, 384, device=CUDA)
+    q, s = quant_triton.quantize_weight(w, pow2)
+    q_ref, s_ref = quantize_weight_blockwise_eager(w, pow2_scales=pow2)
+    assert s[0, 1] == 1.0 and torch.equal(s, s_ref) and _same_bytes(q, q_ref)
+    x = torch.zeros(40, 384, device=CUDA)
+    x[3, 130] = -3e-44
+    _, xs = quantize_activation(x, pow2_scales=pow2)
+    assert xs[3, 1] == 1.0 and torch.isfinite(xs).all()
+    _, st = quant_triton.quantize_cols(x, pow2)
+    assert torch.isfinite(st).all() and st[0, 130] == 1.0
+
+
 @pytest.mark.parametrize("shape", [(1536, 8960), (8960, 1536), (100, 70), (1, 129), (256, 256)])
 def test_transpose_fp8_moves_the_same_bytes_as_torch(shape: tuple[int, int]) -> None:
     q = (torch.randn(*shape, device=CUDA) * 100).to(torch.float8_e4m3fn)

@@ -91,6 +91,25 @@ def test_zero_blocks_get_scale_one_and_stay_zero() -> None:
     assert torch.isfinite(dequantize_activation(x_fp8, scale)).all()
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_block_whose_amax_over_448_underflows_gets_scale_one_not_nan(pow2: bool) -> None:
+    # FP32 subnormals below ~6e-43 (FP32 masters, CPU-emulated gradient tiles): amax / 448 rounds to 0, and a
+    # scale of 0 used to turn the whole block into NaN (0 / 0) although every value in it is finite.
+    w = torch.zeros(128, 256)
+    w[0, 0] = 1e-43
+    w[:, 128:] = torch.randn(128, 128)  # a normal block beside it keeps its own scale
+    w_fp8, scale_inv = quantize_weight_blockwise(w, pow2_scales=pow2)
+    assert scale_inv[0, 0] == 1.0 and scale_inv[0, 1] < 1.0
+    assert torch.isfinite(dequantize_weight_blockwise(w_fp8, scale_inv)).all()
+    x = torch.zeros(2, 256)
+    x[0, 5] = -3e-44
+    x[1] = torch.randn(256)
+    x_fp8, scale = quantize_activation(x, pow2_scales=pow2)
+    assert scale[0].tolist() == [1.0, 1.0]
+    assert (x_fp8[0].float() == 0).all()  # below e4m3's smallest subnormal at scale 1
+    assert torch.isfinite(fake_quantize_tiles(x, pow2_scales=pow2)).all()
+
+
 def test_block_amax_maps_to_448_and_scale_is_amax_over_448() -> None:
     w = _random_weight(128, 256, torch.float32)
     w_fp8, scale_inv = quantize_weight_blockwise(w)

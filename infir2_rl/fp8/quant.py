@@ -16,7 +16,8 @@ The format (DeepSeek-V3, SGLang, vLLM, Transformer Engine's Float8BlockScaling, 
 * ``pow2_scales=True`` rounds every scale *up* to a power of two (Transformer Engine's default); up, so
   that ``amax / scale <= 448`` still holds and nothing clips. Power-of-two scales make dequantization an
   exact exponent shift, at the cost of up to 1 bit of dynamic range per block.
-* An all-zero block gets scale 1 (never 0, which would give 0/0 = NaN). Edge blocks (N or K not a
+* An all-zero block gets scale 1 (never 0, which would give 0/0 = NaN), and so does a block whose amax is
+  so small (an FP32 subnormal below ~6e-43) that amax / 448 underflows to 0: its values round to 0. Edge blocks (N or K not a
   multiple of 128) are padded with zeros, which never raise the amax, so the padding changes nothing.
 * A block holding a NaN or an infinity gets scale NaN, so the whole block dequantizes to NaN. Why
   propagate rather than raise: these quantizers run inside every FP8 forward and backward, where a
@@ -69,8 +70,9 @@ def _scales_from_amax(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
     # multiplication by its rounded reciprocal, which differs from amax/448 in the last bit (seen on an
     # H200) and would make CPU, CUDA-eager and Triton scales disagree.
     scale = amax / torch.full_like(amax, FP8_MAX)
-    # All-zero block: scale 1 keeps 0 / scale = 0 and the dequant multiplier finite.
-    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    # All-zero block, or an amax so small that amax / 448 underflows to 0: scale 1 keeps x / scale finite
+    # (a scale of 0 would turn the block into NaN). Tested on the scale, not the amax, for that underflow.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     if pow2_scales:
         scale = round_scale_up_pow2(scale)
     # A NaN or inf in the block (amax NaN or inf): scale NaN, so the block dequantizes to NaN (module

@@ -80,7 +80,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _scale_from_amax(amax, num_nonfinite, POW2: tl.constexpr):
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        s = tl.where(amax > 0, s, 1.0)
+        s = tl.where(s > 0, s, 1.0)  # all-zero, or amax / 448 underflowed to 0 (quant._scales_from_amax)
         if POW2:
             # Round up to a power of two on the bit pattern (same rule as quant.round_scale_up_pow2).
             bits = s.to(tl.int32, bitcast=True)
