@@ -123,6 +123,22 @@ def test_self_check_rotates_layers_until_it_finds_the_fault(model_dir: Path) -> 
         service.push(perturbed_fp8_state(model_dir, seed=2), version=2)  # layers 2 and 3
 
 
+@pytest.mark.parametrize(("engines", "layers", "k"), [(8, 28, 2), (2, 4, 2), (3, 28, 5), (1, 28, 2)])
+def test_self_check_reads_back_every_layer_of_every_engine(engines: int, layers: int, k: int) -> None:
+    # With the window and the engine both stepping on every push, 8 engines x 28 layers (the 7B recipe) left
+    # 14 layers of each engine never read back.
+    service = WeightSyncService([object()] * engines, WeightSyncConfig(self_check_layers=k))
+    names = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(layers)] + ["model.norm.weight"]
+    pushes = engines * -(-layers // k)
+    covered: dict[int, set[str]] = {e: set() for e in range(engines)}
+    for n in range(pushes):
+        service.num_pushes = n
+        checked = service._checked_names(names)
+        assert len(checked) == k
+        covered[n % engines] |= set(checked)
+    assert all(len(c) == layers for c in covered.values()), {e: layers - len(c) for e, c in covered.items()}
+
+
 def test_fp8_tensors_survive_pickling_inside_buckets_and_tensor_maps() -> None:
     import pickle
 

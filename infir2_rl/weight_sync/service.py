@@ -12,8 +12,10 @@ group, or ``transport.TensorSource`` over local tensors via ``push``) and a vers
    memory to one bucket. Push time is the metric ``weight_sync/push_s``.
 3. Self-check (the verl#7986 lesson: FP8 layers silently wrong after a reload): the tensors of
    ``self_check_layers`` decoder layers are read back from one engine and compared byte for byte with
-   what was sent. Layers and engine rotate from push to push, so over a run every layer of every
-   engine is covered. An engine that keeps a tensor in another dtype than it was sent (a BF16 engine
+   what was sent. The engine rotates from push to push and the layer window moves on after each round
+   of engines, so every layer of every engine is checked once in engines x ceil(layers / self_check_layers)
+   pushes (moving both on every push skipped windows whenever the two counts shared a factor: with 8 engines
+   and 28 layers, 14 layers of each engine were never read back). An engine that keeps a tensor in another dtype than it was sent (a BF16 engine
    sent FP32 master weights) is compared against the sent tensor cast to that dtype, a deterministic
    cast. In the same round trip every engine's ``health().weight_version`` must equal the version.
    Any difference raises ``WeightSyncError`` naming the tensor. The sent bytes come from the transport's push
@@ -142,7 +144,8 @@ class WeightSyncService:
         if not layers:
             return list(all_names)  # no decoder layers in these names (small test models): check everything
         k = min(self.cfg.self_check_layers, len(layers))
-        first = (self.num_pushes * k) % len(layers)
+        rounds = self.num_pushes // len(self.engines)  # every engine had this many checks (module docstring)
+        first = (rounds * k) % len(layers)
         chosen = {layers[(first + j) % len(layers)] for j in range(k)}
         return [x for x in all_names if layer_of(x) in chosen]
 
