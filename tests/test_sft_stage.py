@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,24 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(
     again = run_sft_stage(stage(assets, resumed_dir, **sections))
     assert again.nothing_to_do and again.steps_run == 0 and again.final_checkpoint == result.final_checkpoint
     assert len(records(resumed_dir)) == 6
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_stage_stopped_before_its_export_hands_on_what_the_straight_run_did(
+    assets: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # BF16 compute (the GPU default): final/ holds BF16 weights, the checkpoint's hf/ the FP32 masters. A stage
+    # killed after its last checkpoint and before the export once handed on a copy of hf/, in FP32.
+    sections = {"model": {"dtype": "bfloat16"}, "trainer": {"max_steps": 3}, "data": {"test_path": None}}
+    result = run_sft_stage(stage(assets, tmp_path / "run", **sections))
+    exported = (result.final_checkpoint / "model.safetensors").read_bytes()
+    config = json.loads((result.final_checkpoint / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    shutil.rmtree(result.final_checkpoint)  # as if killed between the step-3 checkpoint and the export
+    again = run_sft_stage(stage(assets, tmp_path / "run", **sections))
+    assert again.nothing_to_do and again.steps_run == 0
+    assert (again.final_checkpoint / "model.safetensors").read_bytes() == exported
+    assert json.loads((again.final_checkpoint / "config.json").read_text()) == config
 
 
 def test_no_full_batch_fails_instead_of_training_nothing(assets: tuple[Path, Path], tmp_path: Path) -> None:

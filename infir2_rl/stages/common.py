@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from infir2_rl.actors.ray_runtime import ensure_ray
+from infir2_rl.actors.trainer_group import placed_trainer_group
 from infir2_rl.checkpoint import Checkpoint, CheckpointManager, DataCursor, StageState
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.errors import describe
@@ -128,11 +130,21 @@ def publish_final(write: Callable[[Path], object], run_dir: Path) -> Path:
     return final
 
 
-def final_from_checkpoint(ckpt: Checkpoint, run_dir: Path) -> Path:
-    """RUN_DIR/final for a stage whose last step is already checkpointed (killed before the export)."""
+def final_from_checkpoint(
+    cfg: SftStageConfig | RlStageConfig, ckpt: Checkpoint, run_dir: Path, *, total_steps: int
+) -> Path:
+    """RUN_DIR/final for a stage whose last step is already checkpointed (killed before the export).
+
+    A trainer loads the checkpoint and exports it as the uninterrupted run did: in the compute dtype. A copy of
+    the checkpoint's ``hf/`` would hand on its FP32 master weights where the uninterrupted run hands on BF16
+    (on GPUs), so the next stage and the FP8 cast would depend on when this one was stopped.
+    """
     final = run_dir / FINAL_DIR
     if not final.exists():
-        publish_final(lambda tmp: shutil.copytree(ckpt.hf_dir, tmp), run_dir)
+        ensure_ray()
+        with placed_trainer_group(cfg, total_steps=total_steps) as group:
+            group.load(ckpt.path)
+            publish_final(group.save_hf, run_dir)
     return final
 
 

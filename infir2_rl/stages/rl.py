@@ -60,7 +60,9 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
             log.warning(
                 "RL stage %s: nothing to do: checkpoint at step %d of %d", cfg.name, state.step, last_step
             )
-            final = final_from_checkpoint(resumed, run_dir)
+            final = final_from_checkpoint(
+                cfg, resumed, run_dir, total_steps=last_step * cfg.updates_per_rollout
+            )
             return StageResult(final, run_dir, steps_run=0, last_step=state.step, nothing_to_do=True)
         ensure_ray()  # after every check of the input: bad input fails in seconds, without Ray
         actors = start_rl_actors(

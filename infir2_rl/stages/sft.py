@@ -105,7 +105,7 @@ def _nothing_to_do(cfg: SftStageConfig, last_step: int, step: int, resumed: Chec
         "SFT stage %s: nothing to do: checkpoint %s is at step %d of %d; no step was run",
         cfg.name, resumed.path, step, last_step,
     )  # fmt: skip
-    final = final_from_checkpoint(resumed, run_dir)
+    final = final_from_checkpoint(cfg, resumed, run_dir, total_steps=last_step)
     return StageResult(final, run_dir, steps_run=0, last_step=step, nothing_to_do=True)
 
 

@@ -98,9 +98,13 @@ def save_hf(trainer: TrainerRank, directory: Path, dtype: torch.dtype) -> None:
     config = trainer.model.config
     saved = (config.dtype, config.use_cache)
     # The checkpoint is for inference and the next stage: its config names its dtype and enables the KV cache.
-    config.dtype, config.use_cache = dtype, True
+    config.use_cache = True
     try:
         trainer.model.save_pretrained(str(directory), state_dict=state)
+        # save_pretrained writes the dtype of the model's parameters into config.json, the FP32 masters
+        # (transformers 5.x, modeling_utils.save_pretrained), whatever the saved weights are: write it again.
+        config.dtype = dtype
+        config.save_pretrained(str(directory))
     finally:
         config.dtype, config.use_cache = saved
     trainer.tokenizer.save_pretrained(str(directory))
