@@ -106,7 +106,7 @@ def run_pipeline(
             if cfg is None:
                 fp8_dir = done  # a cast hands its output to the engines, not to the next trainer
             else:
-                previous = done
+                previous, fp8_dir = done, None  # the cast was for this stage only (as when it runs, below)
             log.info("stage %s already finished -> %s (skipping)", name, done)
             outputs[name] = done
             continue
@@ -120,7 +120,7 @@ def run_pipeline(
                 cfg.model.path = str(previous)
             if isinstance(cfg, RlStageConfig) and fp8_dir is not None and cfg.rollout_fp8:
                 cfg.rollout.fp8_checkpoint = str(fp8_dir)  # engines start from the cast checkpoint
-                fp8_dir = None
+            fp8_dir = None  # a cast is of the previous stage's output: a later stage starts elsewhere
             log.info("stage %s (%s) starts from %s", name, cfg.kind, cfg.model.path)
             out = run_stage(cfg)
             previous = out

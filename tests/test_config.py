@@ -282,10 +282,12 @@ def test_rl_global_batch_must_divide_the_rollout_batch() -> None:
         load_stage_config(path, ["trainer.global_batch_size=100"])
 
 
+@pytest.mark.parametrize("finished_rl1", [False, True])
 def test_pipeline_resumed_after_the_cast_starts_rl_from_the_sft_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finished_rl1: bool
 ) -> None:
-    """The cast's output goes to the engines (rollout.fp8_checkpoint); the trainer starts from SFT 2's final."""
+    """The cast's output goes to the engines (rollout.fp8_checkpoint); the trainer starts from SFT 2's final.
+    Resumed after RL 1 finished, RL 2 gets no cast (it once got SFT 2's, a stale model for its engines)."""
     import json
 
     from infir2_rl import pipeline
@@ -295,6 +297,8 @@ def test_pipeline_resumed_after_the_cast_starts_rl_from_the_sft_checkpoint(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     done = {"sft_stage1": run_dir / "s1", "sft_stage2": run_dir / "s2", "cast_fp8": run_dir / "cast" / "fp8"}
+    if finished_rl1:
+        done["rl_stage1"] = run_dir / "rl_stage1" / "final"
     (run_dir / "pipeline_state.json").write_text(
         json.dumps({"finished": {k: str(v) for k, v in done.items()}})
     )
@@ -309,7 +313,8 @@ def test_pipeline_resumed_after_the_cast_starts_rl_from_the_sft_checkpoint(
 
     monkeypatch.setattr(pipeline, "run_stage", fake_run_stage)
     pipeline.run_pipeline(pipeline.DEMO_PIPELINE, overrides=[f"run_dir={run_dir}"], adjust=relocate)
-    assert seen["rl_stage1"] == (str(done["sft_stage2"]), str(done["cast_fp8"]))
+    if not finished_rl1:
+        assert seen["rl_stage1"] == (str(done["sft_stage2"]), str(done["cast_fp8"]))
     assert seen["rl_stage2"] == (str(run_dir / "rl_stage1" / "final"), None)
 
 
