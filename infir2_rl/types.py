@@ -75,8 +75,12 @@ class LossOutput:
     # How many units the mean is over; the trainer weights micro-batches by it so the gradient is
     # that of the mean over the whole global batch, independent of how it was split.
     num_units: int
-    # Detached scalars for logging (metric name -> value), averaged over micro-batches by units.
+    # Detached scalars for logging (metric name -> value), each a mean over `metric_weight` units.
     metrics: dict[str, float] = field(default_factory=dict)
+    # What the metrics are means over (GRPO's statistics: the micro-batch's response tokens; None: num_units).
+    # The trainer's value is sum(value * weight) / sum(weight) over micro-batches and ranks, so it does not
+    # depend on how the global batch was split (trainers/microbatch.MetricMeans).
+    metric_weight: float | None = None
 
 
 @dataclass

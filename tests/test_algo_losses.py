@@ -227,11 +227,22 @@ def test_entropy_bonus() -> None:
         policy_loss(logp, logp_old, logp_rollout, torch.tensor([0.0]), mask, cfg)
 
 
+@pytest.mark.parametrize("reduction", ["sample_token_mean", "token_mean"])
+def test_a_micro_batch_without_response_tokens_adds_zero_loss_and_no_statistics(reduction: str) -> None:
+    # SGLang answers prompts it refuses with empty responses (engines/sglang/protocol.refused_samples): a
+    # micro-batch of them once stopped the RL step with "no valid token".
+    logp = torch.full((2, 3), float("nan")).requires_grad_()  # padding may hold anything
+    cfg = AlgorithmConfig(loss_reduction=reduction)  # type: ignore[arg-type]
+    zeros = torch.zeros(2, 3)
+    loss, stats = policy_loss(logp, zeros, zeros, torch.zeros(2), zeros, cfg, denominator=4.0)
+    assert loss.item() == 0.0 and stats.num_tokens == 0 and stats.num_samples == 2
+    loss.backward()
+    assert logp.grad is not None and torch.equal(logp.grad, torch.zeros(2, 3))
+
+
 def test_user_errors() -> None:
     logp, logp_old, logp_rollout, mask = _case([1.0, 1.0])
     adv = torch.tensor([1.0])
-    with pytest.raises(ValueError, match="no valid token"):
-        policy_loss(logp, logp_old, logp_rollout, adv, torch.zeros(1, 2), AlgorithmConfig())
     with pytest.raises(ValueError, match="logp_rollout is None"):
         policy_loss(logp, logp_old, None, adv, mask, AlgorithmConfig())
     assert policy_loss(logp, logp_old, None, adv, mask, NO_TIS)[1].num_tokens == 2

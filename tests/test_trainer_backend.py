@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from infir2_rl.algo.config import AlgorithmConfig
+from infir2_rl.algo.loss_fns import GrpoLoss
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
+from infir2_rl.metrics import names
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
 from infir2_rl.trainers.microbatch import (
@@ -63,6 +66,31 @@ def test_accumulation_gives_the_global_mean_whatever_the_split(assets: tuple[Pat
     for name, value in params(one).items():
         # Adam divides by |g|: entries with near-zero gradients amplify rounding, hence atol ~ 1% of lr.
         torch.testing.assert_close(value, params(split)[name], rtol=1e-5, atol=2e-5)
+
+
+def test_grpo_statistics_are_token_means_whatever_the_split(assets: tuple[Path, TokenBatch]) -> None:
+    """train/tis_weight_mean and the other GRPO statistics are means over response tokens: they were averaged
+    by sequences over micro-batches, so micro-batches of one row logged +25% here. A micro-batch with no
+    response token (SGLang's refused prompts) adds nothing."""
+    model, batch = assets
+    gen = torch.Generator().manual_seed(0)
+    mask = batch.loss_mask.clone()
+    mask[3] = 0.0  # one row without a response token
+    rl = TokenBatch(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        loss_mask=mask,
+        old_logprobs=-torch.rand(mask.shape, generator=gen) * mask,
+        advantages=torch.randn(mask.shape[0], generator=gen),
+    )
+    assert rl.old_logprobs is not None
+    rl.rollout_logprobs = (rl.old_logprobs + 0.5 * torch.randn(mask.shape, generator=gen)) * mask
+    w = torch.exp(rl.old_logprobs - rl.rollout_logprobs).clamp(0.0, 2.0)[:, 1:]
+    true_mean = float((w * mask[:, 1:]).sum() / mask[:, 1:].sum())
+    loss_fn = GrpoLoss(AlgorithmConfig(), 1.0)  # sample_token_mean: units are sequences
+    for split in (8, 3, 1):
+        stats = make_trainer(model).train_step(micro_batches(rl, split), loss_fn, rl.num_sequences)
+        assert stats.metrics[names.TRAIN_TIS_WEIGHT_MEAN] == pytest.approx(true_mean, rel=1e-5), split
 
 
 class NanLoss:

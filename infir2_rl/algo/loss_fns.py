@@ -67,4 +67,5 @@ class GrpoLoss:
             metrics[names.TRAIN_KL] = stats.kl
         if stats.entropy is not None:
             metrics[names.TRAIN_ENTROPY] = stats.entropy
-        return LossOutput(loss=loss, num_units=units, metrics=metrics)
+        # The statistics are token means over this micro-batch (PolicyLossStats): weighted by its tokens.
+        return LossOutput(loss=loss, num_units=units, metrics=metrics, metric_weight=stats.num_tokens)

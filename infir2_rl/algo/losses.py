@@ -171,6 +171,22 @@ def _rollout_correction(
     return weight, keep, tis_clipped
 
 
+def _empty_stats(num_samples: int, logp_ref: Tensor | None, entropy: Tensor | None) -> PolicyLossStats:
+    return PolicyLossStats(
+        loss=0.0,
+        pg_loss=0.0,
+        pg_clip_frac=0.0,
+        ratio_mean=0.0,
+        tis_weight_mean=0.0,
+        tis_clip_frac=0.0,
+        mis_mask_frac=0.0,
+        kl=0.0 if logp_ref is not None else None,
+        entropy=0.0 if entropy is not None else None,
+        num_tokens=0,
+        num_samples=num_samples,
+    )
+
+
 def policy_loss(
     logp: Tensor,
     logp_old: Tensor,
@@ -186,7 +202,9 @@ def policy_loss(
     """Scalar loss to minimise and its statistics; see the module docstring for every formula.
 
     ``logp_rollout`` may be None only when tis and mis are both off. ``denominator``: see the
-    module docstring (gradient accumulation). Raises ValueError when ``mask`` has no valid token.
+    module docstring (gradient accumulation). A ``mask`` without a valid token (a micro-batch of empty
+    responses, as SGLang returns for prompts it refuses) gives a loss of 0 that still reaches ``logp``'s graph
+    and statistics of 0 over ``num_tokens=0``.
     """
     others = {"logp_old": logp_old, "logp_rollout": logp_rollout, "logp_ref": logp_ref, "entropy": entropy}
     _check_inputs(logp, others, advantages, cfg, denominator)
@@ -198,10 +216,10 @@ def policy_loss(
     entropy = entropy.to(dtype) if entropy is not None else None
     M = as_float_mask(mask, logp)
     num_tokens = int((M > 0).sum().item())
-    if num_tokens == 0:
-        raise ValueError(
-            "mask has no valid token: nothing to train on; check the response masks of the batch."
-        )
+    if (
+        num_tokens == 0
+    ):  # nothing to train on here; the sequences still count in sample_token_mean's denominator
+        return zero_masked(logp, M).sum() * 0.0, _empty_stats(logp.shape[0], logp_ref, entropy)
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from infir2_rl.data.batching import batch_by_token_budget
-from infir2_rl.types import TokenBatch
+from infir2_rl.types import LossOutput, TokenBatch
 
 
 def row_lengths(batch: TokenBatch) -> list[int]:
@@ -147,3 +147,33 @@ def merge_rows(parts: Sequence[Tensor], length: int) -> Tensor:
         out[r : r + p.shape[0], : p.shape[1]] = p
         r += int(p.shape[0])
     return out
+
+
+class MetricMeans:
+    """The loss function's metrics of one train step, averaged over micro-batches and ranks by their weights.
+
+    Each micro-batch's value is a mean over ``LossOutput.metric_weight`` units (``num_units`` when None), so the
+    step's value is sum(value * weight) / sum(weight): the mean over all units, however the batch was split.
+    A micro-batch with weight 0 (no response token) adds nothing; a metric no unit had is left out.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, out: LossOutput) -> None:
+        weight = float(out.num_units if out.metric_weight is None else out.metric_weight)
+        for name, value in out.metrics.items():
+            self.weights[name] = self.weights.get(name, 0.0) + weight
+            if weight > 0:
+                self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
+
+    def totals(self, names: Sequence[str]) -> list[float]:
+        """Weighted sums, then weights, of `names` (in that order): the values to add up over ranks."""
+        return [self.sums.get(n, 0.0) for n in names] + [self.weights.get(n, 0.0) for n in names]
+
+    @staticmethod
+    def means(names: Sequence[str], totals: Sequence[float]) -> dict[str, float]:
+        """The metrics from `totals(names)` added up over ranks."""
+        sums, weights = totals[: len(names)], totals[len(names) :]
+        return {n: s / w for n, s, w in zip(names, sums, weights, strict=True) if w > 0}

@@ -41,6 +41,7 @@ from infir2_rl.trainers.megatron import hf_mapping as hfm
 from infir2_rl.trainers.megatron import te
 from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_vocab, part_rows
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
+from infir2_rl.trainers.microbatch import MetricMeans
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
@@ -333,15 +334,14 @@ class MegatronTrainer:
         if self.te is not None:
             self.te.zero_grad()
         loss_sum = 0.0
-        metric_sums: dict[str, float] = {}
+        metrics = MetricMeans()
         num_tokens = num_sequences = 0
         for batch in (b.to(self.device) for b in batches):
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             weight = out.num_units / total_units
             (out.loss * weight).backward()
             loss_sum += float(out.loss.detach().double().item()) * weight
-            for name, value in out.metrics.items():
-                metric_sums[name] = metric_sums.get(name, 0.0) + float(value) * weight
+            metrics.add(out)
             num_tokens += int(batch.attention_mask.sum().item())
             num_sequences += batch.num_sequences
         lr = float(self.scheduler.get_last_lr()[0])
@@ -353,10 +353,8 @@ class MegatronTrainer:
         else:
             self.scheduler.step()
         self.step += 1
-        names = self._metric_names(metric_sums)
-        totals = self._sum_over_dp(
-            [loss_sum, num_tokens, num_sequences, *(metric_sums.get(n, 0.0) for n in names)]
-        )
+        names = self._metric_names(metrics.weights)
+        totals = self._sum_over_dp([loss_sum, num_tokens, num_sequences, *metrics.totals(names)])
         return TrainStats(
             step=self.step,
             loss=totals[0],
@@ -366,7 +364,7 @@ class MegatronTrainer:
             num_sequences=int(round(totals[2])),
             skipped=skipped,
             step_time_s=time.perf_counter() - start,
-            metrics=dict(zip(names, totals[3:])),
+            metrics=MetricMeans.means(names, totals[3:]),
         )
 
     def _update(self, lr: float) -> tuple[float, bool]:

@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
-from infir2_rl.trainers.microbatch import bucket_length, pad_length
+from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
@@ -271,7 +271,7 @@ class TorchTrainer:
         # Loss and token sums stay on the device until the step is queued (no per-micro-batch host sync).
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
-        metric_sums: dict[str, float] = {}
+        metrics = MetricMeans()
         num_sequences = 0
         for batch in self._padded(batches):
             if batch is None:
@@ -283,8 +283,7 @@ class TorchTrainer:
             weight = out.num_units / total_units
             (out.loss * (weight * grad_scale)).backward()
             loss_sum += out.loss.detach().double() * weight
-            for name, value in out.metrics.items():
-                metric_sums[name] = metric_sums.get(name, 0.0) + float(value) * weight
+            metrics.add(out)
             num_tokens += batch.attention_mask.sum()
             num_sequences += batch.num_sequences
         if self.world_size > 1 and not self.fsdp:
@@ -303,9 +302,9 @@ class TorchTrainer:
         # The backward graphs add into the .grad tensors they were captured with: keep those (zeroed).
         self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
         self.step += 1
-        names = self._metric_names(metric_sums)
+        names = self._metric_names(metrics.weights)
         totals = self._sum_over_ranks(
-            [loss_sum.item(), num_tokens.item(), num_sequences, *(metric_sums.get(n, 0.0) for n in names)]
+            [loss_sum.item(), num_tokens.item(), num_sequences, *metrics.totals(names)]
         )
         return TrainStats(
             step=self.step,
@@ -316,7 +315,7 @@ class TorchTrainer:
             num_sequences=int(round(totals[2])),
             skipped=skipped,
             step_time_s=time.perf_counter() - start,
-            metrics=dict(zip(names, totals[3:])),
+            metrics=MetricMeans.means(names, totals[3:]),
         )
 
     def _grad_norm(self) -> Tensor:
