@@ -118,6 +118,21 @@ def test_shortfall_is_filled_with_dropped_groups_and_reported() -> None:
     assert batch.metrics[names.ROLLOUT_FILLED_GROUPS] == 1 and batch.metrics[names.ROLLOUT_KEPT_GROUPS] == 1
 
 
+def test_a_group_whose_rewards_differ_below_float32_resolution_has_no_spread() -> None:
+    # A shaped reward (1 - 1e-8 * length) separates the answers in float64 but not in the float32 tensor the
+    # advantages come from: such a group was kept as one "with spread" and trained with advantages all 0.
+    from infir2_rl.algo.advantages import grpo_advantages
+
+    def shaped(response: str, label: str) -> float:
+        return 1.0 - 1e-8 * int(response == label)
+
+    cfg = _cfg(prompts_per_step=1, over_sampling_prompts=1, max_sampling_rounds=1)
+    manager = RolloutManager([ScriptedEngine()], cfg, shaped, DigitTokenizer(), stop_token_ids=[2], seed=0)
+    batch = manager.generate(PromptSource([_prompt(2)], seed=0, shuffle=False))
+    assert batch.num_filled_groups == 1 and batch.metrics[names.ROLLOUT_KEPT_GROUPS] == 0
+    assert not grpo_advantages(batch.rewards_tensor(), batch.group_size).any()
+
+
 def test_without_dynamic_sampling_exactly_prompts_per_step_are_drawn() -> None:
     source = PromptSource([_prompt(0), _prompt(4), _prompt(2)], seed=0, shuffle=False)
     batch = _manager([ScriptedEngine()], _cfg(dynamic_sampling=False)).generate(source)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from infir2_rl.actors.remote import Call, call_all
@@ -53,7 +54,10 @@ class Group:
 
     @property
     def has_spread(self) -> bool:
-        return max(self.rewards) != min(self.rewards)
+        # Judged on the float32 rewards the advantages are computed from (RolloutBatch.rewards_tensor): rewards
+        # that differ by less than a float32 step would pass here and still get advantage 0 there.
+        r = torch.tensor(self.rewards, dtype=torch.float32)
+        return bool(r.max() != r.min())
 
 
 @dataclass
