@@ -16,8 +16,10 @@ One ``generate`` call builds the batch of one RL step, ``prompts_per_step`` grou
 4. Shortfall policy: the RL loop trains on a fixed global batch (``prompts_per_step x n``), so when the
    rounds run out the batch is filled with dropped groups, in the order they were drawn, and counted
    (``rollout/filled_groups``). All dropped groups have zero spread, hence zero advantage: they add
-   no gradient, only tokens to the loss normaliser, i.e. the step is scaled down by the fill fraction,
-   as it would be without dynamic sampling.
+   no gradient, only tokens to the loss normaliser, i.e. the gradient is scaled down by the fill fraction,
+   as it would be without dynamic sampling. (The update is not scaled the same way: Adam divides by the
+   gradient's running magnitude, and with every group filled it still moves the weights by its momentum and
+   weight decay.)
 
 Metrics (``RolloutBatch.metrics``): lengths, truncation, rewards and aborted fraction of the batch,
 reward mean over everything generated (unbiased by the filter), kept/dropped/filled/surplus groups,
