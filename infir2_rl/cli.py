@@ -22,7 +22,7 @@ from infir2_rl.config import (
     load_pipeline_config,
     load_stage_config,
 )
-from infir2_rl.errors import describe
+from infir2_rl.errors import BadInput, describe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -32,15 +32,18 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 log = logging.getLogger("infir2_rl")
+VERBOSE_FLAGS = ("-v", "--verbose")
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from infir2_rl.config import load_pipeline_stages, validate_paths
+    from infir2_rl.config import validate_paths
+    from infir2_rl.pipeline import resolve_stages, split_pipeline_overrides
 
     if is_pipeline_file(args.config):
-        pipeline = load_pipeline_config(args.config, args.overrides)
+        own, for_stages, scoped = split_pipeline_overrides(args.overrides)
+        pipeline = load_pipeline_config(args.config, own)
         print(dump_config(pipeline), end="")
-        for i, (name, stage) in enumerate(load_pipeline_stages(pipeline, args.config)):
+        for i, (name, stage) in enumerate(resolve_stages(args.config, pipeline, for_stages, scoped)):
             if stage is None:
                 print(f"# --- {name}: cast the previous checkpoint to blockwise FP8")
                 continue
@@ -58,10 +61,11 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from infir2_rl.pipeline import run_pipeline, run_stage_file
+    from infir2_rl.pipeline import run_pipeline, run_stage_file, split_pipeline_overrides
 
     if is_pipeline_file(args.config):
-        run_pipeline(args.config, args.overrides)
+        own, for_stages, scoped = split_pipeline_overrides(args.overrides)
+        run_pipeline(args.config, own, stage_overrides=for_stages, scoped_overrides=scoped)
     else:
         run_stage_file(args.config, args.overrides)
     return 0
@@ -91,10 +95,19 @@ def _init_model(args: argparse.Namespace) -> int:
 
 
 def _make_data(args: argparse.Namespace) -> int:
-    from infir2_rl.data.synthetic import make_data
+    from infir2_rl.data.synthetic import DATA_FILES, make_data
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {args.out!r} is a file: give a directory (it is created if absent)")
+    existing = [f for f in DATA_FILES if (out / f).exists()]
+    if existing:
+        raise BadInput(
+            f"--out {args.out!r} already holds {', '.join(existing)}: make-data does not overwrite; remove"
+            " them or give another directory"
+        )
     kwargs = {k: v for k, v in (("num_sft", args.num_sft), ("num_rl", args.num_rl)) if v is not None}
-    paths = make_data(args.out, seed=args.seed, **kwargs)
+    paths = make_data(out, seed=args.seed, **kwargs)
     print(f"wrote synthetic math data to {args.out}: {paths}")
     return 0
 
@@ -109,15 +122,21 @@ def _cast_fp8(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from infir2_rl.metrics.report import make_comparison, make_report, print_summary, summarize
 
-    if len(args.run_dir) > 1 and not args.compare_out:
-        raise SystemExit("several run directories: give --compare-out DIR for the comparison plots")
     if args.watch:
         from infir2_rl.metrics.watch import watch
 
         if len(args.run_dir) > 1:
-            raise SystemExit("--watch follows one run directory; give one")
+            raise BadInput("--watch follows one run directory; give one")
+        if not Path(args.run_dir[0]).is_dir():
+            raise BadInput(
+                f"{args.run_dir[0]!r} is not a directory: give the run directory of a stage or pipeline"
+            )
         watch(args.run_dir[0], interval_s=args.interval)
         return 0
+    if len(args.run_dir) > 1 and not args.compare_out:
+        raise BadInput("several run directories: give --compare-out DIR for the comparison plots")
+    for run_dir in args.run_dir:  # every directory checked before anything is drawn
+        summarize(run_dir)
     paths = []
     for run_dir in args.run_dir:
         paths += make_report(run_dir)
@@ -171,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = add(name, _run, help)
         p.add_argument("config")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            help="dotted overrides, e.g. optimizer.lr=1e-6; for a pipeline file also kind- or stage-scoped (rl:rollout.num_steps=3) as for demo",
+        )
 
     p = add("check-config", _check_config, "validate a stage or pipeline YAML and print the resolved config")
     p.add_argument("config")
@@ -208,8 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["cast-fp8"]:  # its own parser (infir2_rl/fp8/cli.py), so its --help lists its flags
-        argv = ["cast-fp8", "--", *argv[1:]]
+    if "cast-fp8" in argv:  # its own parser (infir2_rl/fp8/cli.py), so its --help lists its flags
+        i = argv.index("cast-fp8")
+        if all(a in VERBOSE_FLAGS for a in argv[:i]):  # `-v cast-fp8 ...` or `cast-fp8 ... -v`
+            rest = argv[i + 1 :]
+            verbose = [a for a in (*argv[:i], *rest) if a in VERBOSE_FLAGS][:1]
+            argv = [*verbose, "cast-fp8", "--", *(a for a in rest if a not in VERBOSE_FLAGS)]
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -211,6 +211,21 @@ def split_scoped_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[st
     return common, by_scope
 
 
+# Overrides of a pipeline file's own fields; every other key on the command line is for its stages.
+PIPELINE_KEYS = ("name", "run_dir")
+
+
+def split_pipeline_overrides(
+    overrides: Sequence[str],
+) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    """Command-line overrides of a pipeline file: (the pipeline's own: ``run_dir=``, ``name=``; every stage's;
+    scoped ones as in `split_scoped_overrides`), so ``infir2-rl pipeline FILE optimizer.lr=1e-6
+    rl:rollout.num_steps=3`` works as it does for the demo."""
+    common, scoped = split_scoped_overrides(overrides)
+    own = [o for o in common if o.partition("=")[0].strip() in PIPELINE_KEYS]
+    return own, [o for o in common if o not in own], scoped
+
+
 def run_demo(
     out: Path,
     seed: int = 0,

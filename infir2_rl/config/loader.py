@@ -24,14 +24,20 @@ class ConfigError(ValueError):
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; pass the path of a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        # PyYAML puts the position on a line of its own, which the one-line error would drop.
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from e
     if data is None:
-        data = {}
+        raise ConfigError(f"config file {str(path)!r} is empty; a stage or pipeline YAML needs its settings")
     if not isinstance(data, dict):
         raise ConfigError(
             f"config file {str(path)!r} must hold a mapping at the top, not {type(data).__name__}"

@@ -338,9 +338,12 @@ def validate_paths(cfg: SftStageConfig | RlStageConfig, *, check_model: bool = T
     """Fail with one sentence for the first input path that does not exist."""
     for field, value in stage_paths_to_check(cfg, check_model=check_model).items():
         if not Path(value).exists():
-            hint = (
-                "run `infir2-rl init-model --out DIR` or point it at an HF checkpoint"
-                if field.startswith("model") or field.startswith("rollout")
-                else "run `infir2-rl make-data --out DIR` or point it at your data file"
-            )
+            if value.startswith("/path/to/"):  # the recipe configs' placeholders (configs/*_7b*.yaml)
+                hint = (
+                    "a placeholder of the shipped config: set it to your own (as an override or in the YAML)"
+                )
+            elif field.startswith("model") or field.startswith("rollout"):
+                hint = "run `infir2-rl init-model --out DIR` or point it at an HF checkpoint"
+            else:
+                hint = "run `infir2-rl make-data --out DIR` or point it at your data file"
             raise ValueError(f"{field}={value!r}: no such file or directory; {hint}")

@@ -154,6 +154,10 @@ def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+# The files make_data writes, in DataPaths' order.
+DATA_FILES = ("sft_train.jsonl", "sft_test.jsonl", "rl_train.jsonl", "rl_test.jsonl")
+
+
 def make_data(
     out_dir: str | Path,
     *,
@@ -185,12 +189,7 @@ def make_data(
     sft_train = _unique_problems(rng, num_sft, exclude=held_out, **knobs)
     # RL prompts only need to avoid the test set; repeats of SFT problems are fine.
     rl_train = _unique_problems(rng, num_rl, exclude=held_out, **knobs)
-    paths = DataPaths(
-        sft_train=out / "sft_train.jsonl",
-        sft_test=out / "sft_test.jsonl",
-        rl_train=out / "rl_train.jsonl",
-        rl_test=out / "rl_test.jsonl",
-    )
+    paths = DataPaths(*(out / name for name in DATA_FILES))
     # A separate stream for the style draws, so the problems do not depend on shortcut_fraction.
     style_rng = random.Random(f"{seed}-style")
     _write_jsonl(paths.sft_train, [sft_record(p, style_rng.random() < shortcut_fraction) for p in sft_train])

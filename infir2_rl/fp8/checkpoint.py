@@ -73,6 +73,8 @@ def _shard_files(model_dir: Path) -> list[str]:
 
 def _check_input(input_dir: Path) -> tuple[dict, list[str]]:
     config_path = input_dir / "config.json"
+    if not input_dir.is_dir():
+        raise ValueError(f"input_dir={input_dir}: no such directory; pass a Hugging Face model directory")
     if not config_path.is_file():
         raise ValueError(f"input_dir={input_dir}: no config.json found; pass a Hugging Face model directory")
     config = json.loads(config_path.read_text())

@@ -1,0 +1,85 @@
+"""The `infir2-rl` command on bad input: one line, exit 2, nothing overwritten (found by a review as a new user)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infir2_rl.cli import main
+from infir2_rl.data.synthetic import DATA_FILES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _err(capsys: pytest.CaptureFixture[str]) -> str:
+    return capsys.readouterr().err
+
+
+def test_make_data_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "sft_train.jsonl").write_text("mine\n")
+    assert main(["make-data", "--out", str(out), "--num-sft", "4", "--num-rl", "4"]) == 2
+    assert "already holds sft_train.jsonl" in _err(capsys)
+    assert (out / "sft_train.jsonl").read_text() == "mine\n" and not (out / "rl_train.jsonl").exists()
+    assert main(["make-data", "--out", str(out / "sft_train.jsonl")]) == 2
+    assert "is a file" in _err(capsys)
+    fresh = tmp_path / "fresh"
+    assert main(["make-data", "--out", str(fresh), "--num-sft", "4", "--num-rl", "4"]) == 0
+    assert all((fresh / f).is_file() for f in DATA_FILES)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_flag_works_with_cast_fp8(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cast = ["cast-fp8", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "out")]
+    argv = ["-v", *cast] if where == "before" else [*cast, "-v"]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "unrecognized arguments" not in err and "no such directory" in err
+
+
+def test_pipeline_file_takes_stage_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    pipeline = str(REPO / "configs" / "pipeline_7b.yaml")
+    argv = ["check-config", pipeline, "optimizer.lr=3e-5", "rl:rollout.num_steps=2", "run_dir=/tmp/r7b"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "run_dir: /tmp/r7b" in out and "lr: 3.0e-05" in out and "num_steps: 2" in out
+    assert main(["check-config", pipeline, "rl_stage9:seed=1"]) == 2
+    assert "rl_stage9" in _err(capsys)
+
+
+def test_yaml_errors_name_the_line_and_empty_files_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: sft\nmodel:\n  path: x\n   dtype: [bfloat16\n")
+    assert main(["check-config", str(bad)]) == 2
+    assert "not valid YAML at line 4, column" in _err(capsys)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert main(["check-config", str(empty)]) == 2
+    assert "is empty" in _err(capsys)
+    assert main(["check-config", str(tmp_path)]) == 2
+    assert "is a directory" in _err(capsys)
+
+
+def test_placeholder_paths_are_named_as_placeholders(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", "--paths", str(REPO / "configs" / "sft_stage1.yaml")]) == 2
+    assert "placeholder" in _err(capsys)
+
+
+def test_report_refuses_bad_input_with_exit_2_before_drawing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "time": 0.0, "train/loss": 1.0}\n')
+    assert main(["report", str(run), str(tmp_path / "nope")]) == 2  # no --compare-out
+    assert "--compare-out" in _err(capsys)
+    assert main(["report", str(run), str(tmp_path / "nope"), "--compare-out", str(tmp_path / "cmp")]) == 2
+    assert not (run / "report").exists()  # nothing drawn for the good one first
+    assert main(["report", str(tmp_path / "nope"), "--watch", "--interval", "0.1"]) == 2  # never waits
+    assert "not a directory" in _err(capsys)
