@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "overrides",
             nargs="*",
-            help="dotted overrides, e.g. optimizer.lr=1e-6; for a pipeline file also kind- or stage-scoped (rl:rollout.num_steps=3) as for demo",
+            help="dotted overrides, e.g. optimizer.lr=1e-6; for a pipeline file also scoped to a stage kind or"
+            " name (rl:rollout.num_steps=3), as for demo",
         )
 
     p = add("check-config", _check_config, "validate a stage or pipeline YAML and print the resolved config")

@@ -216,9 +216,7 @@ def policy_loss(
     entropy = entropy.to(dtype) if entropy is not None else None
     M = as_float_mask(mask, logp)
     num_tokens = int((M > 0).sum().item())
-    if (
-        num_tokens == 0
-    ):  # nothing to train on here; the sequences still count in sample_token_mean's denominator
+    if num_tokens == 0:  # nothing to train on; the sequences still count in sample_token_mean's denominator
         return zero_masked(logp, M).sum() * 0.0, _empty_stats(logp.shape[0], logp_ref, entropy)
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)

@@ -17,8 +17,9 @@ The format (DeepSeek-V3, SGLang, vLLM, Transformer Engine's Float8BlockScaling, 
   that ``amax / scale <= 448`` still holds and nothing clips. Power-of-two scales make dequantization an
   exact exponent shift, at the cost of up to 1 bit of dynamic range per block.
 * An all-zero block gets scale 1 (never 0, which would give 0/0 = NaN), and so does a block whose amax is
-  so small (an FP32 subnormal below ~6e-43) that amax / 448 underflows to 0: its values round to 0. Edge blocks (N or K not a
-  multiple of 128) are padded with zeros, which never raise the amax, so the padding changes nothing.
+  so small (an FP32 subnormal below ~6e-43) that amax / 448 underflows to 0: its values round to 0. Edge
+  blocks (N or K not a multiple of 128) are padded with zeros, which never raise the amax, so the padding
+  changes nothing.
 * A block holding a NaN or an infinity gets scale NaN, so the whole block dequantizes to NaN. Why
   propagate rather than raise: these quantizers run inside every FP8 forward and backward, where a
   raise would need a device-to-host sync per tensor; a NaN instead flows into the loss and the gradient
