@@ -8,6 +8,7 @@ Exit codes of ``infir2-rl`` (README, docs/reliability.md):
     2    bad input, nothing trained: config values, paths, data files, a run directory that cannot
          be written, a resume refused because the config changed
     130  interrupted (Ctrl-C); the last checkpoint is intact and the same command resumes from it
+    143  terminated (SIGTERM: kill, timeout, a job scheduler), likewise
 
 ``describe(exc)`` turns any exception into (exit code, one line). Exceptions raised inside Ray actors
 arrive wrapped (``RayTaskError``, whose text holds the remote traceback): the line is built from the
@@ -24,6 +25,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 # Longest line printed for one error (a message quoting a whole config would flood the terminal).
 MAX_LINE_CHARS = 600
@@ -36,6 +38,11 @@ class RunFailed(RuntimeError):
 
 class BadInput(ValueError):
     """Input that cannot be run (exit code 2); the message names the field or file and the fix."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (``actors/ray_runtime.raise_on_sigterm``): the command ends as on Ctrl-C, exit code 143.
+    A KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
 
 
 def first_line(text: str) -> str:
@@ -87,6 +94,8 @@ def describe(exc: BaseException) -> tuple[int, str]:
     if remote is not None:
         code, line = describe(remote)
         return code, line if "Ray actor" in line else f"{line} (raised in a Ray actor)"
+    if isinstance(exc, Terminated):
+        return EXIT_TERMINATED, f"terminated (SIGTERM); {RESUME_HINT}"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"interrupted; {RESUME_HINT}"
     if _is_actor_death(exc):

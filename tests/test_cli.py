@@ -83,3 +83,43 @@ def test_report_refuses_bad_input_with_exit_2_before_drawing(
     assert not (run / "report").exists()  # nothing drawn for the good one first
     assert main(["report", str(tmp_path / "nope"), "--watch", "--interval", "0.1"]) == 2  # never waits
     assert "not a directory" in _err(capsys)
+
+
+def test_sigterm_ends_a_stage_with_one_line_and_exit_143(tmp_path: Path) -> None:
+    """`kill`, `timeout` and schedulers send SIGTERM: it once ended a stage with Ray's stack dump (exit 134)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from infir2_rl.data.synthetic import make_data
+    from infir2_rl.models.factory import init_model
+
+    model = init_model(tmp_path / "model", preset="tiny", num_hidden_layers=1)
+    data = make_data(tmp_path / "data", num_sft=64, num_rl=4, num_test=4)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "infir2_rl.cli", "run", str(REPO / "configs" / "demo" / "sft_stage1.yaml")]
+    argv += [f"model.path={model}", f"data.train_path={data.sft_train}", "data.test_path=null"]
+    argv += [
+        f"run_dir={run_dir}",
+        "trainer.epochs=100000",
+        "trainer.max_steps=100000",
+        "metrics.progress_bar=false",
+    ]
+    env = {**__import__("os").environ, "INFIR2_RAY_DASHBOARD": "0"}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 240
+    for line in proc.stderr:  # wait until the trainer is placed: Ray and the stage are running
+        lines.append(line)
+        if "trainer group:" in line or time.monotonic() > deadline:
+            break
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(lines) + rest
+    assert proc.returncode == 143, err[-2000:]
+    assert "infir2-rl: error: terminated (SIGTERM); rerun the same command to resume" in err
+    assert "SIGTERM received" not in err  # no stack dump
+    assert "stage failed: terminated (SIGTERM)" in (run_dir / "logs" / "stage.log").read_text()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+
+from infir2_rl.errors import Terminated
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,23 @@ def ensure_ray() -> None:
         session_dir = node.get_session_dir_path()
         log.info("%s", watch_instructions(dashboard_url or None, gcs_address, auth_mode, session_dir))
     log.info("Ray resources: %s", ray.cluster_resources())
+    raise_on_sigterm()
+
+
+def raise_on_sigterm() -> None:
+    """Make SIGTERM end the command like Ctrl-C: one line, stage.log, exit 143 (errors.Terminated).
+
+    ray.init leaves SIGTERM to Ray's core worker, which logs a stack dump and then calls the handler ray.init
+    set in Python, ``sys.exit(15)``: the command died with the dump and no line of ours (a user saw exit 134).
+    This replaces both, in the main thread only (Python's rule for signal handlers).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _affinity_cpus() -> int | None:
