@@ -28,6 +28,7 @@ rounds, generated tokens per second and the time spent generating and scoring.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -44,6 +45,8 @@ from infir2_rl.reward.protocol import RewardFn, score_batch
 from infir2_rl.rollout.batch import RolloutBatch
 from infir2_rl.rollout.prompts import PromptLike, PromptSource
 from infir2_rl.types import GenerateRequest, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,6 +238,7 @@ class RolloutManager:
         """Greedy answers (one per prompt, up to max_response_len tokens) scored with the reward function."""
         if not prompts:
             raise ValueError("evaluate() got no prompts: check data.test_path and data.num_eval_examples")
+        log.info("evaluating: greedy answers to %d held-out problems", len(prompts))
         groups = self.sample_groups(prompts, 1, self._params(greedy=True))
         samples = [g.samples[0] for g in groups]
         return EvalResult(
