@@ -135,12 +135,11 @@ def _report(args: argparse.Namespace) -> int:
         return 0
     if len(args.run_dir) > 1 and not args.compare_out:
         raise BadInput("several run directories: give --compare-out DIR for the comparison plots")
-    for run_dir in args.run_dir:  # every directory checked before anything is drawn
-        summarize(run_dir)
+    summaries = [summarize(run_dir) for run_dir in args.run_dir]  # every directory checked before drawing
     paths = []
-    for run_dir in args.run_dir:
+    for run_dir, summary in zip(args.run_dir, summaries, strict=True):
         paths += make_report(run_dir)
-        print_summary(summarize(run_dir), title=f"Run summary: {run_dir}")
+        print_summary(summary, title=f"Run summary: {run_dir}")
     if len(args.run_dir) > 1:
         paths += make_comparison([Path(d) for d in args.run_dir], Path(args.compare_out))
     for p in paths:
