@@ -366,3 +366,23 @@ def test_cuda_graphs_on_a_cpu_trainer_is_one_clear_error(tmp_path) -> None:  # t
             ModelConfig(path=str(model)), TrainerConfig(cuda_graphs=True), OptimizerConfig(),
             fp8=False, total_steps=1, device="cpu",
         )  # fmt: skip
+    # The default, "auto", is eager wherever the graphs cannot run (here: a CPU), with no error.
+    from infir2_rl.config.stage import SftStageConfig
+
+    auto = TorchTrainer(
+        ModelConfig(path=str(model)),
+        TrainerConfig(),
+        OptimizerConfig(),
+        fp8=False,
+        total_steps=1,
+        device="cpu",
+    )
+    assert auto.layer_graphs is None
+    assert (
+        SftStageConfig.model_validate(
+            {"trainer": {"pack_sequences": True, "num_workers": 2}, "model": {"gradient_checkpointing": True}}
+        ).trainer.cuda_graphs
+        == "auto"
+    )
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SftStageConfig.model_validate({"trainer": {"cuda_graphs": "sometimes"}})

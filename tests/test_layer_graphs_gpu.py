@@ -1,6 +1,7 @@
-"""On one CUDA GPU: ``trainer.cuda_graphs`` (decoder layers replayed from CUDA graphs) trains as the eager
-trainer does, in BF16 and FP8, over micro-batches of two shapes and several optimizer steps, and refuses to
-write gradients into replaced ``.grad`` tensors or to back-propagate through an overwritten forward.
+"""On one CUDA GPU: ``trainer.cuda_graphs`` (decoder layers replayed from CUDA graphs) trains and scores as
+the eager trainer does, in BF16 and FP8, over micro-batches of two shapes and several optimizer steps, and
+refuses to write gradients into replaced ``.grad`` tensors or to back-propagate through an overwritten
+forward. "auto" turns the graphs on for one GPU.
 Skipped on CPU."""
 
 from __future__ import annotations
@@ -56,14 +57,26 @@ def test_graphed_layers_train_as_the_eager_layers(tmp_path: Path, fp8: bool) -> 
     batches = _two_shapes(tmp_path, eager)
     units = sum(num_target_tokens(b) for b in batches)
     losses: dict[str, list[float]] = {"eager": [], "graphs": []}
-    for _ in range(4):
+    for step in range(4):
+        # Scoring without gradients (old log-probs; with fp8=False the dense-trainer mismatch scoring) between
+        # the steps, from forward-only graphs: before any update the weights are the same, so bit for bit.
+        for fp8_scoring in (True, False):
+            ref = eager.forward_logprobs(batches, fp8=fp8_scoring)
+            got = graphed.forward_logprobs(batches, fp8=fp8_scoring)
+            for a, b in zip(ref, got, strict=True):
+                assert a.shape == b.shape
+                if step == 0:
+                    assert torch.equal(a, b)
+                else:
+                    assert float((a - b).abs().max()) < 1e-3
         for name, trainer in (("eager", eager), ("graphs", graphed)):
             stats = trainer.train_step(batches, SftLossFn(), units)
             assert not stats.skipped
             losses[name].append(stats.loss)
     graphs = graphed.layer_graphs
-    assert graphs.captures == 2 and graphs.num_shapes == 2  # both shapes ran from graphs...
-    assert graphs.replays == 4 * 2  # ...in every step
+    # Both shapes ran from graphs: training (2 shapes) and scoring (2 shapes x FP8 on/off; BF16: on = off)...
+    assert graphs.num_shapes == graphs.captures == 2 + (4 if fp8 else 2)
+    assert graphs.replays == 4 * 2 + 4 * 2 * 2  # ...in every step
     # The updates change the loss far more than graphs and eager differ: stale weights in a replay (an FP8
     # quantization cached at capture time, say) would show.
     assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2
@@ -88,6 +101,21 @@ def test_replaced_grads_and_a_second_forward_are_refused(tmp_path: Path) -> None
     loss_fn(trainer._loss_scores(batch, loss_fn), batch)
     with pytest.raises(RuntimeError, match="between this micro-batch's forward and its backward"):
         first.backward()
+    # A scoring forward (its own forward-only graphs) between a training forward and its backward, too.
+    first = loss_fn(trainer._loss_scores(batch, loss_fn), batch).loss
+    trainer.forward_logprobs([batches[0]])
+    assert trainer.layer_graphs.captures == 2
+    with pytest.raises(RuntimeError, match="between this micro-batch's forward and its backward"):
+        first.backward()
     trainer.optimizer.zero_grad(set_to_none=True)  # what the trainer must not do with graphs
     with pytest.raises(GradsReplaced):
         trainer.train_step(batches[:1], SftLossFn(), units)
+
+
+def test_auto_turns_the_graphs_on_for_one_gpu(tmp_path: Path) -> None:
+    model = init_model(tmp_path / "model", preset="tiny")
+    auto = TorchTrainer(
+        ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(), fp8=True, total_steps=1, seed=0
+    )
+    assert TrainerConfig().cuda_graphs == "auto"
+    assert auto.layer_graphs is not None and auto.layer_graphs.check_memory

@@ -116,12 +116,16 @@ class TrainerConfig(_Config):
     # as padded up to rounding; pays when lengths differ a lot (RL responses).
     pack_sequences: bool = False
     # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
-    # training (trainers/torch/layer_graphs.py), one capture per micro-batch shape (at most 4; others run
-    # eagerly); training micro-batches are right-padded to a length bucket (64, 80, 96, 112, 128, 160, ...:
-    # at most 25% padding) so that few shapes occur. Takes the host out of the step (Python autograd,
-    # cuBLASLt setup, launches); the graphs' memory pool stays reserved between steps, with per shape two
-    # FP32 activations of the micro-batch per layer. Not with pack_sequences, FSDP or gradient checkpointing.
-    cuda_graphs: bool = False
+    # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
+    # micro-batch shape (at most 4 per kind; others run eagerly); micro-batches are right-padded to a length
+    # bucket (64, 80, 96, 112, 128, 160, ...: at most 25% padding) so that few shapes occur. Takes the host
+    # out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at
+    # 1.5B without it); the graphs' memory pool stays reserved between steps, with per training shape two
+    # FP32 activations of the micro-batch per layer. Not with pack_sequences, FSDP, gradient checkpointing or
+    # true_on_policy. "auto": on where it applies (one CUDA GPU, none of those), and a new shape after the
+    # first is captured only if the free memory looks enough; true: required (an error where it cannot be);
+    # false: eager.
+    cuda_graphs: bool | Literal["auto"] = "auto"
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
     # Stop the stage, publishing nothing, after this many steps in a row skipped for a non-finite gradient
@@ -154,7 +158,7 @@ class TrainerConfig(_Config):
                 "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
                 " trainer.backend=megatron"
             )
-        if self.cuda_graphs and (self.backend != "torch" or self.pack_sequences):
+        if self.cuda_graphs is True and (self.backend != "torch" or self.pack_sequences):
             raise ValueError(
                 "trainer.cuda_graphs=true needs trainer.backend=torch with pack_sequences=false (packed"
                 " micro-batches pass per-sequence attention arguments a captured graph cannot hold)"

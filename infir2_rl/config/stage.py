@@ -129,7 +129,7 @@ class _StageBase(_Config):
         # by TrainerGroup before any actor starts.
         if t.backend == "megatron":
             check_model_dir(self.model.path, t.tensor_parallel_size, self.train_fp8)
-        if t.cuda_graphs:
+        if t.cuda_graphs is True:
             graph_problems = []
             if t.num_workers != 1 or t.fsdp_param_dtype == "bfloat16":
                 graph_problems.append(

@@ -72,8 +72,12 @@ def run_fp8(
 class Fp8GemmChooser:
     """Picks, per GEMM shape and input kind, the fastest FP8 implementation on this GPU.
 
-    Each candidate is timed inside a CUDA graph (10 calls per replay, median of 5 replays), as it runs
+    Each candidate is timed inside a CUDA graph (>= 10 calls per replay, median of 5 replays), as it runs
     in the decode graph: launch overhead excluded, which favours neither Triton's nor cuBLAS's launcher.
+    The calls rotate over copies of the weight that together exceed twice the L2 cache (``cold_copies``),
+    so each call reads its weight from device memory as every layer's GEMM does once per decode step. With
+    one weight the chooser timed L2-resident weights and picked shapes 1.3x slower in the decode step at some
+    sizes (``bench/decode_gemm.py``, docs/performance.md).
     """
 
     def __init__(self, pow2_scales: bool) -> None:
@@ -82,13 +86,20 @@ class Fp8GemmChooser:
         self.timings: dict[tuple[int, int, int, bool], dict[str, float]] = {}
 
     @staticmethod
-    def _time(fn: Callable[[], Tensor], calls: int = 10, replays: int = 5) -> float:
-        fn()
+    def _time(
+        fn: Callable[[], Tensor] | list[Callable[[], Tensor]], calls: int = 10, replays: int = 5
+    ) -> float:
+        """Milliseconds per call: the callables in turn (a list rotates over operands), ``calls`` or more per
+        graph replay, median over replays."""
+        fns = fn if isinstance(fn, list) else [fn]
+        for f in fns:
+            f()
         torch.cuda.synchronize()
+        sequence = fns * -(-calls // len(fns))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+            for f in sequence:
+                f()
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
@@ -97,8 +108,15 @@ class Fp8GemmChooser:
             graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+            times.append(start.elapsed_time(end) / len(sequence))
         return statistics.median(times)
+
+    @staticmethod
+    def cold_copies(*tensors: Tensor) -> int:
+        """How many copies of ``tensors`` exceed twice the L2 cache (at least 1, at most 64)."""
+        l2 = getattr(torch.cuda.get_device_properties(tensors[0].device), "L2_cache_size", 50 * 2**20)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))
 
     @staticmethod
     def bucket(m: int, prequant: bool) -> int:
@@ -118,15 +136,20 @@ class Fp8GemmChooser:
         if cublas_gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
             options.insert(0, _CUBLAS)
         times = {}
+        copies = [(w, s)] + [(w.clone(), s.clone()) for _ in range(self.cold_copies(w, s) - 1)]
         for option in options:
             try:
                 times[str(option)] = self._time(
-                    functools.partial(run_fp8, option, x, w, s, bias, self.pow2_scales, dtype)
+                    [
+                        functools.partial(run_fp8, option, x, wc, sc, bias, self.pow2_scales, dtype)
+                        for wc, sc in copies
+                    ]
                 )
             except Exception as exc:  # a launch shape this GPU or Triton cannot compile: not a candidate
                 logger.warning("FP8 GEMM candidate %s failed at %s: %s", option, key, exc)
         if not times:
             raise RuntimeError(f"no FP8 GEMM implementation ran at (M, N, K, prequantized) = {key}")
+        del copies
         best = min(times, key=lambda name: times[name])
         self.choice[key] = next(o for o in options if str(o) == best)
         self.timings[key] = times

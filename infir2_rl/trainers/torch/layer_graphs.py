@@ -21,9 +21,16 @@ training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``
   and backward of one shape before any other shape replays, and each buffer a graph reads is written by the
   same micro-batch's replays (or copied in) first.
 
-A call runs the layer's own (eager) forward when gradients are off (old log-probs, evaluation), the layer is
-in eval mode, the model was called with a KV cache or extra attention arguments (packed sequences), or the
-shape limit is reached (logged once). Capture needs the autocast weight cache off (``torch.autocast(...,
+Forwards without gradients (old log-probs, evaluation, the dense-trainer mismatch scoring) get graphs of their
+own, forward only, per shape: layer i's graph ends by copying its output into one of two ping-pong buffers,
+which layer i+1 reads, so a shape keeps two activations, not one per layer. The trainer pads such batches to
+a length bucket too. A training forward whose backward has not run yet and a replayed forward without
+gradients cannot interleave (the forward counter below refuses the backward).
+
+A call runs the layer's own (eager) forward when the layer is called with a KV cache or extra attention
+arguments (packed sequences), a training forward's layer is in eval mode or its input needs no gradient, the
+shape limit of its kind (training, or without gradients) is reached, or, after the first shape, the free
+GPU memory looks too small for another (logged once each). Capture needs the autocast weight cache off (``torch.autocast(...,
 cache_enabled=False)``): a cached cast made during a capture would be graph memory that later eager code
 reads.
 
@@ -74,7 +81,8 @@ def _fp8_state(layer: nn.Module) -> tuple[bool, ...]:
 class _ShapeGraphs:
     """Forward and backward CUDA graphs of every layer for one input shape, and their static buffers."""
 
-    def __init__(self, n: int, clock: list[int]) -> None:
+    def __init__(self, n: int, clock: list[int], forward_only: bool = False) -> None:
+        self.forward_only = forward_only  # no gradients: no backward graphs, ping-pong output buffers
         self.fwd = [torch.cuda.CUDAGraph() for _ in range(n)]
         self.bwd = [torch.cuda.CUDAGraph() for _ in range(n)]
         self.inputs: list[Tensor] = []  # layer i's input (layer i-1's output buffer for i > 0)
@@ -120,11 +128,15 @@ class _Replay(torch.autograd.Function):
 class LayerGraphs:
     """Replays ``model``'s decoder layers from CUDA graphs when it trains (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, max_shapes: int = 4) -> None:
+    def __init__(self, model: nn.Module, max_shapes: int = 4, check_memory: bool = False) -> None:
         if not torch.cuda.is_available():
             raise ValueError("trainer.cuda_graphs needs a CUDA device")
         self.layers = list(decoder_layers(model))
-        self.max_shapes = max_shapes
+        self.max_shapes = max_shapes  # per kind: training shapes, and shapes without gradients
+        # check_memory ("auto" mode): before each shape after the first, compare the free memory with what
+        # the first capture took (scaled by size) and run eagerly rather than risk running out.
+        self.check_memory = check_memory
+        self._capture_bytes_per_element: float | None = None
         self._eager: list[Callable[..., Tensor]] = [layer.forward for layer in self.layers]
         self._params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self._all_params = [p for params in self._params for p in params]
@@ -182,9 +194,19 @@ class LayerGraphs:
             )
         if i == len(self.layers) - 1:
             self._active = None
+        if graphs.forward_only:
+            return self._replay_forward_only(graphs, i, hidden_states)
         out = _Replay.apply(hidden_states, graphs, i)
         assert isinstance(out, Tensor)
         return out
+
+    @staticmethod
+    def _replay_forward_only(graphs: _ShapeGraphs, i: int, hidden: Tensor) -> Tensor:
+        static = graphs.inputs[i]
+        if hidden.data_ptr() != static.data_ptr():  # layer 0, or a layer after an eager one
+            static.copy_(hidden)
+        graphs.fwd[i].replay()
+        return graphs.outputs[i]  # a ping-pong buffer: the next layer's replay overwrites the other one
 
     def _key(
         self,
@@ -196,7 +218,8 @@ class LayerGraphs:
         kwargs: dict[str, Any],
     ) -> tuple[Any, ...] | None:
         layer = self.layers[0]
-        if not (torch.is_grad_enabled() and layer.training and hidden.requires_grad and hidden.is_cuda):
+        grad = torch.is_grad_enabled()
+        if not hidden.is_cuda or (grad and not (layer.training and hidden.requires_grad)):
             return None
         if past_key_values is not None or use_cache or kwargs or position_embeddings is None:
             return None  # a KV cache, or extra attention arguments (packed sequences): eager
@@ -215,13 +238,15 @@ class LayerGraphs:
             None if mask is None else (tuple(mask.shape), mask.dtype),
             torch.get_autocast_dtype("cuda") if autocast else None,
             _fp8_state(layer),
+            grad,
+            layer.training,
         )
 
     def _begin(
         self, graphs: _ShapeGraphs, mask: Tensor | None, position_embeddings: tuple[Tensor, Tensor] | None
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
-        for p, g in zip(self._all_params, graphs.grads, strict=True):
+        for p, g in zip(self._all_params, graphs.grads, strict=True) if not graphs.forward_only else ():
             if p.grad is not g:
                 raise GradsReplaced(
                     "trainer.cuda_graphs: a parameter's .grad was replaced or set to None after the backward "
@@ -249,24 +274,102 @@ class LayerGraphs:
         mask: Tensor | None,
         position_embeddings: tuple[Tensor, Tensor] | None,
     ) -> _ShapeGraphs | None:
-        if len(self._shapes) >= self.max_shapes:
+        forward_only = not torch.is_grad_enabled()
+        kind = "forward-only" if forward_only else "training"
+        if sum(g.forward_only == forward_only for g in self._shapes.values()) >= self.max_shapes:
             self._warn_once(
-                "shapes",
-                f"{self.max_shapes} input shapes captured already; micro-batches of other shapes run eagerly "
-                f"(this one: {tuple(hidden.shape)})",
+                f"shapes-{kind}",
+                f"{self.max_shapes} {kind} input shapes captured already; micro-batches of other shapes run "
+                f"eagerly (this one: {tuple(hidden.shape)})",
             )
             return None
+        if not self._memory_allows(hidden, forward_only):
+            return None
         assert position_embeddings is not None
-        graphs = self._capture(hidden, mask, position_embeddings)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved(hidden.device)
+        if forward_only:
+            graphs = self._capture_forward_only(hidden, mask, position_embeddings)
+        else:
+            graphs = self._capture(hidden, mask, position_embeddings)
+        grown = torch.cuda.memory_reserved(hidden.device) - before
+        if not forward_only and self._capture_bytes_per_element is None:
+            self._capture_bytes_per_element = max(grown, 0) / hidden.numel()
         self._shapes[key] = graphs
         self.captures += 1
         log.info(
-            "trainer.cuda_graphs: captured %d layers for input %s", len(self.layers), tuple(hidden.shape)
-        )
+            "trainer.cuda_graphs: captured %d layers (%s) for input %s; reserved memory +%.2f GiB",
+            len(self.layers), kind, tuple(hidden.shape), grown / 2**30,
+        )  # fmt: skip
         return graphs
+
+    def _memory_allows(self, hidden: Tensor, forward_only: bool) -> bool:
+        """In "auto" mode: another training shape is captured only if the free GPU memory (the driver's plus
+        the allocator's cached blocks) is at least twice what the first capture took, scaled by input size;
+        forward-only shapes only if it holds 8 more activations (their two buffers, and the layer's working
+        memory, a few activations' worth, in the shared pool)."""
+        if not self.check_memory:
+            return True
+        if forward_only:
+            need = 8.0 * hidden.numel() * hidden.element_size()
+        elif self._capture_bytes_per_element is None:
+            return True  # the first training shape: the eager step at this shape needs about as much
+        else:
+            need = 2.0 * self._capture_bytes_per_element * hidden.numel()
+        dev = hidden.device
+        free = (
+            torch.cuda.mem_get_info(dev)[0]
+            + torch.cuda.memory_reserved(dev)
+            - torch.cuda.memory_allocated(dev)
+        )
+        if free >= need:
+            return True
+        self._warn_once(
+            f"memory-{forward_only}",
+            f"{free / 2**30:.1f} GiB free, a new {'forward-only' if forward_only else 'training'} shape "
+            f"{tuple(hidden.shape)} needs about {need / 2**30:.1f} GiB: it and later new shapes run eagerly",
+        )
+        return False
 
     def _run_eager(self, i: int, x: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]) -> Tensor:
         return self._eager[i](x, attention_mask=mask, position_embeddings=pe)
+
+    def _capture_forward_only(
+        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]
+    ) -> _ShapeGraphs:
+        n = len(self.layers)
+        graphs = _ShapeGraphs(n, self._clock, forward_only=True)
+        side = warmup_stream(hidden.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(n):
+                for _ in range(WARMUP_ITERS):
+                    self._run_eager(i, torch.randn_like(hidden), mask, pe)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+        cos, sin = (t.detach().clone() for t in pe)
+        graphs.cos, graphs.sin = cos, sin
+        graphs.mask = None if mask is None else mask.detach().clone()
+        # Allocated outside the captures: the input buffer and the two buffers the layers' outputs alternate in.
+        x = torch.zeros_like(hidden)
+        pingpong = (torch.empty_like(hidden), torch.empty_like(hidden))
+        for i in range(n):
+            buffer = pingpong[i % 2]
+            with torch.cuda.graph(graphs.fwd[i], pool=self._pool):
+                out = self._run_eager(i, x, graphs.mask, (cos, sin))
+                if out.shape != buffer.shape or out.dtype != buffer.dtype:
+                    raise RuntimeError(
+                        f"trainer.cuda_graphs: layer {i} maps {tuple(hidden.shape)} {hidden.dtype} to "
+                        f"{tuple(out.shape)} {out.dtype}; the graphs need the residual stream's shape and dtype"
+                    )
+                buffer.copy_(out)
+            del out  # its memory returns to the pool: later layers' graphs may reuse it (they replay after)
+            graphs.inputs.append(x)
+            graphs.outputs.append(buffer)
+            x = buffer
+        torch.cuda.synchronize()
+        return graphs
 
     def _capture(self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]) -> _ShapeGraphs:
         n = len(self.layers)

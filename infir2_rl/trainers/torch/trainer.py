@@ -21,9 +21,11 @@ is decided on the device (optim.step_unless_nonfinite): the host waits once, aft
 Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
 entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
 
-`trainer.cuda_graphs` (one CUDA GPU, opt-in): the decoder layers' forward and backward of training micro-batches
-are replayed from CUDA graphs (layer_graphs.py); micro-batches are padded to a length bucket, gradients are
-zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache.
+`trainer.cuda_graphs` ("auto", the default: on for one CUDA GPU without FSDP, packing, gradient checkpointing or
+true_on_policy; off elsewhere): the decoder layers' forward and backward of training micro-batches, and their
+forward in scoring and evaluation, are replayed from CUDA graphs (layer_graphs.py); micro-batches are padded to
+a length bucket, gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast
+cache. Eager FP8 on a GPU is host-bound, 1.2-1.9x slower than BF16 at 1.5B (docs/performance.md).
 
 `true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
 every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
@@ -143,20 +145,31 @@ class TorchTrainer:
             self._check_true_on_policy()
         # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
         self.layer_graphs: LayerGraphs | None = None
-        if trainer_cfg.cuda_graphs:
-            blockers = {
+        blockers = [
+            name
+            for name, present in {
                 f"device {self.device}": self.device.type != "cuda",
                 "FSDP": self.fsdp,
                 "true_on_policy": true_on_policy,
                 "pack_sequences": self.pack_sequences,
                 "gradient checkpointing": model_cfg.gradient_checkpointing,
-            }
-            if any(blockers.values()):
-                raise ValueError(
-                    "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy, packing or "
-                    f"gradient checkpointing; here: {', '.join(k for k, v in blockers.items() if v)}"
-                )
-            self.layer_graphs = LayerGraphs(self.model)
+            }.items()
+            if present
+        ]
+        if trainer_cfg.cuda_graphs is True and blockers:
+            raise ValueError(
+                "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy, packing or "
+                f"gradient checkpointing; here: {', '.join(blockers)}"
+            )
+        if trainer_cfg.cuda_graphs is True or (trainer_cfg.cuda_graphs == "auto" and not blockers):
+            self.layer_graphs = LayerGraphs(self.model, check_memory=trainer_cfg.cuda_graphs == "auto")
+        if trainer_cfg.cuda_graphs == "auto" and self.device.type == "cuda":
+            log.info(
+                "trainer.cuda_graphs=auto: %s",
+                "decoder layers replayed from CUDA graphs"
+                if self.layer_graphs
+                else f"eager ({', '.join(blockers)})",
+            )
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optimizer_cfg)
@@ -246,6 +259,12 @@ class TorchTrainer:
             items += [None] * (D.all_reduce_max_int(len(items), self.device) - len(items))
         return items
 
+    def _bucketed(self, batch: TokenBatch) -> TokenBatch:
+        """With the layer graphs: ``batch`` right-padded to its length bucket, so that few shapes occur."""
+        if self.layer_graphs is None:
+            return batch
+        return pad_length(batch, bucket_length(batch.input_ids.shape[1]))
+
     def _dummy_batch(self) -> TokenBatch:
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2))
@@ -277,8 +296,7 @@ class TorchTrainer:
             if batch is None:
                 (self._dummy_scores().sum() * 0.0).backward()
                 continue
-            if self.layer_graphs is not None:  # a few lengths, so that a few captured graphs serve them all
-                batch = pad_length(batch, bucket_length(batch.input_ids.shape[1]))
+            batch = self._bucketed(batch)  # a few lengths, so that a few captured graphs serve them all
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             weight = out.num_units / total_units
             (out.loss * (weight * grad_scale)).backward()
@@ -371,8 +389,11 @@ class TorchTrainer:
             if batch is None:
                 self._dummy_scores(model)
                 continue
+            length = batch.input_ids.shape[1]
+            if model is None:  # the policy model's layers are graphed; the reference model's are not
+                batch = self._bucketed(batch)
             scores = self._scores(batch, batch.attention_mask > 0, temperature, model=model)
-            out.append(scores.logprobs_BL.cpu())
+            out.append(scores.logprobs_BL[:, :length].cpu())
         return out
 
     @torch.no_grad()
@@ -385,6 +406,7 @@ class TorchTrainer:
             if batch is None:
                 self._dummy_scores()
                 continue
+            batch = self._bucketed(batch)
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             total += float(out.loss.item()) * out.num_units
             units += out.num_units
