@@ -122,9 +122,10 @@ class TrainerConfig(_Config):
     # out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at
     # 1.5B without it); the graphs' memory pool stays reserved between steps, with per training shape two
     # FP32 activations of the micro-batch per layer. Not with pack_sequences, FSDP, gradient checkpointing or
-    # true_on_policy. "auto": on where it applies (one CUDA GPU, none of those), and a new shape after the
-    # first is captured only if the free memory looks enough; true: required (an error where it cannot be);
-    # false: eager.
+    # true_on_policy. "auto": on for FP8 trainers where it applies (one CUDA GPU, none of those), and a new
+    # shape after the first is captured only if the free memory looks enough; off for BF16 (eager BF16 is not
+    # host-bound: graphs gain 3-10%, and their reserved pool left a colocated engine at 1.5B out of memory);
+    # true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)

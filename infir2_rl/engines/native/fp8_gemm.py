@@ -65,8 +65,10 @@ def candidates(m: int, prequant: bool = True) -> list[GemmConfig]:
     bm = 16 if m <= 16 else 64
     shapes = [
         (32, 1, 4, 3), (64, 1, 4, 3), (128, 1, 4, 3), (32, 4, 4, 3), (64, 4, 4, 3), (64, 8, 4, 3),
-        (64, 1, 4, 5), (128, 1, 8, 4), (64, 2, 4, 4), (128, 2, 8, 3), (64, 1, 4, 7),
+        (64, 1, 4, 5), (128, 1, 8, 4), (64, 2, 4, 4), (128, 2, 8, 3),
     ]  # fmt: skip
+    if prequant:  # seven stages of FP8 tiles fit shared memory; of BF16 input tiles (BM 64) they do not
+        shapes.append((64, 1, 4, 7))
     out = [GemmConfig(bm, bn, sk, w, st) for bn, sk, w, st in shapes]
     if m >= 128:
         out += [GemmConfig(128, 64, 1, 4, 3), GemmConfig(128, 128, 1, 8, 3)]
