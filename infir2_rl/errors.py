@@ -45,6 +45,12 @@ class Terminated(KeyboardInterrupt):
     A KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
 
 
+# Set by the SIGTERM handler. Ray's ``ray.get`` checks signals itself and turns any KeyboardInterrupt raised by
+# a handler into a fresh, plain ``KeyboardInterrupt`` (``_raylet.check_signals``), so a SIGTERM that lands
+# while the driver waits on Ray arrives without the ``Terminated`` class: this flag still tells them apart.
+SIGTERM_RECEIVED = [False]
+
+
 def first_line(text: str) -> str:
     """The first non-empty line of ``text``, stripped and bounded in length."""
     for line in str(text).splitlines():
@@ -94,7 +100,7 @@ def describe(exc: BaseException) -> tuple[int, str]:
     if remote is not None:
         code, line = describe(remote)
         return code, line if "Ray actor" in line else f"{line} (raised in a Ray actor)"
-    if isinstance(exc, Terminated):
+    if isinstance(exc, Terminated) or (isinstance(exc, KeyboardInterrupt) and SIGTERM_RECEIVED[0]):
         return EXIT_TERMINATED, f"terminated (SIGTERM); {RESUME_HINT}"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"interrupted; {RESUME_HINT}"

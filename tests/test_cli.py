@@ -123,3 +123,15 @@ def test_sigterm_ends_a_stage_with_one_line_and_exit_143(tmp_path: Path) -> None
     assert "infir2-rl: error: terminated (SIGTERM); rerun the same command to resume" in err
     assert "SIGTERM received" not in err  # no stack dump
     assert "stage failed: terminated (SIGTERM)" in (run_dir / "logs" / "stage.log").read_text()
+
+
+def test_a_sigterm_that_ray_turned_into_a_plain_keyboard_interrupt_still_exits_143(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's ray.get re-raises a handler's KeyboardInterrupt subclass as a plain KeyboardInterrupt."""
+    from infir2_rl import errors
+
+    assert errors.describe(KeyboardInterrupt())[0] == errors.EXIT_INTERRUPTED
+    monkeypatch.setattr(errors, "SIGTERM_RECEIVED", [True])
+    code, line = errors.describe(KeyboardInterrupt())
+    assert code == errors.EXIT_TERMINATED and "SIGTERM" in line

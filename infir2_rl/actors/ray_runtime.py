@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 
-from infir2_rl.errors import Terminated
+from infir2_rl.errors import SIGTERM_RECEIVED, Terminated
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ def raise_on_sigterm() -> None:
         return
 
     def handler(signum: int, frame: object) -> None:
+        SIGTERM_RECEIVED[0] = True
         raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
