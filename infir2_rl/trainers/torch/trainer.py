@@ -282,6 +282,34 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ TrainerBackend
     def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+        # INFIR2_PROFILE_TRAIN_STEP=N: torch.profiler over optimizer step N, tables to INFIR2_PROFILE_DIR
+        # (docs/monitoring.md). A debugging aid for GPU runs; off by default.
+        if os.environ.get("INFIR2_PROFILE_TRAIN_STEP", "") == str(self.step + 1):
+            return self._profiled_train_step(batches, loss_fn, total_units)
+        return self._train_step(batches, loss_fn, total_units)
+
+    def _profiled_train_step(
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int
+    ) -> TrainStats:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            stats = self._train_step(batches, loss_fn, total_units)
+        out = Path(os.environ.get("INFIR2_PROFILE_DIR", ".")) / f"train_step{self.step}_rank{self.rank}.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        sort = "device_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        out.write_text(
+            f"step {self.step}, wall {stats.step_time_s * 1e3:.1f} ms\n"
+            + averages.table(sort_by=sort, row_limit=60)
+            + "\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=30)
+        )
+        log.info("profile of train step %d written to %s", self.step, out)
+        return stats
+
+    def _train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
         if total_units < 1:
             raise ValueError(
                 f"total_units={total_units}: the global batch has no loss units (empty loss mask?)"
