@@ -1,0 +1,58 @@
+"""trainer.cuda_graphs=auto guards memory before capturing another shape (``LayerGraphs._memory_allows``);
+the decision is plain arithmetic over the allocator's numbers, checked here on CPU with those numbers faked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infir2_rl.models.factory import init_model
+from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
+
+GIB = 2**30
+
+
+def _graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, check_memory: bool) -> LayerGraphs:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "model", preset="tiny"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # a CPU build has no pools
+    return LayerGraphs(model, check_memory=check_memory)
+
+
+def _free(monkeypatch: pytest.MonkeyPatch, driver_free: int, reserved: int, allocated: int) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (driver_free, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def test_auto_captures_another_shape_only_when_memory_looks_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=True)
+    hidden = torch.zeros(32, 320, 64)  # FP32: 2.5 MiB
+    _free(monkeypatch, driver_free=0, reserved=0, allocated=0)
+    assert graphs._memory_allows(hidden, forward_only=False)  # the first training shape: always
+    graphs._capture_bytes_per_element = 1000.0  # as if the first capture grew the pool by 1000 B per element
+    need = 2 * 1000 * hidden.numel()
+    # Free = the driver's free memory + the allocator's cached, unallocated blocks.
+    _free(monkeypatch, driver_free=need // 2, reserved=need, allocated=need // 2)
+    assert graphs._memory_allows(hidden, forward_only=False)
+    _free(monkeypatch, driver_free=need // 2 - 1, reserved=need, allocated=need // 2)
+    assert not graphs._memory_allows(hidden, forward_only=False)
+    # Forward-only shapes need room for 8 activations.
+    act = hidden.numel() * hidden.element_size()
+    _free(monkeypatch, driver_free=8 * act, reserved=0, allocated=0)
+    assert graphs._memory_allows(hidden, forward_only=True)
+    _free(monkeypatch, driver_free=8 * act - 1, reserved=0, allocated=0)
+    assert not graphs._memory_allows(hidden, forward_only=True)
+
+
+def test_without_the_check_every_shape_is_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=False)  # cuda_graphs=true: the user asked for them
+    graphs._capture_bytes_per_element = 1e12
+    _free(monkeypatch, driver_free=0, reserved=0, allocated=0)
+    assert graphs._memory_allows(torch.zeros(4, 64, 64), forward_only=False)
