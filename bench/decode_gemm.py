@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infir2_rl.engines.native import fp8_gemm  # noqa: E402
+from infir2_rl.engines.native.linears import Fp8GemmChooser  # noqa: E402
 from infir2_rl.fp8 import gemm as cublas_gemm  # noqa: E402
 from infir2_rl.fp8 import quant_triton  # noqa: E402
 from infir2_rl.fp8.quant import quantize_weight_blockwise  # noqa: E402
@@ -37,27 +37,9 @@ SHAPES = [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("do
 COLD_BYTES = 256 * 2**20
 
 
-def time_graph(fns: list, replays: int = 7) -> float:
-    """Median us per call of ``fns`` (called in order, twice around) captured in one CUDA graph."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    calls = fns * max(1, 20 // len(fns))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+def time_graph(fns: list) -> float:
+    """Median us per call of ``fns`` (called in turn, >= 20 calls) in one CUDA graph: the chooser's timer."""
+    return 1e3 * Fp8GemmChooser._time(fns, calls=20, replays=7)
 
 
 def _cublas(s_t: torch.Tensor, q: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

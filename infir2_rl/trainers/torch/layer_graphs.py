@@ -246,12 +246,8 @@ class LayerGraphs:
         self, graphs: _ShapeGraphs, mask: Tensor | None, position_embeddings: tuple[Tensor, Tensor] | None
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
-        for p, g in zip(self._all_params, graphs.grads, strict=True) if not graphs.forward_only else ():
-            if p.grad is not g:
-                raise GradsReplaced(
-                    "trainer.cuda_graphs: a parameter's .grad was replaced or set to None after the backward "
-                    "graphs were captured (zero gradients in place: optimizer.zero_grad(set_to_none=False))"
-                )
+        if not graphs.forward_only:  # the backward graphs add into the .grad tensors of their capture
+            self._check_grads(graphs)
         graphs.cos.copy_(position_embeddings[0])
         graphs.sin.copy_(position_embeddings[1])
         if mask is not None:
@@ -260,6 +256,14 @@ class LayerGraphs:
         self._active = (graphs, position_embeddings, mask)
         self._clock[0] += 1
         self.replays += 1
+
+    def _check_grads(self, graphs: _ShapeGraphs) -> None:
+        for p, g in zip(self._all_params, graphs.grads, strict=True):
+            if p.grad is not g:
+                raise GradsReplaced(
+                    "trainer.cuda_graphs: a parameter's .grad was replaced or set to None after the backward "
+                    "graphs were captured (zero gradients in place: optimizer.zero_grad(set_to_none=False))"
+                )
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

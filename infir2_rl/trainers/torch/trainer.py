@@ -25,7 +25,7 @@ entropies when asked) at the positions the loss needs (scoring.py, trainers/toke
 checkpointing or true_on_policy; off elsewhere, BF16 included): the decoder layers' forward and backward of training micro-batches, and their
 forward in scoring and evaluation, are replayed from CUDA graphs (layer_graphs.py); micro-batches are padded to
 a length bucket, gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast
-cache. Eager FP8 on a GPU is host-bound, 1.2-1.9x slower than BF16 at 1.5B (docs/performance.md).
+cache. Eager FP8 on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
 
 `true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
 every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
