@@ -2,6 +2,7 @@
 
     python bench/train_step.py [--batch 1 --seq 8192] [--steps 10] [--profile] [--out PATH] [--tiny]
                                [--backend torch|megatron] [--cuda-graphs off|on|both]
+                               [--fused-kernels auto|off|both]
 
 What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
 on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
@@ -23,7 +24,9 @@ graphs on one GPU). After the training steps each mode times ``--score-steps`` n
 the same batch (``forward_logprobs``: an RL step's old log-probs; from forward-only graphs with graphs on). ``--tiny`` runs the tiny preset on CPU (FP8
 emulated) to check the script. ``--backend megatron`` times
 ``MegatronTrainer`` (megatron-core GPTModel, local spec: the project's FP8 linears, SDPA attention, TP=1)
-on the same model, batch and loss.
+on the same model, batch and loss. ``--fused-kernels both`` runs every mode twice, with ``trainer.fused_kernels``
+off and on (RMSNorm and SwiGLU as one Triton kernel each way; ``auto``, the default, is on for CUDA), so the
+fused and unfused steps are measured in one process; ``off`` runs torch's modules only.
 """
 
 from __future__ import annotations
@@ -182,7 +185,12 @@ def sync(device: torch.device) -> None:
 
 
 def run_mode(
-    path: Path, fp8: bool, graphs: bool, args: argparse.Namespace, device: torch.device
+    path: Path,
+    fp8: bool,
+    graphs: bool,
+    args: argparse.Namespace,
+    device: torch.device,
+    fused: bool | str = "auto",
 ) -> dict[str, Any]:
     from transformers import AutoConfig
 
@@ -213,7 +221,7 @@ def run_mode(
     else:
         trainer = TorchTrainer(
             ModelConfig(path=str(path)),
-            TrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype, cuda_graphs=graphs),
+            TrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype, cuda_graphs=graphs, fused_kernels=fused),
             optim,
             fp8=fp8,
             total_steps=args.warmup + args.steps + 1,
@@ -260,6 +268,7 @@ def run_mode(
     out: dict[str, Any] = {
         "fp8": fp8,
         "cuda_graphs": graphs,
+        "fused_kernels": getattr(trainer, "fused_layers", {}),
         "graph_captures": getattr(getattr(trainer, "layer_graphs", None), "captures", 0),
         "backend": args.backend,
         "fp8_linears": fp8_linears,
@@ -325,7 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         default="off",
         help="torch backend on a GPU: trainer.cuda_graphs off, on, or both (four modes in one process)",
     )
+    parser.add_argument(
+        "--fused-kernels",
+        choices=("auto", "off", "both"),
+        default="auto",
+        help="torch backend: trainer.fused_kernels as the trainer's default (auto), off, or both (each mode twice)",
+    )
     args = parser.parse_args(argv)
+    if args.fused_kernels == "both" and (args.tiny or args.backend != "torch"):
+        parser.error("--fused-kernels both needs the torch backend on a GPU (not --tiny)")
     if args.cuda_graphs != "off" and (args.tiny or args.backend != "torch"):
         parser.error("--cuda-graphs on/both needs the torch backend on a GPU (not --tiny)")
     if args.tiny:
@@ -347,8 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     graph_settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graphs]
+    fused_settings: tuple[bool | str, ...] = {"auto": ("auto",), "off": (False,), "both": (False, True)}[
+        args.fused_kernels
+    ]
     results = {
-        f"{precision}{'+graphs' if graphs else ''}": run_mode(path, precision == "fp8", graphs, args, device)
+        f"{precision}{'+graphs' if graphs else ''}{'+fused' if fused is True else ''}": run_mode(
+            path, precision == "fp8", graphs, args, device, fused
+        )
+        for fused in fused_settings
         for graphs in graph_settings
         for precision in ("bf16", "fp8")
     }
@@ -370,13 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         else None,
     }
     print(
-        f"\n{'mode':<11} | {'step ms':>8} {'min':>8} {'max':>8} | {'TFLOP/s':>7} | {'peak GiB':>8} {'reserved':>8} | "
+        f"\n{'mode':<18} | {'step ms':>8} {'min':>8} {'max':>8} | {'TFLOP/s':>7} | {'peak GiB':>8} {'reserved':>8} | "
         f"{'left GiB':>8} | {'loss first -> last':>18} | skipped | {'score ms':>8} {'min':>7} {'max':>7}"
     )
     for mode, r in results.items():
         s = r["step_ms"]
         print(
-            f"{mode:<11} | {s['median']:8.1f} {s['min']:8.1f} {s['max']:8.1f} | {r['tflops']:7.1f} | "
+            f"{mode:<18} | {s['median']:8.1f} {s['min']:8.1f} {s['max']:8.1f} | {r['tflops']:7.1f} | "
             f"{r['peak_memory_gb'] or float('nan'):8.2f} {r['peak_reserved_gb'] or float('nan'):8.2f} | {r['leftover_before_build_gb']:8.2f} | "
             f"{r['loss_first_last'][0]:8.4f} -> {r['loss_first_last'][1]:7.4f} | {r['skipped_steps']:7d} | "
             + (

@@ -127,6 +127,11 @@ class TrainerConfig(_Config):
     # host-bound: graphs gain 3-10%, and their reserved pool left a colocated engine at 1.5B out of memory);
     # true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"
+    # Torch backend: RMSNorm and the SwiGLU MLP activation run as one Triton kernel each way
+    # (trainers/torch/fused_layers.py) instead of ~5 + ~10 and 2 + 3 torch kernels, saving less for backward;
+    # the same numbers up to the order of the norm's FP32 sum. "auto": on where it can run (CUDA with
+    # Triton, not true_on_policy, which has its own kernels); true: required; false: torch's modules.
+    fused_kernels: bool | Literal["auto"] = "auto"
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
     max_steps: int | None = Field(default=None, ge=1)
     # Stop the stage, publishing nothing, after this many steps in a row skipped for a non-finite gradient

@@ -27,6 +27,9 @@ forward in scoring and evaluation, are replayed from CUDA graphs (layer_graphs.p
 a length bucket, gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast
 cache. Eager FP8 on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
 
+`trainer.fused_kernels` ("auto": on for CUDA with Triton, not under true_on_policy): the model's RMSNorm and
+SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), in both precisions; the CPU keeps torch's.
+
 `true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
 every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
 trainer's log-probs of the engine's samples equal the engine's bit for bit; backward is plain torch math.
@@ -53,6 +56,7 @@ from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
+from infir2_rl.trainers.torch import fused_layers
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
 from infir2_rl.trainers.torch.reference import load_reference_model
@@ -121,6 +125,17 @@ class TorchTrainer:
                 log.warning(
                     "FP8 precision but the model has no decoder linears to swap: training in BF16/FP32"
                 )
+        # trainer.fused_kernels: RMSNorm and SwiGLU as one Triton kernel each way (fused_layers.py).
+        fused_ok = fused_layers.available(self.device) and not true_on_policy
+        if trainer_cfg.fused_kernels is True and not fused_ok:
+            raise ValueError(
+                "trainer.fused_kernels=true needs a CUDA device with Triton and true_on_policy off; here: "
+                f"device {self.device}, true_on_policy={true_on_policy}"
+            )
+        self.fused_layers: dict[str, int] = {}
+        if trainer_cfg.fused_kernels is True or (trainer_cfg.fused_kernels == "auto" and fused_ok):
+            self.fused_layers = fused_layers.apply_fused_layers(model)
+            log.info("trainer.fused_kernels: %s", self.fused_layers)
         model.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
         # What FSDP2 gathers for the forward (trainer.fsdp_param_dtype; distributed.py says what changes).
         self.fsdp_param_dtype = D.resolve_fsdp_param_dtype(

@@ -1,0 +1,289 @@
+"""Fused RMSNorm and SwiGLU for the torch trainer (Triton, CUDA): one kernel forward, one backward.
+
+Why: in a 1.5B train step the elementwise work between the GEMMs ("other" in docs/performance.md) is half
+the step in both precisions, and the same in BF16 and FP8. Qwen2RMSNorm is ~5 torch kernels forward and ~10
+backward over the FP32 residual stream, and saves an FP32 copy of ``x * rsqrt(var)`` for its backward;
+``act_fn(gate) * up`` is 2 forward and 3 backward kernels and saves ``silu(gate)`` beside gate and up. Here
+each is one kernel each way; the norm saves its input (kept alive anyway: it is the residual) and one FP32
+number per row, SwiGLU saves gate and up and recomputes ``silu(gate)``.
+
+The numbers follow torch's op by op, so the change is a matter of the last bit:
+
+* RMSNorm (Qwen2RMSNorm.forward): statistics in FP32, ``x * rsqrt(mean(x^2) + eps)`` rounded to the input's
+  dtype, times the weight, output in ``promote(weight, input)`` (FP32 on the trainer's FP32 residual stream,
+  as before). Only the order of the mean's FP32 sum differs. The weight gradient sums the rows' products
+  in FP32 per program, then over programs (deterministic for a given shape).
+* SwiGLU (Qwen2MLP with ``hidden_act: silu``): ``silu(gate)`` and the product are rounded to the activation
+  dtype where torch rounds them (BF16 under autocast), and so are the gradients.
+
+``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
+``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
+run the parent's torch code, so the CPU path is unchanged (``trainer.fused_kernels``, trainer.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs
+    _HAVE_TRITON = False
+
+
+def available(device: torch.device) -> bool:
+    return _HAVE_TRITON and device.type == "cuda"
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _rms_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, r_ptr, M, K, inv_k, eps,
+        BM: tl.constexpr, BK: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # 1 / sqrt_rn as the engine's add_rms_norm (fused_ops.py)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) * inv_k + eps)
+        xr = x * r[:, None]
+        if ROUND_BF16:  # hidden_states.to(input_dtype)
+            xr = xr.to(tl.bfloat16).to(tl.float32)
+        if ROUND_F16:
+            xr = xr.to(tl.float16).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (xr * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(r_ptr + rows, r, mask=rows < M)
+
+    @triton.jit
+    def _rms_bwd_kernel(
+        dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, M, K, inv_k, rows_per_prog,
+        BM: tl.constexpr, BK: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BK)
+        w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        dw = tl.zeros((BK,), tl.float32)
+        start = pid * rows_per_prog
+        for r0 in range(start, start + rows_per_prog, BM):
+            rows = r0 + tl.arange(0, BM)
+            mask = (rows[:, None] < M) & (cols[None, :] < K)
+            offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
+            xr = x * r[:, None]
+            if ROUND_BF16:
+                xr = xr.to(tl.bfloat16).to(tl.float32)
+            if ROUND_F16:
+                xr = xr.to(tl.float16).to(tl.float32)
+            dw += tl.sum(dy * xr, axis=0)
+            dxr = dy * w[None, :]  # the gradient reaching x * r (the rounding passes it through, as .to does)
+            dot = tl.sum(dxr * x, axis=1) * inv_k
+            dx = r[:, None] * dxr - x * (r * r * r * dot)[:, None]
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_ptr + pid.to(tl.int64) * K + cols, dw, mask=cols < K)
+
+    @triton.jit
+    def _silu(g):
+        return g / (1.0 + tl.exp(-g))
+
+    @triton.jit
+    def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _silu(g).to(h_ptr.dtype.element_ty).to(tl.float32)  # act_fn(gate) is a tensor of gate's dtype
+        tl.store(h_ptr + offs, (s * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        s = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
+        ds = (dh * u).to(dg_ptr.dtype.element_ty).to(tl.float32)  # mul's backward, in the product's dtype
+        dg = ds * sig * (1.0 + g * (1.0 - sig))
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + offs, (dh * s).to(du_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_launch(k: int) -> tuple[int, int, int]:
+    """(BK, BM, warps): a row fits one program's registers whole; ~8K elements per program."""
+    bk = triton.next_power_of_2(k)
+    bm = max(1, min(16, 8192 // bk))
+    return bk, bm, 8 if bk >= 4096 else 4
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        k = x.shape[-1]
+        x2d = x.reshape(-1, k)
+        if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) != k):
+            x2d = x2d.contiguous()
+        m = x2d.shape[0]
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        y = torch.empty((m, k), dtype=out_dtype, device=x.device)
+        r = torch.empty((m,), dtype=torch.float32, device=x.device)
+        bk, bm, warps = _rms_launch(k)
+        if m:
+            _rms_fwd_kernel[(triton.cdiv(m, bm),)](
+                x2d, weight, y, r, m, k, 1.0 / k, eps, BM=bm, BK=bk,
+                ROUND_BF16=x.dtype == torch.bfloat16, ROUND_F16=x.dtype == torch.float16, num_warps=warps,
+            )  # fmt: skip
+        ctx.save_for_backward(x2d, weight, r)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return y.view(*x.shape[:-1], k)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        x2d, weight, r = ctx.saved_tensors
+        m, k = x2d.shape
+        dy2d = dy.reshape(-1, k)
+        if dy2d.stride(-1) != 1 or (m > 1 and dy2d.stride(0) != k):
+            dy2d = dy2d.contiguous()
+        dx = torch.empty((m, k), dtype=ctx.x_dtype, device=x2d.device)
+        if m == 0:
+            dw0 = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            return dx.view(ctx.x_shape), dw0, None
+        bk, bm, warps = _rms_launch(k)
+        # A fixed number of programs per GPU (each loops over its rows and keeps one FP32 partial of dw),
+        # so dw sums the same partials in the same order for a given shape.
+        progs = min(triton.cdiv(m, bm), 4 * _num_sms(x2d.device.index or 0))
+        rows_per_prog = triton.cdiv(triton.cdiv(m, progs), bm) * bm
+        progs = triton.cdiv(m, rows_per_prog)
+        partial = torch.empty((progs, k), dtype=torch.float32, device=x2d.device)
+        _rms_bwd_kernel[(progs,)](
+            dy2d, x2d, weight, r, dx, partial, m, k, 1.0 / k, rows_per_prog, BM=bm, BK=bk,
+            ROUND_BF16=ctx.x_dtype == torch.bfloat16, ROUND_F16=ctx.x_dtype == torch.float16,
+            num_warps=warps,
+        )  # fmt: skip
+        dw = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.x_shape), dw, None
+
+
+_SWIGLU_BLOCK = 2048
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+        if gate.shape != up.shape or gate.dtype != up.dtype:
+            raise ValueError(
+                f"swiglu: gate {gate.dtype} {tuple(gate.shape)} vs up {up.dtype} {tuple(up.shape)}"
+            )
+        gate, up = gate.contiguous(), up.contiguous()
+        h = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
+                gate, up, h, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
+            )
+        ctx.save_for_backward(gate, up)
+        return h
+
+    @staticmethod
+    def backward(ctx: Any, dh: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        dh = dh.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
+                dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
+            )
+        return dg, du
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen2RMSNorm's forward (Triton on CUDA, torch elsewhere)."""
+    if available(x.device):
+        out = _RMSNormFn.apply(x, weight, eps)
+        assert isinstance(out, Tensor)
+        return out
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` (Triton on CUDA, torch elsewhere)."""
+    if available(gate.device):
+        out = _SwiGLUFn.apply(gate, up)
+        assert isinstance(out, Tensor)
+        return out
+    return nn.functional.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------- model swap
+_FUSED_CLASSES: dict[type, type] = {}
+_NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
+_MLP_CLASSES = ("Qwen2MLP", "LlamaMLP")
+
+
+def _fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
+    if not available(hidden_states.device):
+        return super(type(self), self).forward(hidden_states)  # type: ignore[misc]
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _fused_mlp_forward(self: Any, x: Tensor) -> Tensor:
+    if not available(x.device):
+        return super(type(self), self).forward(x)  # type: ignore[misc]
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_subclass(cls: type, forward: Any) -> type:
+    if cls not in _FUSED_CLASSES:
+        _FUSED_CLASSES[cls] = type(
+            f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__}
+        )
+    return _FUSED_CLASSES[cls]
+
+
+def _mlp_is_swiglu(module: nn.Module) -> bool:
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    has_bias = any(
+        getattr(getattr(module, n, None), "bias", None) is not None for n in ("gate_proj", "up_proj")
+    )
+    return act in ("silu", "swish") and not getattr(module, "mlp_bias", False) and not has_bias
+
+
+def apply_fused_layers(model: nn.Module) -> dict[str, int]:
+    """Switch the model's RMSNorm and SwiGLU MLP modules to the fused kernels; returns how many of each.
+
+    Only the exact classes named in ``_NORM_CLASSES`` / ``_MLP_CLASSES`` are switched (a subclass or
+    another architecture's norm, such as Gemma's ``1 + weight``, may compute something else).
+    """
+    counts = {"rms_norm": 0, "swiglu_mlp": 0}
+    for module in model.modules():
+        cls = type(module)
+        if cls in _FUSED_CLASSES.values():  # switched already
+            counts["rms_norm" if cls.forward is _fused_norm_forward else "swiglu_mlp"] += 1
+        elif cls.__name__ in _NORM_CLASSES and hasattr(module, "variance_epsilon"):
+            module.__class__ = _fused_subclass(cls, _fused_norm_forward)
+            counts["rms_norm"] += 1
+        elif cls.__name__ in _MLP_CLASSES and _mlp_is_swiglu(module):
+            module.__class__ = _fused_subclass(cls, _fused_mlp_forward)
+            counts["swiglu_mlp"] += 1
+    return counts

@@ -1,0 +1,143 @@
+"""On a CUDA GPU: the fused RMSNorm and SwiGLU kernels (``trainers/torch/fused_layers.py``) compute what
+transformers' Qwen2RMSNorm and ``silu(gate) * up`` compute, forward and backward, in FP32 and BF16; and a
+trainer with ``fused_kernels`` on trains as one with them off (BF16 and FP8, with the layer graphs that
+``auto`` turns on for FP8). Skipped on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.data.datasets import load_sft_examples
+from infir2_rl.data.synthetic import make_data
+from infir2_rl.models.factory import init_model
+from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.microbatch import bucket_length, pad_length
+from infir2_rl.trainers.torch import fused_layers
+from infir2_rl.trainers.torch.trainer import TorchTrainer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
+@pytest.mark.parametrize(("m", "k"), [(1, 384), (37, 1536), (1000, 3584)])
+def test_rms_norm_equals_qwen2_rmsnorm_forward_and_backward(
+    x_dtype: torch.dtype, w_dtype: torch.dtype, m: int, k: int
+) -> None:
+    torch.manual_seed(0)
+    ref = Qwen2RMSNorm(k, eps=1e-6).cuda().to(w_dtype)
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.1 * torch.randn(k))
+    x = (3 * torch.randn(2, m, k, device="cuda")).to(x_dtype).requires_grad_()
+    y_ref = ref(x)
+    dy = torch.randn_like(y_ref)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, ref.weight), dy)
+
+    x2 = x.detach().clone().requires_grad_()
+    w2 = ref.weight.detach().clone().requires_grad_()
+    y = fused_layers.rms_norm(x2, w2, 1e-6)
+    dx, dw = torch.autograd.grad(y, (x2, w2), dy)
+    assert y.dtype == y_ref.dtype and dx.dtype == x.dtype and dw.dtype == w_dtype
+    # Only the order of the FP32 sums differs: a few FP32 ulps; where x * rsqrt(var) is rounded to BF16 (a
+    # BF16 input), that moves an element by one BF16 ulp now and then.
+    assert _rel(y, y_ref) <= (1e-5 if x_dtype == torch.float32 else 2**-7)
+    if x_dtype != torch.float32:
+        assert float((y.float() != y_ref.float()).float().mean()) < 0.01
+    assert _rel(dx, dx_ref) <= (1e-4 if x_dtype == torch.float32 else 2**-7)
+    assert _rel(dw, dw_ref) <= (1e-4 if w_dtype == torch.float32 else 2**-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_equals_silu_times_up_forward_and_backward(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    g = (4 * torch.randn(33, 8960, device="cuda")).to(dtype).requires_grad_()
+    u = torch.randn(33, 8960, device="cuda").to(dtype).requires_grad_()
+    h_ref = torch.nn.functional.silu(g) * u
+    dh = torch.randn_like(h_ref)
+    dg_ref, du_ref = torch.autograd.grad(h_ref, (g, u), dh)
+    g2, u2 = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+    h = fused_layers.swiglu(g2, u2)
+    dg, du = torch.autograd.grad(h, (g2, u2), dh)
+    # The same roundings as torch's two ops: BF16 results agree but for the last bit of exp's rounding.
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for got, want in ((h, h_ref), (dg, dg_ref), (du, du_ref)):
+        assert got.dtype == want.dtype
+        assert _rel(got, want) <= tol
+        assert float((got != want).float().mean()) < 0.01
+
+
+def _trainer(model: Path, fp8: bool, fused: bool, **trainer: object) -> TorchTrainer:
+    return TorchTrainer(
+        ModelConfig(path=str(model)),
+        TrainerConfig(fused_kernels=fused, **trainer),  # type: ignore[arg-type]
+        OptimizerConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant"),
+        fp8=fp8,
+        total_steps=8,
+        seed=0,
+    )
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_trainer_with_fused_kernels_trains_as_without(tmp_path: Path, fp8: bool) -> None:
+    model = init_model(tmp_path / "model", preset="tiny")
+    plain, fused = _trainer(model, fp8, fused=False), _trainer(model, fp8, fused=True)
+    assert plain.fused_layers == {}
+    n_layers = plain.model.config.num_hidden_layers
+    assert fused.fused_layers == {"rms_norm": 2 * n_layers + 1, "swiglu_mlp": n_layers}
+    assert list(fused.model.state_dict()) == list(plain.model.state_dict())
+    paths = make_data(tmp_path / "data", num_sft=16, num_rl=4, num_test=4)
+    examples, _ = load_sft_examples(paths.sft_train, plain.tokenizer)
+    pad = plain.tokenizer.pad_token_id
+    batches = [to_token_batch(examples[:8], pad), to_token_batch(examples[8:12], pad)]
+    batches = [pad_length(b, bucket_length(b.input_ids.shape[1])) for b in batches]
+    units = sum(num_target_tokens(b) for b in batches)
+    first = [a for a in plain.forward_logprobs(batches)]
+    for a, b in zip(first, fused.forward_logprobs(batches), strict=True):
+        # BF16 scores; in FP8 a tile whose input moved by an ulp can round to another e4m3 code
+        assert float((a - b).abs().max()) < (1e-1 if fp8 else 2e-2)
+    losses: dict[str, list[float]] = {"plain": [], "fused": []}
+    for _ in range(4):
+        for name, trainer in (("plain", plain), ("fused", fused)):
+            stats = trainer.train_step(batches, SftLossFn(), units)
+            assert not stats.skipped
+            losses[name].append(stats.loss)
+    # The updates move the loss far more than the two paths differ (a wrong gradient would not track).
+    assert abs(losses["plain"][-1] - losses["plain"][0]) > 0.1
+    for a, b in zip(losses["plain"], losses["fused"], strict=True):
+        assert abs(a - b) <= 2e-3 * abs(a)
+    # AdamW moves an element by ~lr per step whatever its gradient's size: where a tiny gradient's sign
+    # differs between the two paths the element parts by up to 2 x lr per step.
+    for (name, p), q in zip(plain.model.named_parameters(), fused.model.parameters(), strict=True):
+        assert float((p - q).abs().max()) < 1e-2, name
+        assert float((p - q).abs().mean()) < 1e-4, name
+
+
+def test_fused_kernels_under_one_rank_fsdp_with_bf16_copies(tmp_path: Path) -> None:
+    """BF16 inputs to the norm (FSDP2's BF16 forward copies) take the kernels' rounding branch."""
+    model = init_model(tmp_path / "model", preset="tiny")
+    paths = make_data(tmp_path / "data", num_sft=8, num_rl=4, num_test=4)
+    losses = []
+    for fused in (False, True):
+        trainer = _trainer(model, False, fused=fused, fsdp_param_dtype="bfloat16")
+        assert trainer.fsdp
+        examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
+        batch = to_token_batch(examples[:8], trainer.tokenizer.pad_token_id)
+        stats = [trainer.train_step([batch], SftLossFn(), num_target_tokens(batch)) for _ in range(3)]
+        losses.append([s.loss for s in stats])
+    for a, b in zip(*losses, strict=True):
+        assert abs(a - b) <= 5e-3 * abs(a)
