@@ -56,8 +56,8 @@ from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
-from infir2_rl.trainers.torch import fused_layers
 from infir2_rl.trainers.torch import distributed as D
+from infir2_rl.trainers.torch import fused_layers
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
