@@ -17,14 +17,14 @@ from infir2_rl.trainers.microbatch import bucket_length, pad_length
 from infir2_rl.trainers.torch.trainer import TorchTrainer
 
 
-def test_buckets_are_few_and_pad_at_most_a_quarter() -> None:
-    assert [bucket_length(n) for n in (1, 64, 65, 80, 81, 128, 129, 257, 8192, 8193)] == [
-        64, 64, 80, 80, 96, 128, 160, 320, 8192, 10240,
+def test_buckets_are_few_and_pad_at_most_an_eighth() -> None:
+    assert [bucket_length(n) for n in (1, 64, 65, 80, 81, 128, 129, 257, 276, 8192, 8193, 8392)] == [
+        64, 64, 72, 80, 88, 128, 144, 288, 288, 8192, 9216, 9216,
     ]  # fmt: skip
     lengths = range(1, 20_000)
     buckets = {bucket_length(n) for n in lengths}
-    assert len(buckets) <= 4 * 9  # four per doubling from 64 up
-    assert all(n <= bucket_length(n) <= max(64, 1.25 * n) for n in lengths)
+    assert len(buckets) <= 8 * 9  # eight per doubling from 64 up
+    assert all(n <= bucket_length(n) <= max(64, 1.125 * n) for n in lengths)
     assert all(bucket_length(b) == b for b in buckets)  # a bucket is its own bucket
 
 

@@ -118,8 +118,8 @@ class TrainerConfig(_Config):
     # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
     # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
     # micro-batch shape (at most 4 per kind; others run eagerly); micro-batches are right-padded to a length
-    # bucket (64, 80, 96, 112, 128, 160, ...: at most 25% padding) so that few shapes occur. Takes the host
-    # out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at
+    # bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5% padding) so that few shapes
+    # occur. Takes the host out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at
     # 1.5B without it); the graphs' memory pool stays reserved between steps, with per training shape two
     # FP32 activations of the micro-batch per layer. Not with pack_sequences, FSDP, gradient checkpointing or
     # true_on_policy. "auto": on for FP8 trainers where it applies (one CUDA GPU, none of those), and a new
