@@ -218,7 +218,12 @@ class EngineBackend(Protocol):
         ...
 
     def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
-        """The engine's current tensors of those names, for the post-push self-check."""
+        """CPU copies of the engine's current tensors of those names (tests and tools)."""
+        ...
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, Any]:
+        """``weight_sync.digest.Digest`` of each of those tensors, computed where the engine holds them: what
+        the post-push self-check compares with the sender's digests."""
         ...
 
     def abort(self) -> None: ...

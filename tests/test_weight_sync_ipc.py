@@ -25,6 +25,7 @@ from infir2_rl.models.factory import init_model, load_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import StaleWeightsError
 from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.service import WeightSyncService, make_transport, same_bytes
 from infir2_rl.weight_sync.transport import (
     CudaIpcTransport,
@@ -137,6 +138,9 @@ class FakeTrainer:
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         return dict(self.state)
+
+    def digest_export(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
+        return digests(dict(self.state), list(as_dtypes), dict(as_dtypes))
 
     def release_export(self) -> None:
         self.released += 1

@@ -13,6 +13,7 @@ from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.models.factory import init_model
 from infir2_rl.types import StaleWeightsError, WeightBucket, WeightSyncError
 from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.digest import Digest
 from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
 
 
@@ -101,6 +102,9 @@ class CorruptingEngine:
 
     def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
         return self.engine.read_weights(names)
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, Digest]:
+        return self.engine.weight_digests(names)
 
     def health(self):  # type: ignore[no-untyped-def]
         return self.engine.health()

@@ -118,6 +118,9 @@ class RolloutEngine:
     def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
         return self.backend.read_weights(names)
 
+    def weight_digests(self, names: Sequence[str]) -> dict[str, Any]:
+        return self.backend.weight_digests(names)
+
     # weight_sync.transport=nccl (the protocol and argument order: weight_sync/nccl.py).
     def init_weights_update_group(self, *args: Any) -> None:
         self.backend.init_weights_update_group(*args)  # type: ignore[attr-defined]

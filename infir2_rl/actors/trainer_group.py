@@ -33,6 +33,7 @@ from infir2_rl.metrics import names
 from infir2_rl.trainers.microbatch import merge_rows, shard_micro_batches
 from infir2_rl.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.weight_sync.broadcast import BucketMeta
+from infir2_rl.weight_sync.digest import Digest
 from infir2_rl.weight_sync.transport import IpcBucket, merge_ipc_buckets
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,11 @@ class TrainerGroup:
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         """CPU copies of rank 0's held export, for the weight-sync self-check."""
         result: Mapping[str, Tensor] = ray.get(self.workers[0].read_export.remote(list(names)))
+        return result
+
+    def digest_export(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
+        """Digests of rank 0's held export (computed on its GPU), for the weight-sync self-check."""
+        result: dict[str, Digest] = ray.get(self.workers[0].digest_export.remote(dict(as_dtypes)))
         return result
 
     def release_export(self) -> None:

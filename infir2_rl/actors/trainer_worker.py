@@ -29,6 +29,7 @@ from infir2_rl.trainers.torch.distributed import free_port, init_process_group
 from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
 from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.transport import IpcBucket, share_buckets
 
 if TYPE_CHECKING:
@@ -216,6 +217,11 @@ class TrainerWorker:
                 if n in wanted
             }
         )
+
+    def digest_export(self, as_dtypes: dict[str, str]) -> dict[str, Digest]:
+        """Digests of tensors of the held export, computed where they are (the self-check's sent side)."""
+        named = {n: t for b in self._export for n, t in zip(b.names, b.tensors) if n in as_dtypes}
+        return digests(named, list(as_dtypes), as_dtypes)
 
     def open_weight_group(self, timeout_s: float) -> tuple[str, int, str]:
         """Rank 0: host the weight group's store; ``(address, port, backend)`` for the engines."""

@@ -47,6 +47,7 @@ from torch import Tensor
 from infir2_rl.actors.remote import Call, is_actor
 from infir2_rl.types import StaleWeightsError, WeightSyncError
 from infir2_rl.weight_sync.broadcast import BucketMeta
+from infir2_rl.weight_sync.digest import Digest
 from infir2_rl.weight_sync.group import WEIGHT_GROUP_NAME
 from infir2_rl.weight_sync.transport import Push, WeightSource
 
@@ -126,6 +127,9 @@ class _NcclPush(Push):
 
     def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         return self.source.read_export(names)
+
+    def digest_sent(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
+        return self.source.digest_export(as_dtypes)
 
     def close(self) -> None:
         self.source.release_export()

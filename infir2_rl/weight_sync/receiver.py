@@ -28,6 +28,7 @@ from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
 from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
 from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_bucket
+from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.group import WeightGroup
 from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
 
@@ -150,6 +151,14 @@ class WeightReceiver:
                 f"{name}: shape {tuple(tensor.shape)} sent, the engine's is {tuple(target.shape)}"
             )
         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def digests(self, names: Sequence[str]) -> dict[str, Digest]:
+        """``digest.Digest`` of each of those tensors, computed on the engine's device (the self-check)."""
+        named = self._named_tensors()
+        missing = [n for n in names if n not in named]
+        if missing:
+            raise ValueError(f"{missing[0]}: the engine's model has no tensor of that name")
+        return digests(named, list(names))
 
     def read(self, names: Sequence[str]) -> TensorMap:
         """CPU copies of those tensors (FP8 linears: their FP8 buffers), as a Ray-safe ``TensorMap``."""

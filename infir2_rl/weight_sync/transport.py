@@ -62,6 +62,7 @@ from infir2_rl.actors.remote import Call, call_all, is_actor
 from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
 from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.digest import Digest, digests
 
 # Position of the storage's device index in the args of torch's rebuild_cuda_tensor (torch 2.1 .. 2.13).
 _DEVICE_ARG = 6
@@ -194,6 +195,8 @@ class WeightSource(Protocol):
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]: ...
 
+    def digest_export(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]: ...
+
     def release_export(self) -> None: ...
 
 
@@ -216,6 +219,9 @@ class TensorSource:
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         return tensors_named(self._held, names)
+
+    def digest_export(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
+        return digests(dict(self.read_export(list(as_dtypes))), list(as_dtypes), dict(as_dtypes))
 
     def release_export(self) -> None:
         self._held = []
@@ -267,8 +273,13 @@ class Push:
         raise NotImplementedError
 
     def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
-        """The sent bytes under these names, for the self-check."""
+        """The sent bytes under these names (tests and tools)."""
         raise NotImplementedError
+
+    def digest_sent(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
+        """Digests of the sent tensors of these names, each cast to the dtype given first (the dtype the
+        engine keeps it in), computed where the sent bytes are: the self-check's other half."""
+        return digests(dict(self.read_sent(list(as_dtypes))), list(as_dtypes), dict(as_dtypes))
 
     def close(self) -> None:
         """Free what the export holds (the engines have their own copies now)."""
@@ -316,6 +327,9 @@ class _IpcPush(Push):
 
     def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
         return self.source.read_export(names)
+
+    def digest_sent(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
+        return self.source.digest_export(as_dtypes)  # on the trainer's GPU: a few numbers come back
 
     def close(self) -> None:
         self.source.release_export()  # the trainer frees its GPU buckets

@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens
 from infir2_rl.types import EngineHealth, FinishReason, GenerateRequest, Sample, WeightBucket
 from infir2_rl.weight_sync.broadcast import TensorMeta
+from infir2_rl.weight_sync.digest import Digest
 from infir2_rl.weight_sync.group import WEIGHT_GROUP_NAME
 from infir2_rl.weight_sync.receiver import WeightReceiver
 from infir2_rl.weight_sync.transport import IpcBucket
@@ -347,6 +348,11 @@ class NativeEngine:
         """CPU copies of the engine's current tensors of those names (FP8 linears: the FP8 buffers)."""
         with self._lock:
             return self._receiver.read(names)
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, Digest]:
+        """Digests of those tensors, computed on the engine's device (the weight-sync self-check)."""
+        with self._lock:
+            return self._receiver.digests(names)
 
     # ---- status and memory ----------------------------------------------------------------------
     def health(self) -> EngineHealth:

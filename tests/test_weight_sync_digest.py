@@ -1,0 +1,62 @@
+"""The weight-sync self-check's digest (``weight_sync/digest.py``): equal bytes give equal digests on any
+device and chunking; a flipped bit, two swapped elements, another shape, dtype or tensor do not. And the
+service's self-check, now comparing digests, still names a corrupted tensor (tests/test_weight_sync_service.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infir2_rl.weight_sync import digest as D
+
+
+def _fp8(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_equal_bytes_equal_digest_any_chunking(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    t = torch.randn(300, 77, generator=torch.Generator().manual_seed(1)).to(dtype)
+    whole = D.digest(t)
+    assert whole.dtype == D.dtype_name(dtype) and whole.shape == (300, 77)
+    assert D.digest(t.clone()) == whole
+    assert D.digest(t.t().contiguous().t()) == whole  # a strided view of the same values: the same bytes
+    monkeypatch.setattr(D, "_CHUNK", 1000)  # many passes, boundaries inside elements
+    assert D.digest(t) == whole
+
+
+def test_any_single_bit_and_swaps_change_the_digest() -> None:
+    t = _fp8(70_000)
+    base = D.digest(t)
+    raw = t.view(torch.uint8)
+    for pos, bit in ((0, 0), (12_345, 7), (69_999, 3)):
+        bad = raw.clone()
+        bad[pos] ^= 1 << bit
+        assert D.digest(bad.view(torch.float8_e4m3fn)) != base
+    for i, j in ((0, 1), (5, 256), (100, 100 + 251), (7, 7 + 251 * 3)):  # same offset mod 251 too
+        orig = raw.clone()
+        orig[i], orig[j] = 3, 77  # two different bytes...
+        swapped = orig.clone()
+        swapped[i], swapped[j] = 77, 3  # ...trading places
+        assert D.digest(swapped) != D.digest(orig), (i, j)
+    assert D.digest(t.view(100, 700)) != base  # same bytes, other shape
+    assert D.digest(_fp8(70_000, seed=2)) != base
+
+
+def test_cast_to_the_held_dtype_first() -> None:
+    sent = torch.randn(64, 32)
+    held = sent.to(torch.bfloat16)  # a BF16 engine keeps the FP32 masters it was sent in BF16
+    assert D.digest(sent, "bfloat16") == D.digest(held)
+    assert D.digest(sent) != D.digest(held)
+    with pytest.raises(KeyError, match="nope"):
+        D.digests({"w": sent}, ["nope"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_and_cpu_give_the_same_digest(dtype: torch.dtype) -> None:
+    t = torch.randn(3000, 1537, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert D.digest(t.cuda()) == D.digest(t)
+    assert D.digest(t.float().cuda(), D.dtype_name(dtype)) == D.digest(t)
