@@ -98,7 +98,10 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "Trainer tokens/s of the step and rollout sampling tokens/s.",
             ),
             PanelSpec(
-                "Weight sync time", (names.WEIGHT_SYNC_PUSH_S,), "s", "Push to every engine incl. read-back."
+                "Weight sync time",
+                (names.WEIGHT_SYNC_PUSH_S, names.WEIGHT_SYNC_CHECK_S),
+                "s",
+                "Push to every engine, and the self-check after it.",
             ),
             PanelSpec("Step time", (names.PERF_STEP_TIME_S,), "s", "Trainer step as the driver saw it."),
             PanelSpec(

@@ -90,8 +90,10 @@ EVAL_LOSS = "eval/loss"
 # Mean length of the greedy held-out answers (RL evaluation), tokens.
 EVAL_RESPONSE_LEN_MEAN = "eval/response_len_mean"
 
-# Seconds to push the trainer's weights to every engine (including the read-back check).
+# Seconds to push the trainer's weights to every engine (the transfer; not the self-check after it).
 WEIGHT_SYNC_PUSH_S = "weight_sync/push_s"
+# Seconds of the post-push self-check (weight versions of every engine, digests of a few layers of one).
+WEIGHT_SYNC_CHECK_S = "weight_sync/check_s"
 # Bytes one push sent (each engine receives all of them).
 WEIGHT_SYNC_BYTES = "weight_sync/bytes"
 

@@ -164,6 +164,7 @@ def rl_step(
         **memory,
         names.TRAIN_UPDATES_PER_ROLLOUT: float(len(all_stats)),
         names.WEIGHT_SYNC_PUSH_S: push.seconds,
+        names.WEIGHT_SYNC_CHECK_S: push.check_seconds,
         names.WEIGHT_SYNC_BYTES: float(push.bytes),
         names.ROLLOUT_ADVANTAGE_ABS_MEAN: float(torch.as_tensor(advantages).abs().mean()),
     }
