@@ -14,8 +14,9 @@ and the cache invalidated before each push, timed on the driver: "sync" is the w
 cast, transfer, the engine has loaded every bucket, and for cuda_ipc the release of the trainer's buffers);
 "push" is ``PushStats.seconds``, the transport alone (first bucket sent until the engine has loaded the
 last). (d) self-check: the same pushes with ``self_check_layers=2`` (the default), its
-``PushStats.check_seconds`` (health of every engine, 2 decoder layers read back from the engine and from
-the trainer's export and compared byte for byte). Median, min and max of --reps after --warmup untimed
+``PushStats.check_seconds`` (health of every engine, and the digests of 2 decoder layers computed by the
+engine and by the trainer on their GPUs and compared: ``weight_sync/digest.py``; until fdadb53 the layers
+were read back through Ray and compared byte for byte). Median, min and max of --reps after --warmup untimed
 pushes, both transports in one process on the same actors; ratios are against the object store. Goal:
 cast + push with cuda_ipc, i.e. its whole sync, <= 100 ms. ``--tiny``: the tiny preset on CPU, object
 store only (checks the script in a minute).
