@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-_CHUNK = 1 << 22  # bytes per pass: bounds the int64 temporaries to 32 MB each
 _P1, _P2 = 251, 65521
 MAX_BYTES = 1 << 31
 
@@ -46,13 +45,20 @@ def digest(t: Tensor, as_dtype: str | None = None) -> Digest:
     n = flat.numel()
     if n >= MAX_BYTES:
         raise ValueError(f"digest: {n} bytes; the int64 sums are exact only below {MAX_BYTES}")
-    sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
-    for start in range(0, n, _CHUNK):
-        b = flat[start : start + _CHUNK].to(torch.int64)
-        idx = torch.arange(start, start + b.numel(), device=flat.device, dtype=torch.int64)
-        sums[0] += b.sum()
-        sums[1] += (b * (idx % _P1 + 1)).sum()
-        sums[2] += (b * ((idx // _P1) % _P2 + 1)).sum()
+    # Byte i sits at row i // 251, column i % 251 of a (rows, 251) view: the column sums give the sum weighted
+    # by (i % 251) + 1, the row sums the one weighted by (i // 251) % 65521 + 1, and the plain sum; two
+    # reductions over the bytes, no int64 copy of them. The last, partial row is summed on its own.
+    full = (n // _P1) * _P1
+    dev = flat.device
+    rows = flat[:full].view(-1, _P1)
+    col_sums = rows.sum(0, dtype=torch.int64)
+    row_sums = rows.sum(1, dtype=torch.int64)
+    tail = flat[full:].to(torch.int64)
+    col_sums[: tail.numel()] += tail
+    row_sums = torch.cat([row_sums, tail.sum().view(1)])
+    w_col = torch.arange(1, _P1 + 1, device=dev, dtype=torch.int64)
+    w_row = torch.arange(row_sums.numel(), device=dev, dtype=torch.int64) % _P2 + 1
+    sums = torch.stack([row_sums.sum(), (col_sums * w_col).sum(), (row_sums * w_row).sum()])
     s0, s1, s2 = (int(v) for v in sums.tolist())
     return Digest(dtype_name(t.dtype), tuple(t.shape), (s0, s1, s2))
 
