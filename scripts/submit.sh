@@ -23,6 +23,20 @@ if [[ $# -lt 1 ]]; then
 fi
 
 ray_auth_setup require
-# shellcheck disable=SC2086  # RAY_JOB_SUBMIT_FLAGS is a list of flags
-ray job submit --address "${RAY_ADDRESS}" --working-dir . ${RAY_JOB_SUBMIT_FLAGS:-} -- \
-  python -m infir2_rl.cli run "$@"
+# A head that has just started answers "No available agent to submit job" (HTTP 500) until its job agent has
+# registered (seconds; longer on a loaded machine): nothing was submitted then, so try again, up to
+# SUBMIT_AGENT_WAIT_S seconds (default 60). Any other failure, or the job's own, ends here with its code.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+deadline=$(( $(date +%s) + ${SUBMIT_AGENT_WAIT_S:-60} ))
+while true; do
+  rc=0
+  # shellcheck disable=SC2086  # RAY_JOB_SUBMIT_FLAGS is a list of flags
+  ray job submit --address "${RAY_ADDRESS}" --working-dir . ${RAY_JOB_SUBMIT_FLAGS:-} -- \
+    python -m infir2_rl.cli run "$@" 2>&1 | tee "$log" || rc=${PIPESTATUS[0]}
+  if [[ $rc -eq 0 ]] || ! grep -q "No available agent to submit job" "$log" || (( $(date +%s) >= deadline )); then
+    exit "$rc"
+  fi
+  echo "submit.sh: the head's job agent is not up yet; trying again in 3 s" >&2
+  sleep 3
+done
