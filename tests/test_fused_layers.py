@@ -42,6 +42,9 @@ def test_auto_keeps_torch_modules_on_cpu_and_true_is_refused(model_dir: Path) ->
         _trainer(model_dir, True)
     with pytest.raises(ValueError, match="fused_kernels"):
         TrainerConfig(fused_kernels="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fused_kernels=true is the torch backend"):
+        TrainerConfig(backend="megatron", fused_kernels=True)
+    assert TrainerConfig(backend="megatron").fused_kernels == "auto"  # the default does not refuse it
 
 
 def test_swap_keeps_state_dict_and_outputs(model_dir: Path) -> None:

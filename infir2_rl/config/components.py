@@ -169,6 +169,11 @@ class TrainerConfig(_Config):
                 "trainer.cuda_graphs=true needs trainer.backend=torch with pack_sequences=false (packed"
                 " micro-batches pass per-sequence attention arguments a captured graph cannot hold)"
             )
+        if self.fused_kernels is True and self.backend != "torch":
+            raise ValueError(
+                "trainer.fused_kernels=true is the torch backend's (fused_layers.py); megatron has its own"
+                " kernels: leave it at auto or false with trainer.backend=megatron"
+            )
         if self.backend == "megatron" and self.context_parallel_size > 1:
             raise ValueError(
                 f"trainer.context_parallel_size={self.context_parallel_size}: the megatron trainer feeds whole"
