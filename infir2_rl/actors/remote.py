@@ -67,3 +67,22 @@ def _resolve(value: Any) -> Any:
 
         return ray.get(value)
     return value
+
+
+def stop_actors(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
+    """Stop Ray actors: a graceful exit first (each finishes the task it runs, then exits through
+    ``exit_actor``), then ``ray.kill`` for any still alive after ``timeout_s``.
+
+    ``ray.kill`` alone ends a worker with a signal whose handler raises ``SystemExit`` wherever the worker is,
+    and when that was inside a garbage-collector callback (fp8/ops.py's weak-reference cache) the stage's
+    output showed "Exception ignored ... SystemExit" tracebacks from a normal shutdown.
+    """
+    import ray
+
+    actors = [a for a in actors if is_actor(a)]
+    if not actors:
+        return
+    refs = [a.__ray_terminate__.remote() for a in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for a in actors:
+        ray.kill(a)  # a no-op for an actor that has exited

@@ -27,6 +27,7 @@ import ray
 from torch import Tensor
 
 from infir2_rl.actors.placement import Placement, reserve_for
+from infir2_rl.actors.remote import stop_actors
 from infir2_rl.actors.trainer_worker import TrainerSpec, TrainerWorker, unpack_tensors
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
@@ -208,8 +209,7 @@ class TrainerGroup:
         self._all("save_hf", str(directory))
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
+        stop_actors(self.workers)
         self.workers = []
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from infir2_rl.actors.placement import Placement, reserve_for
-from infir2_rl.actors.remote import Call, call_all
+from infir2_rl.actors.remote import Call, call_all, stop_actors
 from infir2_rl.actors.rollout_engine import create_engines
 from infir2_rl.actors.trainer_group import TrainerGroup
 from infir2_rl.checkpoint import Checkpoint, StageState
@@ -103,11 +103,8 @@ class RlActors:
         return _RlCheckpointWriter(self)
 
     def shutdown(self) -> None:
-        import ray
-
         self.trainer.shutdown()
-        for e in self.engines:
-            ray.kill(e)
+        stop_actors(self.engines)
         self.placement.remove()
 
 

@@ -1,0 +1,55 @@
+"""``actors.remote.stop_actors``: an idle actor exits on its own (graceful, no signal that could land inside a
+garbage-collector callback and print a traceback), a busy one is killed after the timeout, and non-actors
+are ignored (CPU, a local Ray)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from infir2_rl.actors.remote import stop_actors
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _Sleeper:
+    def ping(self) -> int:
+        return os.getpid()
+
+    def sleep(self, s: float) -> None:
+        time.sleep(s)
+
+
+def _dead(actor: object) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=30)  # type: ignore[attr-defined]
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_idle_actors_exit_and_busy_ones_are_killed_after_the_timeout() -> None:
+    idle, busy = _Sleeper.remote(), _Sleeper.remote()  # type: ignore[attr-defined]
+    ray.get([idle.ping.remote(), busy.ping.remote()])
+    busy.sleep.remote(600)
+    start = time.perf_counter()
+    stop_actors([idle, busy, object()], timeout_s=2.0)
+    took = time.perf_counter() - start
+    assert _dead(idle) and _dead(busy)
+    assert 1.5 < took < 60  # waited for the busy one, then killed it
+    start = time.perf_counter()
+    stop_actors([_Sleeper.remote()], timeout_s=30.0)  # type: ignore[attr-defined]
+    assert time.perf_counter() - start < 25  # an idle actor does not wait out the timeout
+    stop_actors([])
