@@ -15,7 +15,7 @@ them, holding the shared buffers until `release_export` or the next export, so t
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -206,22 +206,17 @@ class TrainerWorker:
         shared, self._export = share_buckets(local)
         return shared
 
-    def read_export(self, names: Sequence[str]) -> TensorMap:
-        """CPU copies of tensors of the held export (the bytes the engines were sent), for the self-check."""
+    def _held(self, names: Iterable[str]) -> dict[str, Tensor]:
         wanted = set(names)
-        return TensorMap(
-            {
-                n: t.to("cpu", copy=True)
-                for b in self._export
-                for n, t in zip(b.names, b.tensors)
-                if n in wanted
-            }
-        )
+        return {n: t for b in self._export for n, t in zip(b.names, b.tensors) if n in wanted}
+
+    def read_export(self, names: Sequence[str]) -> TensorMap:
+        """CPU copies of tensors of the held export (the bytes the engines were sent; tests and tools)."""
+        return TensorMap({n: t.to("cpu", copy=True) for n, t in self._held(names).items()})
 
     def digest_export(self, as_dtypes: dict[str, str]) -> dict[str, Digest]:
         """Digests of tensors of the held export, computed where they are (the self-check's sent side)."""
-        named = {n: t for b in self._export for n, t in zip(b.names, b.tensors) if n in as_dtypes}
-        return digests(named, list(as_dtypes), as_dtypes)
+        return digests(self._held(as_dtypes), list(as_dtypes), as_dtypes)
 
     def open_weight_group(self, timeout_s: float) -> tuple[str, int, str]:
         """Rank 0: host the weight group's store; ``(address, port, backend)`` for the engines."""

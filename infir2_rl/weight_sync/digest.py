@@ -68,9 +68,4 @@ def digests(
 ) -> dict[str, Digest]:
     """Digests of ``named[name]`` for each name (``as_dtypes[name]``: the dtype to cast to first, if any);
     a name that is not there raises ``KeyError`` naming it."""
-    out = {}
-    for name in names:
-        if name not in named:
-            raise KeyError(f"{name}: no tensor of that name here")
-        out[name] = digest(named[name], (as_dtypes or {}).get(name))
-    return out
+    return {name: digest(named[name], (as_dtypes or {}).get(name)) for name in names}

@@ -103,6 +103,13 @@ class SglangServer:
             self.process.wait(timeout=60)
 
 
+_NO_READ_BACK = (
+    "the SGLang engine cannot read back HF-named tensors (SGLang fuses and shards them, and its Qwen models"
+    " lack get_weights_by_name): set weight_sync.self_check_layers=0; every push is checked with SGLang's"
+    " /weights_checker instead"
+)
+
+
 class SglangEngine:
     """An ``EngineBackend`` driving one SGLang server (``server``: anything with ``base_url``, ``alive()``
     and ``close()``; ``SglangEngine.launch`` starts a real one)."""
@@ -305,14 +312,10 @@ class SglangEngine:
             self._finish_bucket(marker)
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, Any]:
-        return self.read_weights(names)  # type: ignore[return-value]  # raises, with the reason
+        raise NotImplementedError(_NO_READ_BACK)
 
     def read_weights(self, names: Sequence[str]) -> dict[str, Tensor]:
-        raise NotImplementedError(
-            "the SGLang engine cannot read back HF-named tensors (SGLang fuses and shards them, and its Qwen models"
-            " lack get_weights_by_name): set weight_sync.self_check_layers=0; every push is checked with SGLang's"
-            " /weights_checker instead"
-        )
+        raise NotImplementedError(_NO_READ_BACK)
 
     # ------------------------------------------------------------ memory and health
     def _pause(self) -> None:

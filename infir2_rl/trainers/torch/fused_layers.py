@@ -45,10 +45,7 @@ def available(device: torch.device) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _rms_fwd_kernel(
-        x_ptr, w_ptr, y_ptr, r_ptr, M, K, inv_k, eps,
-        BM: tl.constexpr, BK: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
-    ):  # fmt: skip
+    def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, K, inv_k, eps, BM: tl.constexpr, BK: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.arange(0, BK)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -56,20 +53,26 @@ if _HAVE_TRITON:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # 1 / sqrt_rn as the engine's add_rms_norm (fused_ops.py)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) * inv_k + eps)
-        xr = x * r[:, None]
-        if ROUND_BF16:  # hidden_states.to(input_dtype)
-            xr = xr.to(tl.bfloat16).to(tl.float32)
-        if ROUND_F16:
-            xr = xr.to(tl.float16).to(tl.float32)
+        xr = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # hidden_states.to(input_dtype)
         w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, (xr * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(r_ptr + rows, r, mask=rows < M)
 
     @triton.jit
     def _rms_bwd_kernel(
-        dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, M, K, inv_k, rows_per_prog,
-        BM: tl.constexpr, BK: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_F16: tl.constexpr,
-    ):  # fmt: skip
+        dy_ptr,
+        x_ptr,
+        w_ptr,
+        r_ptr,
+        dx_ptr,
+        dw_ptr,
+        M,
+        K,
+        inv_k,
+        rows_per_prog,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BK)
         w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
@@ -82,11 +85,7 @@ if _HAVE_TRITON:
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
-            xr = x * r[:, None]
-            if ROUND_BF16:
-                xr = xr.to(tl.bfloat16).to(tl.float32)
-            if ROUND_F16:
-                xr = xr.to(tl.float16).to(tl.float32)
+            xr = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
             dw += tl.sum(dy * xr, axis=0)
             dxr = dy * w[None, :]  # the gradient reaching x * r (the rounding passes it through, as .to does)
             dot = tl.sum(dxr * x, axis=1) * inv_k
@@ -138,9 +137,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
         k = x.shape[-1]
-        x2d = x.reshape(-1, k)
-        if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) != k):
-            x2d = x2d.contiguous()
+        x2d = x.reshape(-1, k).contiguous()
         m = x2d.shape[0]
         out_dtype = torch.promote_types(weight.dtype, x.dtype)
         y = torch.empty((m, k), dtype=out_dtype, device=x.device)
@@ -148,9 +145,8 @@ class _RMSNormFn(torch.autograd.Function):
         bk, bm, warps = _rms_launch(k)
         if m:
             _rms_fwd_kernel[(triton.cdiv(m, bm),)](
-                x2d, weight, y, r, m, k, 1.0 / k, eps, BM=bm, BK=bk,
-                ROUND_BF16=x.dtype == torch.bfloat16, ROUND_F16=x.dtype == torch.float16, num_warps=warps,
-            )  # fmt: skip
+                x2d, weight, y, r, m, k, 1.0 / k, eps, BM=bm, BK=bk, num_warps=warps
+            )
         ctx.save_for_backward(x2d, weight, r)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.view(*x.shape[:-1], k)
@@ -159,9 +155,7 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
         x2d, weight, r = ctx.saved_tensors
         m, k = x2d.shape
-        dy2d = dy.reshape(-1, k)
-        if dy2d.stride(-1) != 1 or (m > 1 and dy2d.stride(0) != k):
-            dy2d = dy2d.contiguous()
+        dy2d = dy.reshape(-1, k).contiguous()
         dx = torch.empty((m, k), dtype=ctx.x_dtype, device=x2d.device)
         if m == 0:
             dw0 = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
@@ -174,10 +168,8 @@ class _RMSNormFn(torch.autograd.Function):
         progs = triton.cdiv(m, rows_per_prog)
         partial = torch.empty((progs, k), dtype=torch.float32, device=x2d.device)
         _rms_bwd_kernel[(progs,)](
-            dy2d, x2d, weight, r, dx, partial, m, k, 1.0 / k, rows_per_prog, BM=bm, BK=bk,
-            ROUND_BF16=ctx.x_dtype == torch.bfloat16, ROUND_F16=ctx.x_dtype == torch.float16,
-            num_warps=warps,
-        )  # fmt: skip
+            dy2d, x2d, weight, r, dx, partial, m, k, 1.0 / k, rows_per_prog, BM=bm, BK=bk, num_warps=warps
+        )
         dw = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.x_shape), dw, None
 
@@ -216,23 +208,17 @@ class _SwiGLUFn(torch.autograd.Function):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen2RMSNorm's forward (Triton on CUDA, torch elsewhere)."""
-    if available(x.device):
-        out = _RMSNormFn.apply(x, weight, eps)
-        assert isinstance(out, Tensor)
-        return out
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """Qwen2RMSNorm's forward, differentiable (CUDA tensors; elsewhere the module keeps torch's code)."""
+    out = _RMSNormFn.apply(x, weight, eps)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(gate) * up`` (Triton on CUDA, torch elsewhere)."""
-    if available(gate.device):
-        out = _SwiGLUFn.apply(gate, up)
-        assert isinstance(out, Tensor)
-        return out
-    return nn.functional.silu(gate) * up
+    """``silu(gate) * up``, differentiable (CUDA tensors; elsewhere the module keeps torch's code)."""
+    out = _SwiGLUFn.apply(gate, up)
+    assert isinstance(out, Tensor)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- model swap
