@@ -21,22 +21,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rows(x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16) -> tuple[torch.Tensor, ...]:
+def _rows(
+    x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    x2d = x2d if round_to is None else x2d.to(round_to)
     m = x2d.shape[0]
     xp = F.pad(x2d, (0, 0, 0, _cdiv(m, pad_rows_to) * pad_rows_to - m))
     q, s = quantize_activation_eager(xp, pow2_scales=pow2_scales)
     return q, s.t().contiguous()  # scale stored (Kb, M_pad) like the kernel
 
 
-def _cols(x2d: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, ...]:
+def _cols(
+    x2d: torch.Tensor, pow2_scales: bool = False, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    x2d = x2d if round_to is None else x2d.to(round_to)
     m = x2d.shape[0]
     xp = F.pad(x2d, (0, 0, 0, _cdiv(m, 128) * 128 - m))
     qt, st = quantize_activation_eager(xp.t().contiguous(), pow2_scales=pow2_scales)
     return qt, st.t().contiguous()  # (K, M_128) and (M_128 / 128, K)
 
 
+def _weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, ...]:
+    return quantize_weight_blockwise_eager(w, pow2_scales=pow2_scales)
+
+
 def _weight_t(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, ...]:
-    q, s = quantize_weight_blockwise_eager(w, pow2_scales=pow2_scales)
+    q, s = _weight(w, pow2_scales)
     return q, s, q.t().contiguous()
 
 
@@ -61,20 +71,30 @@ def fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torc
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls = {"rows": 0, "dual": 0}
+    calls = {"rows": 0, "dual": 0, "transpose": 0}
 
-    def dual(x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16) -> tuple[torch.Tensor, ...]:
+    def dual(
+        x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16, round_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, ...]:
         calls["dual"] += 1
-        return (*_rows(x2d, pow2_scales, pad_rows_to), *_cols(x2d, pow2_scales))
+        return (*_rows(x2d, pow2_scales, pad_rows_to, round_to), *_cols(x2d, pow2_scales, round_to))
 
-    def rows(x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16) -> tuple[torch.Tensor, ...]:
+    def rows(
+        x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16, round_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, ...]:
         calls["rows"] += 1
-        return _rows(x2d, pow2_scales, pad_rows_to)
+        return _rows(x2d, pow2_scales, pad_rows_to, round_to)
 
     monkeypatch.setattr(quant_triton, "quantize_rows", rows)
     monkeypatch.setattr(quant_triton, "quantize_cols", _cols)
     monkeypatch.setattr(quant_triton, "quantize_rows_and_cols", dual)
+    def transpose(q: torch.Tensor) -> torch.Tensor:
+        calls["transpose"] += 1
+        return q.t().contiguous()
+
+    monkeypatch.setattr(quant_triton, "quantize_weight", _weight)
     monkeypatch.setattr(quant_triton, "quantize_weight_with_transpose", _weight_t)
+    monkeypatch.setattr(quant_triton, "transpose_fp8", transpose)
     monkeypatch.setattr(F, "scaled_mm", fake_scaled_mm, raising=False)
     monkeypatch.setattr(gemm, "fast_path_ok", lambda t, n, k: n % 16 == 0 and k % 16 == 0)
     return calls
@@ -104,7 +124,9 @@ def test_fast_path_agrees_with_emulation(
     x = torch.randn(*lead, k).to(dtype)
     dy = torch.randn(*lead, n).to(dtype)
     fast = [*_run(layer, x, dy), Fp8InferenceLinear.from_linear(layer)(x)]
-    assert layer._fp8_cache is not None and layer._fp8_cache[1].w_fp8_t is not None  # transposes cached
+    # W^T is not cached with the weight: the backward made it (once) and let it go
+    assert layer._fp8_cache is not None and layer._fp8_cache[1].w_fp8_t is None
+    assert fake_gpu["transpose"] == 1
     monkeypatch.setattr(gemm, "fast_path_ok", lambda *a: False)
     emulated = [*_run(layer, x, dy), Fp8InferenceLinear.from_linear(layer)(x)]
     for name, a, b in zip(["y", "dx", "dw", "db", "inference"], fast, emulated):
@@ -131,3 +153,34 @@ def test_shared_input_is_quantized_once(fake_gpu: dict[str, int]) -> None:
     assert fake_gpu["dual"] == 3 and ops._last_input[0] is not None  # X once for both layers, dY once each
     del xg, outs
     assert ops._last_input[0] is None  # dropped with its source tensor
+
+
+def test_autocast_input_is_rounded_by_the_quantizer(fake_gpu: dict[str, int]) -> None:
+    # Under autocast an FP32 input is quantized as its BF16 rounding (what a dense autocast linear multiplies)
+    # without a BF16 copy per linear: q, k and v must give the outputs and gradients of linears fed an
+    # explicit BF16 copy each, whose input gradients come back through the copy's cast and add in FP32.
+    torch.manual_seed(0)
+    layers = [Fp8Linear(256, n, bias=False) for n in (128, 32, 32)]
+    x = torch.randn(3, 40, 256)
+    dys = [torch.randn(3, 40, m.out_features) for m in layers]
+
+    def run(explicit_copy: bool) -> list[torch.Tensor]:
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        if explicit_copy:
+            outs = [m(xg.to(torch.bfloat16)) for m in layers]
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs = [m(xg) for m in layers]
+        sum((o.float() * dy).sum() for o, dy in zip(outs, dys)).backward()
+        assert xg.grad is not None and xg.grad.dtype == torch.float32
+        return [*outs, xg.grad, *(m.weight.grad for m in layers)]
+
+    before = fake_gpu["dual"]
+    rounded = run(explicit_copy=False)
+    assert fake_gpu["dual"] - before == 1 + len(layers)  # X once for the three, dY once each
+    copied = run(explicit_copy=True)
+    for a, b in zip(rounded, copied):
+        assert a is not None and b is not None and a.dtype == b.dtype
+        assert torch.equal(a, b)

@@ -252,3 +252,39 @@ def test_fused_quantizers_give_an_underflowing_block_scale_one_as_the_reference(
 def test_transpose_fp8_moves_the_same_bytes_as_torch(shape: tuple[int, int]) -> None:
     q = (torch.randn(*shape, device=CUDA) * 100).to(torch.float8_e4m3fn)
     assert _same_bytes(quant_triton.transpose_fp8(q), q.t().contiguous())
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("round_to", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(300, 640), (1000, 1536), (37, 200)])
+def test_quantizers_round_fp32_input_as_a_cast_would(
+    shape: tuple[int, int], round_to: torch.dtype, split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # round_to (the autocast path of Fp8Linear): the codes and scales of x.to(round_to), from the FP32 x
+    monkeypatch.setitem(quant_triton.LAUNCH, "dual", {**quant_triton.LAUNCH["dual"], "split": split})
+    x = torch.randn(*shape, device=CUDA) * 3.0
+    rounded = quant_triton.quantize_rows_and_cols(x, False, round_to=round_to)
+    copied = quant_triton.quantize_rows_and_cols(x.to(round_to), False)
+    unrounded = quant_triton.quantize_rows_and_cols(x, False)
+    for a, b in zip(rounded, copied):
+        assert _same_bytes(a, b)
+    assert not _same_bytes(rounded[0], unrounded[0])  # the rounding did move some codes
+    assert _same_bytes(quant_triton.quantize_rows(x, round_to=round_to)[0], copied[0])
+    assert _same_bytes(quant_triton.quantize_cols(x, round_to=round_to)[0], copied[2])
+
+
+def test_fp8_linear_backward_makes_w_t_and_keeps_no_copy() -> None:
+    # The FP8 weight cache holds W only; the dgrad's W^T is made by each backward (same dX as a torch
+    # transpose of the cached bytes would give: the GEMM reads the same values).
+    layer = Fp8Linear(640, 384, bias=False, device=CUDA)
+    x = torch.randn(200, 640, device=CUDA, requires_grad=True)
+    dy = torch.randn(200, 384, device=CUDA)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.backward(dy.to(y.dtype))
+    cached = layer._fp8_cache[1] if layer._fp8_cache is not None else None
+    assert cached is not None and cached.w_fp8_t is None
+    w_t = cached.w_fp8.t().contiguous()
+    dyq, dys_t = quant_triton.quantize_rows(dy.to(torch.bfloat16))
+    dx = gemm.mm_1x128_128x128(dyq, dys_t, w_t, cached.scale_inv.t().contiguous(), torch.bfloat16)[:200]
+    assert x.grad is not None and torch.equal(x.grad, dx.float())

@@ -41,8 +41,8 @@ class Fp8Linear(nn.Linear):
     ``load_state_dict`` or the unfused AdamW) and storage, so micro-batches of one step share one
     quantization. Writes through ``weight.data`` and torch's fused optimizers (``AdamW(fused=True)``, the
     CUDA default here: checked in torch 2.13, ``_version`` stays put) bypass the version counter: call
-    ``invalidate_fp8_cache()`` after them (the trainers do, after every optimizer step). The cache holds 1 byte per weight (2 on the GPU fast path,
-    which also keeps W^T in FP8 for dgrad).
+    ``invalidate_fp8_cache()`` after them (the trainers do, after every optimizer step). The cache holds 1 byte per weight; the
+    GPU dgrad's W^T is made by each backward and freed after it (``ops._fast_backward``).
     """
 
     def __init__(
@@ -98,8 +98,7 @@ class Fp8Linear(nn.Linear):
     def _quantize(self) -> Fp8Weight:
         w = self.weight.detach()
         if gemm.fast_path_ok(w, self.out_features, self.in_features):
-            w_fp8, scale_inv, w_fp8_t = quant_triton.quantize_weight_with_transpose(w, self.pow2_scales)
-            return Fp8Weight(w_fp8, scale_inv, w_fp8_t, scale_inv.t().contiguous())
+            return Fp8Weight(*quant_triton.quantize_weight(w, self.pow2_scales))  # W^T: made in backward
         return Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=self.pow2_scales))
 
     def export_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,18 +126,19 @@ class Fp8Linear(nn.Linear):
             # Quantize the values a dense linear under autocast would multiply, x rounded to the autocast
             # dtype: they are what a BF16 rollout engine holds at this point, while the FP32 values round to
             # other e4m3 codes in ~2% of elements and to another scale in nearly every tile (docs/mismatch.md,
-            # source 1). The input gradient comes back in that dtype too, as a dense autocast linear's does.
-            # Each linear gets its own copy (the gradients of q, k and v then add in FP32, as under autocast);
-            # `source` lets them share one quantization of it (ops._quantize_input_fast).
-            source, x = x, x.to(out_dtype)
+            # source 1). The input gradient is rounded to that dtype too, as a dense autocast linear's is.
+            # The rounding happens inside the quantizer (no BF16 copy per linear); q, k and v (gate and up)
+            # share one quantization of their common input (ops._quantize_input_fast), and each gradient
+            # comes back BF16-rounded in FP32, so they add in FP32 as under autocast.
+            round_to: torch.dtype | None = out_dtype
         else:
-            source = None
+            round_to = None
         pow2 = self.pow2_scales
         if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
             return fp8_linear_forward(
-                x, w_fp8, scale_inv, self.bias, pow2, out_dtype=out_dtype, source=source
+                x, w_fp8, scale_inv, self.bias, pow2, out_dtype=out_dtype, round_to=round_to
             )
-        return fp8_linear(x, self.weight, self.bias, fp8w, pow2, out_dtype=out_dtype, source=source)
+        return fp8_linear(x, self.weight, self.bias, fp8w, pow2, out_dtype=out_dtype, round_to=round_to)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3 blockwise, pow2_scales={self.pow2_scales}"

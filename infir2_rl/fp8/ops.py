@@ -47,34 +47,31 @@ class Fp8Weight:
 
 # The last input quantized on the fast path. q, k and v projections (and gate and up) read the same
 # activation tensor: quantizing it once (and saving one FP8 copy for backward) saves 3 of 5 input
-# quantizations per decoder layer. The entry is keyed on the tensor the input came from (``source``: the
-# input itself, or the tensor an autocast rounding was made of, a new copy per linear) by object (a weak
-# reference, so a freed tensor whose memory is reused can never match) and version counter (so an in-place
-# change invalidates it), plus the dtype that was quantized, and dropped when the source dies.
+# quantizations per decoder layer. The entry is keyed on the input tensor by object (a weak reference, so a
+# freed tensor whose memory is reused can never match) and version counter (so an in-place change
+# invalidates it), plus the dtype its values were rounded to before quantizing, and dropped when it dies.
 _last_input: list[Any] = [None]
 
 
 def _quantize_input_fast(
-    x: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool, source: torch.Tensor | None
+    x: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool, round_to: torch.dtype
 ) -> tuple[Any, ...]:
-    source = x if source is None else source
     entry = _last_input[0]
     if entry is not None:
         ref, version, dtype, entry_pow2, has_cols, out = entry
         if (
-            ref() is source
-            and version == source._version
-            and dtype == x2d.dtype
+            ref() is x
+            and version == x._version
+            and dtype == round_to
             and entry_pow2 == pow2
             and (has_cols or not need_cols)
         ):
             return out
     if need_cols:
-        out = quant_triton.quantize_rows_and_cols(x2d, pow2)
+        out = quant_triton.quantize_rows_and_cols(x2d, pow2, round_to=round_to)
     else:
-        out = (*quant_triton.quantize_rows(x2d, pow2), None, None)
-    entry = (weakref.ref(source, _drop_last_input), source._version, x2d.dtype, pow2, need_cols, out)
-    _last_input[0] = entry
+        out = (*quant_triton.quantize_rows(x2d, pow2, round_to=round_to), None, None)
+    _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, round_to, pow2, need_cols, out)
     return out
 
 
@@ -140,10 +137,11 @@ def fp8_linear_forward(
     bias: torch.Tensor | None = None,
     pow2_scales: bool = False,
     out_dtype: torch.dtype | None = None,
-    source: torch.Tensor | None = None,
+    round_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """W8A8 ``x @ W^T + b`` with x quantized per 1x128 tile at run time; returns ``out_dtype`` (default x's).
-    ``source``: the tensor x was made from by a cast, if any (the key of the quantized-input cache)."""
+    ``round_to``: quantize ``x.to(round_to)`` (autocast's rounding of an FP32 input), without making that copy
+    on the GPU fast path (the quantizer rounds as it reads)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w_fp8.shape[0]
     dtype = out_dtype or x.dtype
@@ -152,9 +150,10 @@ def fp8_linear_forward(
     if m == 0:
         return x.new_zeros(*lead, n, dtype=dtype)
     if gemm.fast_path_ok(x2d, n, k):
-        xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, False, source)
+        xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, False, round_to or x.dtype)
         y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, dtype, bias)[:m]
     else:
+        x2d = x2d if round_to is None else x2d.to(round_to)
         y32 = _emulated_mm(
             fake_quantize_tiles(x2d, pow2_scales=pow2_scales), _dequantized_weight(w_fp8, w_scale_inv)
         )
@@ -188,7 +187,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         fp8w: Fp8Weight,
         pow2_scales: bool,
         out_dtype: torch.dtype,
-        source: torch.Tensor | None,
+        round_to: torch.dtype | None,
         fprop: Fprop | None = None,
     ) -> torch.Tensor:
         w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
@@ -198,24 +197,37 @@ class _Fp8LinearFn(torch.autograd.Function):
         m = x2d.shape[0]
         fast = m > 0 and gemm.fast_path_ok(x2d, n, k)
         need_wgrad = ctx.needs_input_grad[1]
+        round_to = round_to or x.dtype
         ctx.fast, ctx.m, ctx.pow2 = fast, m, pow2_scales
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        # dX is computed in the rounded input's dtype and then cast to x's: a dense linear under autocast
+        # returns it through the backward of its input cast the same way.
+        ctx.x_shape, ctx.x_dtype, ctx.grad_dtype, ctx.w_dtype = x.shape, x.dtype, round_to, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         if fast:
-            w_t, s_t = fp8w.w_fp8_t, fp8w.scale_inv_t
-            if ctx.needs_input_grad[0] and (w_t is None or s_t is None):
-                w_t, s_t = w_fp8.t().contiguous(), w_scale_inv.t().contiguous()
+            # dgrad reads W^T (K, N). A caller that made it already (megatron's fused weights) passes it in;
+            # otherwise backward transposes the FP8 weight when it runs: keeping W^T of every layer from
+            # forward to backward cost 1 byte per weight (1.2 GiB at 1.5B) for a copy that takes one
+            # byte-moving kernel to make (docs/performance.md, "W^T at backward").
+            ctx.w_transposed = fp8w.w_fp8_t is not None and fp8w.scale_inv_t is not None
+            w_b, s_b = (fp8w.w_fp8_t, fp8w.scale_inv_t) if ctx.w_transposed else (w_fp8, w_scale_inv)
+            if not ctx.needs_input_grad[0]:
+                w_b = s_b = None
             if fprop is not None:  # the caller's forward GEMM (true on-policy: the engine's invariant kernel)
-                xtq, xts = quant_triton.quantize_cols(x2d, pow2_scales) if need_wgrad else (None, None)
-                y = fprop(x2d, w_fp8, w_scale_inv, bias, pow2_scales)
+                xtq, xts = (
+                    quant_triton.quantize_cols(x2d, pow2_scales, round_to=round_to)
+                    if need_wgrad
+                    else (None, None)
+                )
+                y = fprop(x2d.to(round_to), w_fp8, w_scale_inv, bias, pow2_scales)
                 if y.dtype != out_dtype:
                     raise TypeError(f"fp8_linear: fprop returned {y.dtype}, the output dtype is {out_dtype}")
             else:
                 # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
-                xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, source)
+                xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, round_to)
                 y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, out_dtype, bias)[:m]
-            ctx.save_for_backward(w_t, s_t, xtq, xts)
+            ctx.save_for_backward(w_b, s_b, xtq, xts)
         else:
+            x2d = x2d.to(round_to)
             ctx.save_for_backward(w_fp8, w_scale_inv, x2d if need_wgrad else None)
             if m == 0:
                 y = x2d.new_zeros(0, n, dtype=out_dtype)
@@ -250,9 +262,11 @@ class _Fp8LinearFn(torch.autograd.Function):
 def _fast_backward(
     ctx: Any, dy2d: torch.Tensor, need_dx: bool, need_dw: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    w_t, s_t, xtq, xts = ctx.saved_tensors
+    w_b, s_b, xtq, xts = ctx.saved_tensors
     m, pow2 = ctx.m, ctx.pow2
     dx = dw = None
+    if need_dx and not ctx.w_transposed:
+        w_b, s_b = quant_triton.transpose_fp8(w_b), s_b.t().contiguous()
     if need_dx and need_dw:
         dyq, dys_t, dytq, dyts = quant_triton.quantize_rows_and_cols(dy2d, pow2)
     elif need_dx:
@@ -261,7 +275,8 @@ def _fast_backward(
         dytq, dyts = quant_triton.quantize_cols(dy2d, pow2)
     if need_dx:
         # dX = dY . W: the B operand is W^T (K, N) row-major with the transposed 128x128 scale grid.
-        dx = gemm.mm_1x128_128x128(dyq, dys_t, w_t, s_t, _gpu_out_dtype(ctx.x_dtype))[:m].to(ctx.x_dtype)
+        dx = gemm.mm_1x128_128x128(dyq, dys_t, w_b, s_b, _gpu_out_dtype(ctx.grad_dtype))[:m]
+        dx = dx.to(ctx.grad_dtype).to(ctx.x_dtype)
     if need_dw:
         dw = gemm.mm_1x128_1x128(dytq, dyts, xtq, xts, _gpu_out_dtype(ctx.w_dtype)).to(ctx.w_dtype)
     return dx, dw
@@ -275,7 +290,8 @@ def _emulated_backward(
     dx = dw = None
     if need_dx:
         w_deq = _dequantized_weight(w_fp8, w_scale_inv)
-        dx = _emulated_mm(fake_quantize_tiles(dy2d, pow2_scales=pow2), w_deq.t()).to(ctx.x_dtype)
+        dx = _emulated_mm(fake_quantize_tiles(dy2d, pow2_scales=pow2), w_deq.t())
+        dx = dx.to(ctx.grad_dtype).to(ctx.x_dtype)
     if need_dw:
         # Token-dim tiles (zero padding of the last tile changes nothing): dW = dY^T . X, both tiled along M.
         dyt_deq = fake_quantize_tiles(dy2d, dim=0, pow2_scales=pow2).t()
@@ -291,17 +307,18 @@ def fp8_linear(
     fp8w: Fp8Weight,
     pow2_scales: bool = False,
     out_dtype: torch.dtype | None = None,
-    source: torch.Tensor | None = None,
+    round_to: torch.dtype | None = None,
     fprop: Fprop | None = None,
 ) -> torch.Tensor:
     """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``.
 
     ``out_dtype`` (default x's) is the output's dtype; the input gradient always comes back in x's dtype.
-    ``source``: as in ``fp8_linear_forward`` (not differentiated through). ``fprop``: on the GPU fast path,
+    ``round_to``: as in ``fp8_linear_forward``; the input gradient is then rounded to it before the cast to
+    x's dtype, as autocast's cast of the input would round it. ``fprop``: on the GPU fast path,
     the forward GEMM ``fprop(x2d, w_fp8, scale_inv, bias, pow2) -> y`` (in the output dtype) instead of
     cuBLASLt's (true on-policy passes the engine's batch-invariant kernel, ``models/invariant_ops.fp8_mm``);
     the backward is the same either way. The CPU emulation ignores it.
     """
-    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, source, fprop)
+    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, round_to, fprop)
     assert isinstance(out, torch.Tensor)
     return out

@@ -19,6 +19,9 @@ It is detected with an explicit ``|x| < inf`` count rather than from the amax, b
 and ``tl.minimum``/``tl.maximum`` do not propagate NaN (they lower to maxnum/minnum): the amax of a block
 with a NaN is the amax of its finite values, and the clamp maps a NaN to 448.
 
+``round_to`` (activation quantizers): quantize ``x.to(round_to)`` - BF16 or FP16, autocast's rounding of an
+FP32 input - rounding each element as it is read instead of a separate cast pass and its copy.
+
 Rows are padded with zeros (scale 1) up to ``pad_rows_to`` (16 for row tiles: cuBLASLt wants M % 16;
 128 for token tiles, a whole tile). Numbers match the eager reference bit for bit: IEEE division
 (``div_rn``; Triton's plain ``/`` on FP32 is an approximate division), clamp, then round-to-nearest-even.
@@ -108,6 +111,7 @@ if _HAVE_TRITON:
         rows_q,
         rows_qt,
         POW2: tl.constexpr,
+        ROUND: tl.constexpr,
         DO_ROWS: tl.constexpr,
         DO_COLS: tl.constexpr,
         TRANS_FP8: tl.constexpr,
@@ -120,7 +124,12 @@ if _HAVE_TRITON:
         cols = pid_k * BK + tl.arange(0, BK)
         in_mask = (rows[:, None] < M) & (cols[None, :] < K)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
-        x = tl.load(x_ptrs, mask=in_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=in_mask, other=0.0)
+        if ROUND == 1:
+            x = x.to(tl.bfloat16)
+        elif ROUND == 2:
+            x = x.to(tl.float16)
+        x = x.to(tl.float32)
         ax = tl.abs(x)
         if DO_ROWS:  # requires BK == 128: one program column is one K-block
             s = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
@@ -206,10 +215,27 @@ def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+
+def _round_code(x: torch.Tensor, round_to: torch.dtype | None) -> int:
+    if round_to is None or round_to == x.dtype:
+        return 0
+    if x.dtype != torch.float32 or round_to not in _ROUND_CODES:
+        raise ValueError(f"quantize: rounding {x.dtype} to {round_to} is not supported (FP32 to BF16/FP16)")
+    return _ROUND_CODES[round_to]
+
+
 def _launch_act(
-    x2d: torch.Tensor, pow2: bool, do_rows: bool, do_cols: bool, pad_rows_to: int
+    x2d: torch.Tensor,
+    pow2: bool,
+    do_rows: bool,
+    do_cols: bool,
+    pad_rows_to: int,
+    round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     assert x2d.dim() == 2
+    round_code = _round_code(x2d, round_to)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
@@ -244,6 +270,7 @@ def _launch_act(
         rows_q,
         rows_qt,
         POW2=pow2,
+        ROUND=round_code,
         DO_ROWS=do_rows,
         DO_COLS=do_cols,
         TRANS_FP8=trans_fp8,
@@ -255,30 +282,38 @@ def _launch_act(
 
 
 def quantize_rows(
-    x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16
+    x2d: torch.Tensor,
+    pow2_scales: bool = False,
+    pad_rows_to: int = 16,
+    round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along the last dim of ``x2d`` (M, K) -> (q (M_pad, K), s_t (Kb, M_pad))."""
-    q, s_t, _, _ = _launch_act(x2d, pow2_scales, True, False, pad_rows_to)
+    q, s_t, _, _ = _launch_act(x2d, pow2_scales, True, False, pad_rows_to, round_to)
     assert q is not None and s_t is not None
     return q, s_t
 
 
-def quantize_cols(x2d: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_cols(
+    x2d: torch.Tensor, pow2_scales: bool = False, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along the first (token) dim of ``x2d`` (M, K) -> (qt (K, M_128), st (M_128/128, K))."""
-    _, _, qt, st = _launch_act(x2d, pow2_scales, False, True, 1)
+    _, _, qt, st = _launch_act(x2d, pow2_scales, False, True, 1, round_to)
     assert qt is not None and st is not None
     return qt, st
 
 
 def quantize_rows_and_cols(
-    x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16
+    x2d: torch.Tensor,
+    pow2_scales: bool = False,
+    pad_rows_to: int = 16,
+    round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both of the above: (q, s_t, qt, st)."""
     if LAUNCH["dual"]["split"]:
-        q, s_t = quantize_rows(x2d, pow2_scales, pad_rows_to)
-        qt, st = quantize_cols(x2d, pow2_scales)
+        q, s_t = quantize_rows(x2d, pow2_scales, pad_rows_to, round_to)
+        qt, st = quantize_cols(x2d, pow2_scales, round_to)
         return q, s_t, qt, st
-    q2, s2, qt2, st2 = _launch_act(x2d, pow2_scales, True, True, pad_rows_to)
+    q2, s2, qt2, st2 = _launch_act(x2d, pow2_scales, True, True, pad_rows_to, round_to)
     assert q2 is not None and s2 is not None and qt2 is not None and st2 is not None
     return q2, s2, qt2, st2
 
