@@ -74,13 +74,19 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     calls = {"rows": 0, "dual": 0, "transpose": 0}
 
     def dual(
-        x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16, round_to: torch.dtype | None = None
+        x2d: torch.Tensor,
+        pow2_scales: bool = False,
+        pad_rows_to: int = 16,
+        round_to: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, ...]:
         calls["dual"] += 1
         return (*_rows(x2d, pow2_scales, pad_rows_to, round_to), *_cols(x2d, pow2_scales, round_to))
 
     def rows(
-        x2d: torch.Tensor, pow2_scales: bool = False, pad_rows_to: int = 16, round_to: torch.dtype | None = None
+        x2d: torch.Tensor,
+        pow2_scales: bool = False,
+        pad_rows_to: int = 16,
+        round_to: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, ...]:
         calls["rows"] += 1
         return _rows(x2d, pow2_scales, pad_rows_to, round_to)
@@ -88,6 +94,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(quant_triton, "quantize_rows", rows)
     monkeypatch.setattr(quant_triton, "quantize_cols", _cols)
     monkeypatch.setattr(quant_triton, "quantize_rows_and_cols", dual)
+
     def transpose(q: torch.Tensor) -> torch.Tensor:
         calls["transpose"] += 1
         return q.t().contiguous()

@@ -95,6 +95,92 @@ def _trainer(model: Path, fp8: bool, fused: bool, **trainer: object) -> TorchTra
     )
 
 
+def _same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    assert a is not None and b is not None
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize(("m", "n"), [(300, 640), (1000, 8960), (37, 200), (128, 128)])
+def test_quantizing_swiglu_gives_the_quantizers_codes_forward_and_backward(
+    m: int, n: int, pow2: bool
+) -> None:
+    from infir2_rl.fp8 import ops, quant_triton
+
+    torch.manual_seed(0)
+    g = (2 * torch.randn(m, n, device="cuda")).bfloat16()
+    u = (torch.randn(m, n, device="cuda") * torch.exp(torch.randn(m, 1, device="cuda"))).bfloat16()
+    dh = torch.randn(m, n, device="cuda").bfloat16()
+    g[m // 2] = 0.0
+    h_ref = fused_layers.swiglu(g, u)
+    dg_ref, du_ref = torch.autograd.grad(
+        fused_layers.swiglu(g.requires_grad_(), u.requires_grad_()), (g, u), dh
+    )
+
+    handoff: list = []
+    gq, uq = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+    h = fused_layers._SwiGLUFn.apply(gq, uq, (pow2, True, True), handoff)
+    assert torch.equal(h, h_ref)
+    for a, b in zip(handoff[0], quant_triton.quantize_rows_and_cols(h_ref, pow2)):
+        assert _same_bytes(a, b)
+    ops._given_grads.clear()
+    dg, du = torch.autograd.grad(h, (gq, uq), dh)
+    assert torch.equal(dg, dg_ref) and torch.equal(du, du_ref)
+    given = {e[0]().data_ptr(): e[3] for e in ops._given_grads}
+    for grad in (dg, du):
+        for a, b in zip(given[grad.data_ptr()], quant_triton.quantize_rows_and_cols(grad, pow2)):
+            assert _same_bytes(a, b)
+    ops._given_grads.clear()
+
+
+def test_fp8_mlp_takes_the_swiglu_quantizations_and_computes_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An FP8 Qwen2MLP under autocast: with the handoffs, down_proj's input and gate/up's output gradients are
+    # not quantized again (3 of the 5 quantize_rows_and_cols calls of a forward+backward go), and the output
+    # and every gradient are the same bits as without them.
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    from infir2_rl.fp8 import quant_triton
+    from infir2_rl.fp8.linear import swap_to_fp8_training
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=256, intermediate_size=640, hidden_act="silu")
+    mlp = Qwen2MLP(config).cuda()
+    swap_to_fp8_training(mlp)
+    assert fused_layers.apply_fused_layers(mlp)["swiglu_mlp"] == 1
+    x = torch.randn(3, 100, 256, device="cuda")
+    dy = torch.randn(3, 100, 256, device="cuda")
+    calls: list[int] = []
+    real = quant_triton.quantize_rows_and_cols
+
+    def counting(t: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        calls.append(t.shape[-1])
+        return real(t, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_triton, "quantize_rows_and_cols", counting)
+
+    def run() -> list[torch.Tensor]:
+        mlp.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = mlp(xi)
+        y.backward(dy.to(y.dtype))
+        return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]  # type: ignore[list-item]
+
+    handed = run()
+    assert sorted(calls) == [256, 256]  # x (gate/up's input) and down_proj's output gradient
+    calls.clear()
+    monkeypatch.setattr(fused_layers, "_fp8_plan", lambda mlp, x: None)
+    plain = run()
+    assert sorted(calls) == [256, 256, 640, 640, 640]
+    for a, b in zip(handed, plain):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_trainer_with_fused_kernels_trains_as_without(tmp_path: Path, fp8: bool) -> None:
     model = init_model(tmp_path / "model", preset="tiny")

@@ -117,8 +117,8 @@ def test_fp8_linear_autocast_output_keeps_the_fp8_gradients() -> None:
 def test_sibling_fp8_linears_under_autocast_quantize_their_shared_input_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """q, k and v read one FP32 tensor; each rounds it to BF16 itself, but it is quantized (and its FP8
-    copy kept for backward) once, and outputs and gradients equal three independent linears'."""
+    """q, k and v read one FP32 tensor, quantized as its BF16 rounding (by the quantizer, no copy) once, its
+    FP8 copy kept for backward once, and outputs and gradients equal three independent linears'."""
     from infir2_rl.fp8 import ops, quant_triton
 
     torch.manual_seed(0)
@@ -127,11 +127,14 @@ def test_sibling_fp8_linears_under_autocast_quantize_their_shared_input_once(
     g = [torch.randn(512, layer.out_features, device="cuda") for layer in layers]
     calls = []
     real = quant_triton.quantize_rows_and_cols
+
     # Count the quantizations of the (512, 1024) input; the dy of each linear ((512, 768) or (512, 256)) is
     # quantized by the same function in backward.
-    monkeypatch.setattr(
-        quant_triton, "quantize_rows_and_cols", lambda t, p: calls.append(t.shape[1] == 1024) or real(t, p)
-    )
+    def counting(t: torch.Tensor, p: bool, round_to: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        calls.append(t.shape[1] == 1024)
+        return real(t, p, round_to=round_to)
+
+    monkeypatch.setattr(quant_triton, "quantize_rows_and_cols", counting)
 
     def run(shared: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         xi = x.clone().requires_grad_(True)

@@ -81,6 +81,41 @@ def _drop_last_input(ref: weakref.ref) -> None:
         _last_input[0] = None
 
 
+def offer_input_quantization(x: torch.Tensor, pow2: bool, out: tuple[Any, ...]) -> None:
+    """Hand the next FP8 linear that reads ``x`` its quantization, made by the kernel that produced ``x``.
+
+    ``out`` is what ``quant_triton.quantize_rows_and_cols(x2d, pow2)`` returns (or ``quantize_rows``'s pair
+    followed by two ``None``), bit for bit; the fused SwiGLU (trainers/torch/fused_layers.py) quantizes its
+    output for down_proj as it writes it.
+    """
+    has_cols = out[2] is not None
+    _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, x.dtype, pow2, has_cols, out)
+
+
+# Quantized output gradients handed over by the kernel that made them (the fused SwiGLU's backward makes
+# gate_proj's and up_proj's), consumed by the FP8 linear's backward that receives that gradient tensor.
+# Entries hold a weak reference and the version counter, as ``_last_input``; at most a few are pending.
+_given_grads: list[tuple[Any, int, bool, tuple[Any, ...]]] = []
+
+
+def offer_grad_quantization(dy: torch.Tensor, pow2: bool, out: tuple[Any, ...]) -> None:
+    """As ``offer_input_quantization``, for the output gradient ``dy`` of an FP8 linear (all four parts)."""
+
+    def _drop(ref: weakref.ref) -> None:
+        _given_grads[:] = [e for e in _given_grads if e[0] is not ref]
+
+    _given_grads.append((weakref.ref(dy, _drop), dy._version, pow2, out))
+    del _given_grads[:-4]
+
+
+def _take_given_grad(dy: torch.Tensor, pow2: bool) -> tuple[Any, ...] | None:
+    for i, (ref, version, entry_pow2, out) in enumerate(_given_grads):
+        if ref() is dy and version == dy._version and entry_pow2 == pow2:
+            del _given_grads[i]
+            return out
+    return None
+
+
 # Emulation: the dequantized FP32 copy of the last FP8 weights seen, keyed on the FP8 tensor object (weak
 # reference + version counter, as above), so a weight is dequantized once per version, not at every forward,
 # backward and decode step. Entries go when the FP8 tensor dies.
@@ -249,7 +284,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dx = dy.new_zeros(ctx.x_shape) if need_dx else None
             dw = torch.zeros(n, ctx.x_shape[-1], dtype=ctx.w_dtype, device=dy.device) if need_dw else None
         elif ctx.fast:
-            dx, dw = _fast_backward(ctx, dy2d, need_dx, need_dw)
+            dx, dw = _fast_backward(ctx, dy2d, need_dx, need_dw, _take_given_grad(dy, ctx.pow2))
         else:
             dx, dw = _emulated_backward(ctx, dy2d, need_dx, need_dw)
         if need_db:
@@ -260,14 +295,16 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def _fast_backward(
-    ctx: Any, dy2d: torch.Tensor, need_dx: bool, need_dw: bool
+    ctx: Any, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, given: tuple[Any, ...] | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     w_b, s_b, xtq, xts = ctx.saved_tensors
     m, pow2 = ctx.m, ctx.pow2
     dx = dw = None
     if need_dx and not ctx.w_transposed:
         w_b, s_b = quant_triton.transpose_fp8(w_b), s_b.t().contiguous()
-    if need_dx and need_dw:
+    if given is not None:  # quantized by the kernel that made dY (offer_grad_quantization)
+        dyq, dys_t, dytq, dyts = given
+    elif need_dx and need_dw:
         dyq, dys_t, dytq, dyts = quant_triton.quantize_rows_and_cols(dy2d, pow2)
     elif need_dx:
         dyq, dys_t = quant_triton.quantize_rows(dy2d, pow2)

@@ -16,6 +16,13 @@ The numbers follow torch's op by op, so the change is a matter of the last bit:
 * SwiGLU (Qwen2MLP with ``hidden_act: silu``): ``silu(gate)`` and the product are rounded to the activation
   dtype where torch rounds them (BF16 under autocast), and so are the gradients.
 
+With FP8 decoder linears (``fp8/linear.py``, GPU fast path) SwiGLU also quantizes what the FP8 GEMMs around
+it read, as it writes it: its output h for down_proj (1x128 tiles along the features and along the tokens,
+``quant_triton.quantize_rows_and_cols``'s codes, scales and layouts bit for bit) and, backward, the gradients
+of gate and up for gate_proj's and up_proj's backward. The FP8 linears take them from ``fp8.ops`` (
+``offer_input_quantization`` / ``offer_grad_quantization``) instead of reading h, dgate and dup again: these
+three (tokens x intermediate) tensors were ~73% of the FP8 step's quantization bytes at 1.5B.
+
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
 ``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
 run the parent's torch code, so the CPU path is unchanged (``trainer.fused_kernels``, trainer.py).
@@ -29,9 +36,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from infir2_rl.fp8 import gemm, ops
+from infir2_rl.fp8.linear import Fp8Linear
+
 try:
     import triton
     import triton.language as tl
+
+    from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -120,6 +132,127 @@ if _HAVE_TRITON:
         tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
         tl.store(du_ptr + offs, (dh * s).to(du_ptr.dtype.element_ty), mask=mask)
 
+    # ---- SwiGLU with the FP8 quantization of its output (forward) or of its two gradients (backward).
+    # One program owns a 128-token x 128-feature block, in SUB-feature strips: the strips' 128-token column
+    # tiles are complete at once (quantized and stored, transposed, on the first pass); the 1x128 row tiles
+    # need the whole block's row maxima, so a second pass recomputes the strips (re-reading the inputs,
+    # mostly from L2) and stores the row-quantized codes. Same arithmetic as quant_triton._act_quant_kernel.
+
+    @triton.jit
+    def _quant_cols_store(v, rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr, POW2: tl.constexpr,
+                          SUB: tl.constexpr):  # fmt: skip
+        av = tl.abs(v)
+        sc = _scale_from_amax(tl.max(av, axis=0), tl.sum(_is_nonfinite(av), axis=0), POW2)
+        qc = tl.math.div_rn(v, tl.broadcast_to(sc[None, :], (128, SUB)))
+        qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
+        t_mask = (cols[:, None] < N) & (rows[None, :] < rows_qt)
+        tl.store(
+            qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :],
+            tl.trans(qc).to(tl.float8e4nv),
+            mask=t_mask,
+        )
+        tl.store(st_ptr + pid_m * N + cols, sc, mask=cols < N)
+
+    @triton.jit
+    def _quant_rows_store(v, s, rows, cols, N, rows_q, q_ptr, SUB: tl.constexpr):
+        q = tl.math.div_rn(v, tl.broadcast_to(s[:, None], (128, SUB)))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        q_mask = (rows[:, None] < rows_q) & (cols[None, :] < N)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=q_mask)
+
+    @triton.jit
+    def _swiglu_h(g_ptr, u_ptr, offs, mask, OUT: tl.constexpr):
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _silu(g).to(OUT).to(tl.float32)
+        return (s * u).to(OUT)
+
+    @triton.jit
+    def _swiglu_fwd_quant_kernel(
+        g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, rows_q, rows_qt,
+        POW2: tl.constexpr, COLS: tl.constexpr, SUB: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * 128 + tl.arange(0, 128)
+        amax = tl.zeros((128,), tl.float32)
+        bad = tl.zeros((128,), tl.float32)
+        for j in tl.static_range(128 // SUB):
+            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            h = _swiglu_h(g_ptr, u_ptr, offs, mask, h_ptr.dtype.element_ty)
+            tl.store(h_ptr + offs, h, mask=mask)
+            hf = h.to(tl.float32)
+            ah = tl.abs(hf)
+            amax = tl.maximum(amax, tl.max(ah, axis=1))
+            bad += tl.sum(_is_nonfinite(ah), axis=1)
+            if COLS:
+                _quant_cols_store(hf, rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr, POW2, SUB)
+        s = _scale_from_amax(amax, bad, POW2)
+        for j in tl.static_range(128 // SUB):
+            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            hf = _swiglu_h(g_ptr, u_ptr, offs, mask, h_ptr.dtype.element_ty).to(tl.float32)
+            _quant_rows_store(hf, s, rows, cols, N, rows_q, q_ptr, SUB)
+        tl.store(s_ptr + pid_n * rows_q + rows, s, mask=rows < rows_q)
+
+    @triton.jit
+    def _swiglu_grads(dh_ptr, g_ptr, u_ptr, offs, mask, OUT: tl.constexpr):
+        # as _swiglu_bwd_kernel
+        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        s = (g * sig).to(OUT).to(tl.float32)
+        ds = (dh * u).to(OUT).to(tl.float32)
+        dg = (ds * sig * (1.0 + g * (1.0 - sig))).to(OUT)
+        du = (dh * s).to(OUT)
+        return dg, du
+
+    @triton.jit
+    def _swiglu_bwd_quant_kernel(
+        dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
+        gq_ptr, gs_ptr, gqt_ptr, gst_ptr, uq_ptr, us_ptr, uqt_ptr, ust_ptr,
+        M, N, rows_q, rows_qt, POW2: tl.constexpr, SUB: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * 128 + tl.arange(0, 128)
+        g_amax = tl.zeros((128,), tl.float32)
+        g_bad = tl.zeros((128,), tl.float32)
+        u_amax = tl.zeros((128,), tl.float32)
+        u_bad = tl.zeros((128,), tl.float32)
+        for j in tl.static_range(128 // SUB):
+            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            dg, du = _swiglu_grads(dh_ptr, g_ptr, u_ptr, offs, mask, dg_ptr.dtype.element_ty)
+            tl.store(dg_ptr + offs, dg, mask=mask)
+            tl.store(du_ptr + offs, du, mask=mask)
+            dgf = dg.to(tl.float32)
+            duf = du.to(tl.float32)
+            adg = tl.abs(dgf)
+            adu = tl.abs(duf)
+            g_amax = tl.maximum(g_amax, tl.max(adg, axis=1))
+            g_bad += tl.sum(_is_nonfinite(adg), axis=1)
+            u_amax = tl.maximum(u_amax, tl.max(adu, axis=1))
+            u_bad += tl.sum(_is_nonfinite(adu), axis=1)
+            _quant_cols_store(dgf, rows, cols, N, rows_qt, pid_m, gqt_ptr, gst_ptr, POW2, SUB)
+            _quant_cols_store(duf, rows, cols, N, rows_qt, pid_m, uqt_ptr, ust_ptr, POW2, SUB)
+        gs = _scale_from_amax(g_amax, g_bad, POW2)
+        us = _scale_from_amax(u_amax, u_bad, POW2)
+        for j in tl.static_range(128 // SUB):
+            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            dg, du = _swiglu_grads(dh_ptr, g_ptr, u_ptr, offs, mask, dg_ptr.dtype.element_ty)
+            _quant_rows_store(dg.to(tl.float32), gs, rows, cols, N, rows_q, gq_ptr, SUB)
+            _quant_rows_store(du.to(tl.float32), us, rows, cols, N, rows_q, uq_ptr, SUB)
+        tl.store(gs_ptr + pid_n * rows_q + rows, gs, mask=rows < rows_q)
+        tl.store(us_ptr + pid_n * rows_q + rows, us, mask=rows < rows_q)
+
 
 def _rms_launch(k: int) -> tuple[int, int, int]:
     """(BK, BM, warps): a row fits one program's registers whole; ~8K elements per program."""
@@ -175,11 +308,29 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 _SWIGLU_BLOCK = 2048
+# Feature strip of the quantizing SwiGLU kernels (see above) and their warps.
+QUANT_LAUNCH: dict[str, int] = {"sub": 32, "warps": 8}
+
+
+def _quant_buffers(m: int, n: int, device: torch.device, cols: bool) -> tuple[Tensor | None, ...]:
+    """Empty (q, s_t, qt, st) in quant_triton.quantize_rows_and_cols's shapes (rows padded to 16 / 128)."""
+    rows_q, rows_qt, nb = -(-m // 16) * 16, -(-m // 128) * 128, -(-n // 128)
+    f8 = torch.float8_e4m3fn
+    return (
+        torch.empty((rows_q, n), dtype=f8, device=device),
+        torch.empty((nb, rows_q), dtype=torch.float32, device=device),
+        torch.empty((n, rows_qt), dtype=f8, device=device) if cols else None,
+        torch.empty((rows_qt // 128, n), dtype=torch.float32, device=device) if cols else None,
+    )
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, gate: Tensor, up: Tensor, quant: tuple[bool, bool, bool] | None, handoff: list[Any]
+    ) -> Tensor:
+        """``quant``: (pow2, quantize h, quantize dgate/dup) for FP8 neighbours; h's quantization goes to
+        ``handoff`` (the caller offers it with the returned tensor)."""
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise ValueError(
                 f"swiglu: gate {gate.dtype} {tuple(gate.shape)} vs up {up.dtype} {tuple(up.shape)}"
@@ -187,7 +338,21 @@ class _SwiGLUFn(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         h = torch.empty_like(gate)
         n = gate.numel()
-        if n:
+        ctx.quant = quant
+        if n and quant is not None and quant[1]:
+            k = gate.shape[-1]
+            m = n // k
+            cols = torch.is_grad_enabled()  # down_proj's backward reads h in token tiles
+            out = _quant_buffers(m, k, gate.device, cols)
+            q, s_t, qt, st = out
+            assert q is not None and s_t is not None
+            _swiglu_fwd_quant_kernel[(triton.cdiv(m, 128), triton.cdiv(k, 128))](
+                gate, up, h, q, s_t, qt if cols else q, st if cols else s_t, m, k, s_t.shape[1],
+                -(-m // 128) * 128, POW2=quant[0], COLS=cols, SUB=QUANT_LAUNCH["sub"],
+                num_warps=QUANT_LAUNCH["warps"],
+            )  # fmt: skip
+            handoff.append(out)
+        elif n:
             _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 gate, up, h, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
             )
@@ -195,16 +360,28 @@ class _SwiGLUFn(torch.autograd.Function):
         return h
 
     @staticmethod
-    def backward(ctx: Any, dh: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, dh: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
         gate, up = ctx.saved_tensors
         dh = dh.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        if n:
+        quant = ctx.quant
+        if n and quant is not None and quant[2]:
+            k = gate.shape[-1]
+            m = n // k
+            g_out, u_out = _quant_buffers(m, k, gate.device, True), _quant_buffers(m, k, gate.device, True)
+            rows_q = -(-m // 16) * 16
+            _swiglu_bwd_quant_kernel[(triton.cdiv(m, 128), triton.cdiv(k, 128))](
+                dh, gate, up, dg, du, *g_out, *u_out, m, k, rows_q, -(-m // 128) * 128,
+                POW2=quant[0], SUB=QUANT_LAUNCH["sub"], num_warps=QUANT_LAUNCH["warps"],
+            )  # fmt: skip
+            ops.offer_grad_quantization(dg, quant[0], g_out)
+            ops.offer_grad_quantization(du, quant[0], u_out)
+        elif n:
             _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
             )
-        return dg, du
+        return dg, du, None, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -214,11 +391,36 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(gate) * up``, differentiable (CUDA tensors; elsewhere the module keeps torch's code)."""
-    out = _SwiGLUFn.apply(gate, up)
+def swiglu(gate: Tensor, up: Tensor, quant: tuple[bool, bool, bool] | None = None) -> Tensor:
+    """``silu(gate) * up``, differentiable (CUDA tensors; elsewhere the module keeps torch's code).
+
+    ``quant`` = (pow2, quantize h, quantize the gradients): see the module docstring (``_fp8_plan``)."""
+    handoff: list[Any] = []
+    out = _SwiGLUFn.apply(gate, up, quant, handoff)
     assert isinstance(out, Tensor)
+    if handoff:
+        ops.offer_input_quantization(out, bool(quant and quant[0]), handoff[0])
     return out
+
+
+def _fp8_fast(linear: nn.Module, x: Tensor) -> bool:
+    return (
+        type(linear) is Fp8Linear
+        and linear.fp8_enabled
+        and gemm.fast_path_ok(x, linear.out_features, linear.in_features)
+    )
+
+
+def _fp8_plan(mlp: Any, x: Tensor) -> tuple[bool, bool, bool] | None:
+    """(pow2, quantize h, quantize dgate/dup) when the MLP's linears are FP8 linears on the GPU fast path
+    (h for down_proj; the gradients for gate_proj and up_proj), else None. One pow2 setting for all."""
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    quant_h = _fp8_fast(down, x)
+    quant_grads = torch.is_grad_enabled() and _fp8_fast(gate, x) and _fp8_fast(up, x)
+    pow2 = {m.pow2_scales for m, on in ((down, quant_h), (gate, quant_grads), (up, quant_grads)) if on}
+    if len(pow2) != 1:  # nothing to quantize, or mixed settings (never made by swap_to_fp8_training)
+        return None
+    return (pow2.pop(), quant_h, quant_grads)
 
 
 # ---------------------------------------------------------------------------------------------- model swap
@@ -236,7 +438,7 @@ def _fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
 def _fused_mlp_forward(self: Any, x: Tensor) -> Tensor:
     if not available(x.device):
         return super(type(self), self).forward(x)  # type: ignore[misc]
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), _fp8_plan(self, x)))
 
 
 def _fused_subclass(cls: type, forward: Any) -> type:
