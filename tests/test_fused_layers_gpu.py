@@ -121,7 +121,7 @@ def test_quantizing_swiglu_gives_the_quantizers_codes_forward_and_backward(
 
     handoff: list = []
     gq, uq = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
-    h = fused_layers._SwiGLUFn.apply(gq, uq, (pow2, True, True), handoff)
+    h = fused_layers._SwiGLUFn.apply(gq, uq, fused_layers.Fp8Plan(pow2, True, True, True), handoff)
     assert torch.equal(h, h_ref)
     for a, b in zip(handoff[0], quant_triton.quantize_rows_and_cols(h_ref, pow2)):
         assert _same_bytes(a, b)

@@ -31,12 +31,12 @@ run the parent's torch code, so the CPU path is unchanged (``trainer.fused_kerne
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from infir2_rl.fp8 import gemm, ops
+from infir2_rl.fp8 import gemm, ops, quant_triton
 from infir2_rl.fp8.linear import Fp8Linear
 
 try:
@@ -132,126 +132,61 @@ if _HAVE_TRITON:
         tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
         tl.store(du_ptr + offs, (dh * s).to(du_ptr.dtype.element_ty), mask=mask)
 
-    # ---- SwiGLU with the FP8 quantization of its output (forward) or of its two gradients (backward).
-    # One program owns a 128-token x 128-feature block, in SUB-feature strips: the strips' 128-token column
-    # tiles are complete at once (quantized and stored, transposed, on the first pass); the 1x128 row tiles
-    # need the whole block's row maxima, so a second pass recomputes the strips (re-reading the inputs,
-    # mostly from L2) and stores the row-quantized codes. Same arithmetic as quant_triton._act_quant_kernel.
+    # ---- SwiGLU with the FP8 row quantization of its output (forward) or of its two gradients (backward):
+    # a program owns BM tokens x one 128-feature tile, so each row's 1x128 tile is complete in registers.
+    # The token tiles (128 tokens per scale, stored transposed) are left to quant_triton.quantize_cols: one
+    # kernel owning 128 tokens x 128 features for both ran at ~1.2 TB/s forward and far below backward
+    # (bench/swiglu_quant.py on the tree of 802160b, docs/performance.md). Same arithmetic as quant_triton's kernels.
 
     @triton.jit
-    def _quant_cols_store(v, rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr, POW2: tl.constexpr,
-                          SUB: tl.constexpr):  # fmt: skip
+    def _quant_rows_store(
+        v, rows, cols, N, rows_q, pid_n, q_ptr, s_ptr, POW2: tl.constexpr, BM: tl.constexpr
+    ):
         av = tl.abs(v)
-        sc = _scale_from_amax(tl.max(av, axis=0), tl.sum(_is_nonfinite(av), axis=0), POW2)
-        qc = tl.math.div_rn(v, tl.broadcast_to(sc[None, :], (128, SUB)))
-        qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
-        t_mask = (cols[:, None] < N) & (rows[None, :] < rows_qt)
-        tl.store(
-            qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :],
-            tl.trans(qc).to(tl.float8e4nv),
-            mask=t_mask,
-        )
-        tl.store(st_ptr + pid_m * N + cols, sc, mask=cols < N)
-
-    @triton.jit
-    def _quant_rows_store(v, s, rows, cols, N, rows_q, q_ptr, SUB: tl.constexpr):
-        q = tl.math.div_rn(v, tl.broadcast_to(s[:, None], (128, SUB)))
+        s = _scale_from_amax(tl.max(av, axis=1), tl.sum(_is_nonfinite(av), axis=1), POW2)
+        q = tl.math.div_rn(v, tl.broadcast_to(s[:, None], (BM, 128)))
         q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
         q_mask = (rows[:, None] < rows_q) & (cols[None, :] < N)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=q_mask)
-
-    @triton.jit
-    def _swiglu_h(g_ptr, u_ptr, offs, mask, OUT: tl.constexpr):
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = _silu(g).to(OUT).to(tl.float32)
-        return (s * u).to(OUT)
-
-    @triton.jit
-    def _swiglu_fwd_quant_kernel(
-        g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, rows_q, rows_qt,
-        POW2: tl.constexpr, COLS: tl.constexpr, SUB: tl.constexpr,
-    ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = pid_m * 128 + tl.arange(0, 128)
-        amax = tl.zeros((128,), tl.float32)
-        bad = tl.zeros((128,), tl.float32)
-        for j in tl.static_range(128 // SUB):
-            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            h = _swiglu_h(g_ptr, u_ptr, offs, mask, h_ptr.dtype.element_ty)
-            tl.store(h_ptr + offs, h, mask=mask)
-            hf = h.to(tl.float32)
-            ah = tl.abs(hf)
-            amax = tl.maximum(amax, tl.max(ah, axis=1))
-            bad += tl.sum(_is_nonfinite(ah), axis=1)
-            if COLS:
-                _quant_cols_store(hf, rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr, POW2, SUB)
-        s = _scale_from_amax(amax, bad, POW2)
-        for j in tl.static_range(128 // SUB):
-            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            hf = _swiglu_h(g_ptr, u_ptr, offs, mask, h_ptr.dtype.element_ty).to(tl.float32)
-            _quant_rows_store(hf, s, rows, cols, N, rows_q, q_ptr, SUB)
         tl.store(s_ptr + pid_n * rows_q + rows, s, mask=rows < rows_q)
 
     @triton.jit
-    def _swiglu_grads(dh_ptr, g_ptr, u_ptr, offs, mask, OUT: tl.constexpr):
-        # as _swiglu_bwd_kernel
+    def _swiglu_fwd_rows_kernel(
+        g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, N, rows_q, POW2: tl.constexpr, BM: tl.constexpr
+    ):  # fmt: skip
+        pid_n = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = pid_n * 128 + tl.arange(0, 128)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (_silu(g).to(h_ptr.dtype.element_ty).to(tl.float32) * u).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + offs, h, mask=mask)
+        _quant_rows_store(h.to(tl.float32), rows, cols, N, rows_q, pid_n, q_ptr, s_ptr, POW2, BM)
+
+    @triton.jit
+    def _swiglu_bwd_rows_kernel(
+        dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, N, rows_q,
+        POW2: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = pid_n * 128 + tl.arange(0, 128)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        s = (g * sig).to(OUT).to(tl.float32)
-        ds = (dh * u).to(OUT).to(tl.float32)
-        dg = (ds * sig * (1.0 + g * (1.0 - sig))).to(OUT)
-        du = (dh * s).to(OUT)
-        return dg, du
-
-    @triton.jit
-    def _swiglu_bwd_quant_kernel(
-        dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
-        gq_ptr, gs_ptr, gqt_ptr, gst_ptr, uq_ptr, us_ptr, uqt_ptr, ust_ptr,
-        M, N, rows_q, rows_qt, POW2: tl.constexpr, SUB: tl.constexpr,
-    ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = pid_m * 128 + tl.arange(0, 128)
-        g_amax = tl.zeros((128,), tl.float32)
-        g_bad = tl.zeros((128,), tl.float32)
-        u_amax = tl.zeros((128,), tl.float32)
-        u_bad = tl.zeros((128,), tl.float32)
-        for j in tl.static_range(128 // SUB):
-            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            dg, du = _swiglu_grads(dh_ptr, g_ptr, u_ptr, offs, mask, dg_ptr.dtype.element_ty)
-            tl.store(dg_ptr + offs, dg, mask=mask)
-            tl.store(du_ptr + offs, du, mask=mask)
-            dgf = dg.to(tl.float32)
-            duf = du.to(tl.float32)
-            adg = tl.abs(dgf)
-            adu = tl.abs(duf)
-            g_amax = tl.maximum(g_amax, tl.max(adg, axis=1))
-            g_bad += tl.sum(_is_nonfinite(adg), axis=1)
-            u_amax = tl.maximum(u_amax, tl.max(adu, axis=1))
-            u_bad += tl.sum(_is_nonfinite(adu), axis=1)
-            _quant_cols_store(dgf, rows, cols, N, rows_qt, pid_m, gqt_ptr, gst_ptr, POW2, SUB)
-            _quant_cols_store(duf, rows, cols, N, rows_qt, pid_m, uqt_ptr, ust_ptr, POW2, SUB)
-        gs = _scale_from_amax(g_amax, g_bad, POW2)
-        us = _scale_from_amax(u_amax, u_bad, POW2)
-        for j in tl.static_range(128 // SUB):
-            cols = pid_n * 128 + j * SUB + tl.arange(0, SUB)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-            dg, du = _swiglu_grads(dh_ptr, g_ptr, u_ptr, offs, mask, dg_ptr.dtype.element_ty)
-            _quant_rows_store(dg.to(tl.float32), gs, rows, cols, N, rows_q, gq_ptr, SUB)
-            _quant_rows_store(du.to(tl.float32), us, rows, cols, N, rows_q, uq_ptr, SUB)
-        tl.store(gs_ptr + pid_n * rows_q + rows, gs, mask=rows < rows_q)
-        tl.store(us_ptr + pid_n * rows_q + rows, us, mask=rows < rows_q)
+        sig = 1.0 / (1.0 + tl.exp(-g))  # as _swiglu_bwd_kernel
+        s = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
+        ds = (dh * u).to(dg_ptr.dtype.element_ty).to(tl.float32)
+        dg = (ds * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
+        du = (dh * s).to(du_ptr.dtype.element_ty)
+        tl.store(dg_ptr + offs, dg, mask=mask)
+        tl.store(du_ptr + offs, du, mask=mask)
+        _quant_rows_store(dg.to(tl.float32), rows, cols, N, rows_q, pid_n, gq_ptr, gs_ptr, POW2, BM)
+        _quant_rows_store(du.to(tl.float32), rows, cols, N, rows_q, pid_n, uq_ptr, us_ptr, POW2, BM)
 
 
 def _rms_launch(k: int) -> tuple[int, int, int]:
@@ -308,29 +243,49 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 _SWIGLU_BLOCK = 2048
-# Feature strip of the quantizing SwiGLU kernels (see above) and their warps.
-QUANT_LAUNCH: dict[str, int] = {"sub": 32, "warps": 8}
 
 
-def _quant_buffers(m: int, n: int, device: torch.device, cols: bool) -> tuple[Tensor | None, ...]:
-    """Empty (q, s_t, qt, st) in quant_triton.quantize_rows_and_cols's shapes (rows padded to 16 / 128)."""
-    rows_q, rows_qt, nb = -(-m // 16) * 16, -(-m // 128) * 128, -(-n // 128)
-    f8 = torch.float8_e4m3fn
-    return (
-        torch.empty((rows_q, n), dtype=f8, device=device),
-        torch.empty((nb, rows_q), dtype=torch.float32, device=device),
-        torch.empty((n, rows_qt), dtype=f8, device=device) if cols else None,
-        torch.empty((rows_qt // 128, n), dtype=torch.float32, device=device) if cols else None,
-    )
+class Fp8Plan(NamedTuple):
+    """What the fused SwiGLU quantizes for FP8 neighbours (``_fp8_plan``)."""
+
+    pow2: bool  # power-of-two scales, as the FP8 linears use
+    h: bool  # h in 1x128 row tiles, for down_proj's forward
+    h_cols: bool  # h also in token tiles, for down_proj's weight gradient
+    grads: bool  # dgate and dup in both tilings, for gate_proj's and up_proj's backward
+
+
+# Tokens per program of the quantizing SwiGLU kernels, and their warps (bench/swiglu_quant.py).
+QUANT_LAUNCH: dict[str, int] = {"bm": 32, "warps": 4}
+
+
+def _rows_quantized(
+    kernel: Any, m: int, n: int, device: torch.device, pow2: bool, *args: Any
+) -> list[tuple[Tensor, Tensor]]:
+    """Launch a quantizing SwiGLU kernel; returns its (q (M_16, N), s_t (Nb, M_16)) pairs, the layout of
+    quant_triton.quantize_rows (rows padded to 16 with zero codes and scale 1)."""
+    rows_q = -(-m // 16) * 16
+    n_out = 2 if kernel is _swiglu_bwd_rows_kernel else 1
+    pairs = [
+        (
+            torch.empty((rows_q, n), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((-(-n // 128), rows_q), dtype=torch.float32, device=device),
+        )
+        for _ in range(n_out)
+    ]
+    bm = QUANT_LAUNCH["bm"]
+    kernel[(triton.cdiv(rows_q, bm), triton.cdiv(n, 128))](
+        *args, *(t for pair in pairs for t in pair), m, n, rows_q, POW2=pow2, BM=bm,
+        num_warps=QUANT_LAUNCH["warps"],
+    )  # fmt: skip
+    return pairs
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, gate: Tensor, up: Tensor, quant: tuple[bool, bool, bool] | None, handoff: list[Any]
+        ctx: Any, gate: Tensor, up: Tensor, plan: Fp8Plan | None, handoff: list[Any]
     ) -> Tensor:
-        """``quant``: (pow2, quantize h, quantize dgate/dup) for FP8 neighbours; h's quantization goes to
-        ``handoff`` (the caller offers it with the returned tensor)."""
+        """h's quantization (``plan.h``) goes to ``handoff``: the caller offers it with the returned tensor."""
         if gate.shape != up.shape or gate.dtype != up.dtype:
             raise ValueError(
                 f"swiglu: gate {gate.dtype} {tuple(gate.shape)} vs up {up.dtype} {tuple(up.shape)}"
@@ -338,20 +293,16 @@ class _SwiGLUFn(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         h = torch.empty_like(gate)
         n = gate.numel()
-        ctx.quant = quant
-        if n and quant is not None and quant[1]:
+        ctx.plan = plan
+        if n and plan is not None and plan.h:
             k = gate.shape[-1]
-            m = n // k
-            cols = torch.is_grad_enabled()  # down_proj's backward reads h in token tiles
-            out = _quant_buffers(m, k, gate.device, cols)
-            q, s_t, qt, st = out
-            assert q is not None and s_t is not None
-            _swiglu_fwd_quant_kernel[(triton.cdiv(m, 128), triton.cdiv(k, 128))](
-                gate, up, h, q, s_t, qt if cols else q, st if cols else s_t, m, k, s_t.shape[1],
-                -(-m // 128) * 128, POW2=quant[0], COLS=cols, SUB=QUANT_LAUNCH["sub"],
-                num_warps=QUANT_LAUNCH["warps"],
-            )  # fmt: skip
-            handoff.append(out)
+            ((q, s_t),) = _rows_quantized(
+                _swiglu_fwd_rows_kernel, n // k, k, h.device, plan.pow2, gate, up, h
+            )
+            # (grad mode is off inside forward: the plan says whether down_proj's backward will want h's
+            # token tiles)
+            cols = quant_triton.quantize_cols(h.view(-1, k), plan.pow2) if plan.h_cols else (None, None)
+            handoff.append((q, s_t, *cols))
         elif n:
             _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 gate, up, h, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
@@ -365,18 +316,16 @@ class _SwiGLUFn(torch.autograd.Function):
         dh = dh.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        quant = ctx.quant
-        if n and quant is not None and quant[2]:
+        plan = ctx.plan
+        if n and plan is not None and plan.grads:
             k = gate.shape[-1]
-            m = n // k
-            g_out, u_out = _quant_buffers(m, k, gate.device, True), _quant_buffers(m, k, gate.device, True)
-            rows_q = -(-m // 16) * 16
-            _swiglu_bwd_quant_kernel[(triton.cdiv(m, 128), triton.cdiv(k, 128))](
-                dh, gate, up, dg, du, *g_out, *u_out, m, k, rows_q, -(-m // 128) * 128,
-                POW2=quant[0], SUB=QUANT_LAUNCH["sub"], num_warps=QUANT_LAUNCH["warps"],
-            )  # fmt: skip
-            ops.offer_grad_quantization(dg, quant[0], g_out)
-            ops.offer_grad_quantization(du, quant[0], u_out)
+            rows = _rows_quantized(
+                _swiglu_bwd_rows_kernel, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du
+            )
+            for grad, (q, s_t) in zip((dg, du), rows, strict=True):
+                ops.offer_grad_quantization(
+                    grad, plan.pow2, (q, s_t, *quant_triton.quantize_cols(grad.view(-1, k), plan.pow2))
+                )
         elif n:
             _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
@@ -391,15 +340,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def swiglu(gate: Tensor, up: Tensor, quant: tuple[bool, bool, bool] | None = None) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, plan: Fp8Plan | None = None) -> Tensor:
     """``silu(gate) * up``, differentiable (CUDA tensors; elsewhere the module keeps torch's code).
 
-    ``quant`` = (pow2, quantize h, quantize the gradients): see the module docstring (``_fp8_plan``)."""
+    ``plan``: what to quantize for FP8 neighbours (module docstring, ``_fp8_plan``)."""
     handoff: list[Any] = []
-    out = _SwiGLUFn.apply(gate, up, quant, handoff)
+    out = _SwiGLUFn.apply(gate, up, plan, handoff)
     assert isinstance(out, Tensor)
     if handoff:
-        ops.offer_input_quantization(out, bool(quant and quant[0]), handoff[0])
+        assert plan is not None
+        ops.offer_input_quantization(out, plan.pow2, handoff[0])
     return out
 
 
@@ -411,16 +361,17 @@ def _fp8_fast(linear: nn.Module, x: Tensor) -> bool:
     )
 
 
-def _fp8_plan(mlp: Any, x: Tensor) -> tuple[bool, bool, bool] | None:
-    """(pow2, quantize h, quantize dgate/dup) when the MLP's linears are FP8 linears on the GPU fast path
-    (h for down_proj; the gradients for gate_proj and up_proj), else None. One pow2 setting for all."""
+def _fp8_plan(mlp: Any, x: Tensor) -> Fp8Plan | None:
+    """What to quantize when the MLP's linears are FP8 linears on the GPU fast path (h for down_proj, the
+    gradients for gate_proj and up_proj), else None. One pow2 setting for all."""
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    grad = torch.is_grad_enabled()
     quant_h = _fp8_fast(down, x)
-    quant_grads = torch.is_grad_enabled() and _fp8_fast(gate, x) and _fp8_fast(up, x)
+    quant_grads = grad and _fp8_fast(gate, x) and _fp8_fast(up, x)
     pow2 = {m.pow2_scales for m, on in ((down, quant_h), (gate, quant_grads), (up, quant_grads)) if on}
     if len(pow2) != 1:  # nothing to quantize, or mixed settings (never made by swap_to_fp8_training)
         return None
-    return (pow2.pop(), quant_h, quant_grads)
+    return Fp8Plan(pow2.pop(), quant_h, quant_h and grad and down.weight.requires_grad, quant_grads)
 
 
 # ---------------------------------------------------------------------------------------------- model swap
