@@ -136,7 +136,7 @@ if _HAVE_TRITON:
     # a program owns BM tokens x one 128-feature tile, so each row's 1x128 tile is complete in registers.
     # The token tiles (128 tokens per scale, stored transposed) are left to quant_triton.quantize_cols: one
     # kernel owning 128 tokens x 128 features for both ran at ~1.2 TB/s forward and far below backward
-    # (bench/swiglu_quant.py on the tree of 802160b, docs/performance.md). Same arithmetic as quant_triton's kernels.
+    # (bench/swiglu_quant.py, H100, docs/performance.md). Same arithmetic as quant_triton's kernels.
 
     @triton.jit
     def _quant_rows_store(
@@ -255,7 +255,7 @@ class Fp8Plan(NamedTuple):
 
 
 # Tokens per program of the quantizing SwiGLU kernels, and their warps (bench/swiglu_quant.py).
-QUANT_LAUNCH: dict[str, int] = {"bm": 32, "warps": 4}
+QUANT_LAUNCH: dict[str, int] = {"bm": 16, "warps": 8}
 
 
 def _rows_quantized(
