@@ -57,6 +57,36 @@ def job_client(address: str, token: str) -> Any:
     return JobSubmissionClient(address, headers={"authorization": f"Bearer {token}"})
 
 
+NO_OP_JOB = "python -c pass"  # the job _wait_for_job_agent runs first on every test head
+
+
+def user_jobs(client: Any) -> list[Any]:
+    """The head's jobs other than the fixture's no-op one."""
+    return [j for j in client.list_jobs() if j.entrypoint != NO_OP_JOB]
+
+
+def _wait_for_job_agent(address: str, token: str, temp_dir: str, timeout_s: float = 180) -> None:
+    """Run a no-op job to its end: the head answers jobs only once its node's job agent has registered,
+    "No available agent to submit job" until then (seconds, more on a loaded 2-core machine; CI failed on
+    it with submit.sh's own 60 s of retries). On timeout the agent's log tail is in the error."""
+    client = job_client(address, token)
+    job: list[str] = []
+
+    def submitted() -> bool:
+        if not job:
+            job.append(client.submit_job(entrypoint=NO_OP_JOB))
+        status = str(client.get_job_status(job[0]))
+        assert "FAILED" not in status and "STOPPED" not in status, f"the no-op job ended {status}"
+        return "SUCCEEDED" in status
+
+    try:
+        wait_for(submitted, timeout_s, "the head's job agent did not run a no-op job")
+    except TimeoutError as e:
+        logs = sorted(Path(temp_dir).glob("session_*/logs/dashboard_agent*.log"))
+        tail = logs[-1].read_text(errors="replace")[-2000:] if logs else "(no dashboard_agent log)"
+        raise TimeoutError(f"{e}\n{tail}") from None
+
+
 @contextlib.contextmanager
 def ray_head(num_cpus: int = 2) -> Iterator[dict[str, str]]:
     """Yield the environment a client of the head needs (RAY_ADDRESS, RAY_AUTH_TOKEN, ...) plus
@@ -86,6 +116,7 @@ def ray_head(num_cpus: int = 2) -> Iterator[dict[str, str]]:
     address = f"http://127.0.0.1:{dashboard}"
     try:
         wait_for(lambda: job_client(address, token).list_jobs() is not None, 120, "Ray head did not come up")
+        _wait_for_job_agent(address, token, temp_dir)
         yield {
             **env,
             "RAY_ADDRESS": address,

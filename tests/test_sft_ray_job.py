@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ray_head import REPO, job_client, ray_head, wait_for
+from ray_head import REPO, job_client, ray_head, user_jobs, wait_for
 
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
@@ -61,7 +61,7 @@ metrics: {{progress_bar: false}}
     output, _ = submit.communicate(timeout=240)
     assert submit.returncode == 0, output[-3000:]
     client = job_client(cluster["RAY_ADDRESS"], cluster["RAY_AUTH_TOKEN"])
-    (job,) = client.list_jobs()
+    (job,) = user_jobs(client)
     assert job.status == JobStatus.SUCCEEDED, client.get_job_logs(job.submission_id)[-3000:]
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000030"

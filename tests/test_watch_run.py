@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_head import REPO, free_ports, job_client, ray_head, wait_for
+from ray_head import REPO, free_ports, job_client, ray_head, user_jobs, wait_for
 
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.metrics import names
@@ -65,7 +65,7 @@ metrics: {{progress_bar: false, tensorboard: false}}
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
-        (job,) = client.list_jobs()
+        (job,) = user_jobs(client)
 
         def training() -> bool:
             status = client.get_job_status(job.submission_id)
