@@ -37,3 +37,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray for one test module: 2 CPUs, no dashboard, driver logs off. The stages' own
+    ``ensure_ray`` finds it up and uses it; a CLI started meanwhile runs without a dashboard too."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFIR2_RAY_DASHBOARD", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()

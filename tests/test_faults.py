@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,14 +266,6 @@ def test_pathological_answers_cost_about_one_deadline_per_worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    os.environ["INFIR2_RAY_DASHBOARD"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("faults")
     model = init_model(root / "model", preset="tiny", num_hidden_layers=2)
@@ -287,7 +278,7 @@ TWO_RANKS: dict[str, Any] = {"num_workers": 2, "max_steps": 3}
 
 @pytest.fixture(scope="module")
 def sft_straight(
-    assets: tuple[Path, Path], ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
+    assets: tuple[Path, Path], ray_local: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     """One uninterrupted 3-step SFT run on two trainer ranks (checkpoints at steps 2 and 3), shared."""
     run_dir = tmp_path_factory.mktemp("straight") / "sft"
@@ -460,7 +451,7 @@ def test_a_killed_trainer_worker_fails_fast_with_its_cause_and_the_rerun_resumes
 
 
 def test_diverged_steps_in_a_row_stop_the_stage_without_publishing(
-    assets: tuple[Path, Path], tmp_path: Path, ray_cluster: None, capsys: pytest.CaptureFixture[str]
+    assets: tuple[Path, Path], tmp_path: Path, ray_local: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "diverged"
     cfg = _sft(
@@ -485,7 +476,7 @@ def test_diverged_steps_in_a_row_stop_the_stage_without_publishing(
 
 # item 3: a rollout engine killed mid-step is replaced and the stage completes
 def test_a_killed_rollout_engine_is_replaced_and_the_stage_completes_as_if_undisturbed(
-    assets: tuple[Path, Path], tmp_path: Path, ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+    assets: tuple[Path, Path], tmp_path: Path, ray_local: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     straight_dir = tmp_path / "straight"
     run_rl_stage(_rl(assets, straight_dir))

@@ -4,12 +4,9 @@ sync of its FP8 export into the native engine."""
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
@@ -23,14 +20,6 @@ from infir2_rl.models.factory import init_model  # noqa: E402
 from infir2_rl.pipeline import REPO_ROOT  # noqa: E402
 from infir2_rl.stages.rl import run_rl_stage  # noqa: E402
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    os.environ["INFIR2_RAY_DASHBOARD"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ray_local: None) -> None:

@@ -8,11 +8,8 @@ Learning itself (reward and accuracy rising) needs minutes of training and is me
 """
 
 import json
-import os
 from pathlib import Path
 
-import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -25,19 +22,11 @@ STAGES = ["sft_stage1", "sft_stage2", "cast_fp8", "rl_stage1", "rl_stage2"]
 K3_UNIFIED_MAX = 1e-5  # see tests/test_rl_mismatch.py for the reasoning
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> object:
-    os.environ["INFIR2_RAY_DASHBOARD"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_demo_pipeline_end_to_end(tmp_path: Path, ray_cluster: object) -> None:
+def test_demo_pipeline_end_to_end(tmp_path: Path, ray_local: object) -> None:
     model_dir = init_model(tmp_path / "assets" / "tiny-model", preset="tiny", seed=0)
     data = make_data(tmp_path / "assets" / "data", seed=0, num_sft=256, num_rl=64, num_test=16)
 

@@ -6,11 +6,9 @@ exactly (CPU, fixed thread counts and seeds).
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import ray
 
 from infir2_rl.config import RlStageConfig, load_stage_config
 from infir2_rl.data.synthetic import make_data
@@ -25,14 +23,6 @@ COMPARED = (
     names.TRAIN_LOSS,
     names.TRAIN_GRAD_NORM,
 )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> object:
-    os.environ["INFIR2_RAY_DASHBOARD"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _rl_config(model: Path, train_path: Path, run_dir: Path, *overrides: str) -> RlStageConfig:
@@ -60,7 +50,7 @@ def _steps(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r["step"] > 0}
 
 
-def test_rl_resume_is_exact(tmp_path: Path, ray_cluster: object) -> None:
+def test_rl_resume_is_exact(tmp_path: Path, ray_local: object) -> None:
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=64, num_test=8)
     common = [
@@ -85,7 +75,7 @@ def test_rl_resume_is_exact(tmp_path: Path, ray_cluster: object) -> None:
 
 
 @pytest.mark.parametrize("mode", ["bf16", "bf16_train_fp8_rollout"])
-def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, ray_cluster: object) -> None:
+def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, ray_local: object) -> None:
     """The comparison modes run end to end on Ray (bf16 once failed its first push: FP8 bytes to a BF16 engine)."""
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
@@ -116,9 +106,7 @@ def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, r
             assert m[f"memory/{phase}_peak_gb"] > 0.01 and m[f"memory/{phase}_reserved_gb"] == 0.0, m
 
 
-def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(
-    tmp_path: Path, ray_cluster: object
-) -> None:
+def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(tmp_path: Path, ray_local: object) -> None:
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=32, num_test=8)
     cfg = _rl_config(
@@ -145,7 +133,7 @@ def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(
     assert max(steps[s]["train/pg_clip_frac"] for s in (1, 2)) > 0
 
 
-def test_kl_and_entropy_terms_run_and_are_logged(tmp_path: Path, ray_cluster: object) -> None:
+def test_kl_and_entropy_terms_run_and_are_logged(tmp_path: Path, ray_local: object) -> None:
     """algorithm.kl_coef > 0 builds the reference model and logs train/kl (0 while the policy is still the
     reference, > 0 after an update); entropy_coef > 0 logs train/entropy of the tempered distribution."""
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)

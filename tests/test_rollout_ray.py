@@ -1,8 +1,5 @@
 """Real Ray: an engine actor from create_engines, the rollout manager over it, and a weight push through the object store."""
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -17,14 +14,6 @@ from infir2_rl.rollout.prompts import PromptSource
 from infir2_rl.weight_sync.service import WeightSyncService, same_bytes
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +40,7 @@ def _length_parity(response: str, label: str) -> float:
     return float(len(response) % 2 == int(label))
 
 
-def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_cluster: None, cfg: RlStageConfig) -> None:
+def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_local: None, cfg: RlStageConfig) -> None:
     placement = reserve_for(cfg.placement, num_trainers=0, num_engines=1)
     engines = create_engines(cfg, placement)
     assert len(engines) == 1 and cfg.rollout_fp8
@@ -95,7 +84,7 @@ def test_engine_actor_class_runs_without_ray(cfg: RlStageConfig) -> None:
 
 
 def test_more_engines_than_the_placement_has_slots_for_are_refused(
-    ray_cluster: None, cfg: RlStageConfig
+    ray_local: None, cfg: RlStageConfig
 ) -> None:
     placement = reserve_for(cfg.placement, num_trainers=0, num_engines=1)
     try:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 import infir2_rl.stages.sft as sft_module
 from infir2_rl.config import SftStageConfig
@@ -17,13 +15,6 @@ from infir2_rl.data.synthetic import make_data
 from infir2_rl.metrics import names
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft import run_sft_stage
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

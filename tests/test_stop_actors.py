@@ -6,20 +6,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 import ray
 
 from infir2_rl.actors.remote import stop_actors
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @ray.remote(num_cpus=0)

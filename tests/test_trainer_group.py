@@ -4,11 +4,9 @@ reproduce 1 actor on the same global batches; placement errors come before any a
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from ray import cloudpickle
 
@@ -20,13 +18,6 @@ from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
 from infir2_rl.trainers.microbatch import select_rows
 from infir2_rl.types import LossOutput, TokenBatch, TokenScores
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

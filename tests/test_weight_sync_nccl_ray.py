@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,6 @@ from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_bat
 from infir2_rl.types import WeightSyncError
 from infir2_rl.weight_sync.nccl import NcclTransport
 from infir2_rl.weight_sync.service import same_bytes
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
 
 # "gpu": the same on two GPUs (trainer on one, engine on the other; real NCCL), run by bench/two_gpu.sh.
 TWO_GPUS = pytest.mark.skipif(
