@@ -17,11 +17,13 @@ The numbers follow torch's op by op, so the change is a matter of the last bit:
   dtype where torch rounds them (BF16 under autocast), and so are the gradients.
 
 With FP8 decoder linears (``fp8/linear.py``, GPU fast path) SwiGLU also quantizes what the FP8 GEMMs around
-it read, as it writes it: its output h for down_proj (1x128 tiles along the features and along the tokens,
-``quant_triton.quantize_rows_and_cols``'s codes, scales and layouts bit for bit) and, backward, the gradients
-of gate and up for gate_proj's and up_proj's backward. The FP8 linears take them from ``fp8.ops`` (
-``offer_input_quantization`` / ``offer_grad_quantization``) instead of reading h, dgate and dup again: these
-three (tokens x intermediate) tensors were ~73% of the FP8 step's quantization bytes at 1.5B.
+it read: the SwiGLU kernels write h's 1x128 row tiles for down_proj (forward) and those of the gradients of
+gate and up for gate_proj's and up_proj's backward, as they write h, dgate and dup; the token tiles come
+from ``quant_triton.quantize_cols``. Together they are ``quantize_rows_and_cols``'s codes, scales and layouts
+bit for bit. The FP8 linears take them from ``fp8.ops`` (``offer_input_quantization`` /
+``offer_grad_quantization``) instead of quantizing h, dgate and dup again (these three tokens x intermediate
+tensors were ~73% of the FP8 step's quantization bytes at 1.5B): 1.13-1.15x faster than SwiGLU followed by
+the quantizers (bench/swiglu_quant.py, docs/performance.md).
 
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
 ``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
