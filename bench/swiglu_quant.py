@@ -13,31 +13,17 @@ the bandwidth each moves at, counting the bytes each must read and write once.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+# (bench/ is on sys.path when this file runs as a script: the timing helper is fp8_linear.py's.)
+from fp8_linear import cuda_time_ms
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CANDIDATES = [{"bm": bm, "warps": w} for bm in (16, 32, 64) for w in (4, 8)]
-
-
-def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def main() -> int:
