@@ -61,6 +61,22 @@ def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int) -> list[A
     ]
 
 
+class NoPdlEngine:
+    """An engine whose ``generate`` calls (and the CUDA graphs they capture) launch without PDL."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, reqs: list[Any]) -> list[Any]:
+        from infir2_rl.engines.native import pdl
+
+        with pdl.forced(False):
+            return self.engine.generate(reqs)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
 def timed_generate(engine: Any, reqs: list[Any]) -> float:
     sync(engine.device)
     start = time.perf_counter()
@@ -95,6 +111,10 @@ def time_batch(engines: dict[str, Any], batch: int, args: argparse.Namespace) ->
             "prefill_ms": 1e3 * prefill,
         }
     row["ratio_fp8_over_bf16"] = row["fp8"]["tokens_per_s"]["median"] / row["bf16"]["tokens_per_s"]["median"]
+    if "fp8 no-pdl" in row:
+        tps = {m: row[m]["tokens_per_s"]["median"] for m in engines}
+        row["no_pdl_ratio_fp8_over_bf16"] = tps["fp8 no-pdl"] / tps["bf16 no-pdl"]
+        row["pdl_speedup"] = {m: tps[m] / tps[f"{m} no-pdl"] for m in ("bf16", "fp8")}
     return row
 
 
@@ -339,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         "drawn up front, the same work for every engine",
     )
     parser.add_argument("--rl-max-new", type=int, default=2048)
+    parser.add_argument(
+        "--pdl",
+        choices=("on", "both"),
+        default="on",
+        help="both: the batch sweep also times each engine with its kernels launched without programmatic "
+        "dependent launch (engines/native/pdl.py), in the same process; INFIR2_PDL=0 turns it off everywhere",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch_sizes, args.prompt_len, args.new_tokens, args.repeats = [2, 4], 8, 8, 2
@@ -376,13 +403,32 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines.values():  # Triton compiles, cuBLAS handles, allocator blocks for the largest batch
         for b in (min(args.batch_sizes), max_batch):
             timed_generate(engine, requests(b, args.prompt_len, 4, engine.vocab_size))
+    swept = dict(engines)
+    if args.pdl == "both" and device.type == "cuda":
+        for mode in ("bf16", "fp8"):
+            swept[f"{mode} no-pdl"] = NoPdlEngine(
+                NativeEngine(
+                    str(path),
+                    fp8=mode == "fp8",
+                    device=device,
+                    max_batch_size=max_batch,
+                    decode_path="runner",
+                )
+            )
+            if mode == "fp8":  # the same FP8 GEMM choices, so that only the launches differ
+                fp8_runner = swept[f"{mode} no-pdl"].engine._scheduler.runner
+                fp8_runner.chooser.choice = engines["fp8"]._scheduler.runner.chooser.choice
+            for b in (min(args.batch_sizes), max_batch):
+                timed_generate(
+                    swept[f"{mode} no-pdl"], requests(b, args.prompt_len, 4, swept[mode].vocab_size)
+                )
     rows = []
     print(
         f"{'batch':>5} | {'bf16 tok/s':>10} {'min':>8} {'max':>8} | {'fp8 tok/s':>10} {'min':>8} {'max':>8} | "
         f"{'x':>5} | {'bf16 ms/step':>12} {'fp8 ms/step':>11} | {'bf16 prefill':>12} {'fp8':>7}"
     )
     for batch in args.batch_sizes:
-        row = time_batch(engines, batch, args)
+        row = time_batch(swept, batch, args)
         rows.append(row)
         b, f = row["bf16"], row["fp8"]
         print(
@@ -391,6 +437,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{f['tokens_per_s']['max']:8.0f} | {row['ratio_fp8_over_bf16']:5.2f} | {b['decode_step_ms']:12.2f} "
             f"{f['decode_step_ms']:11.2f} | {b['prefill_ms']:10.1f}ms {f['prefill_ms']:5.1f}ms"
         )
+        if "pdl_speedup" in row:
+            nb, nf = row["bf16 no-pdl"], row["fp8 no-pdl"]
+            print(
+                f"{'':5} | no PDL: bf16 {nb['tokens_per_s']['median']:.0f} ({nb['decode_step_ms']:.2f} ms/step), fp8 "
+                f"{nf['tokens_per_s']['median']:.0f} ({nf['decode_step_ms']:.2f} ms/step), x "
+                f"{row['no_pdl_ratio_fp8_over_bf16']:.2f} | PDL speed-up bf16 {row['pdl_speedup']['bf16']:.3f}, "
+                f"fp8 {row['pdl_speedup']['fp8']:.3f}"
+            )
     met = [r["batch"] for r in rows if r["ratio_fp8_over_bf16"] >= GOAL]
     print(f"goal FP8 tokens/s >= {GOAL}x BF16: met at batch sizes {met or 'none'} of {args.batch_sizes}")
     report: dict[str, Any] = dict(device=name, torch=torch.__version__, prompt_len=args.prompt_len)

@@ -130,6 +130,51 @@ def test_graph_decode_equals_eager_decode_bit_for_bit(model_dir: Path, fp8: bool
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pdl_decode_equals_plain_launches(tmp_path_factory: pytest.TempPathFactory, fp8: bool) -> None:
+    # Programmatic dependent launch lets each decode kernel start before the previous one ends
+    # (engines/native/pdl.py); a kernel that touched its inputs before its wait would race and change bits.
+    # Head dim 128, so the FP8 attention merge quantizes o_proj's input too; 64 rows at once.
+    from infir2_rl.engines.native import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs a GPU of compute capability 9.0+ and a Triton with grid dependency control")
+    path = init_model(
+        tmp_path_factory.mktemp("pdl") / "model", "100m",
+        num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=4,
+    )  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_new_tokens=48)
+    reqs = [GenerateRequest(f"r{i}", list(range(5, 30 + i)), n=4, params=params, seed=i) for i in range(16)]
+    with_pdl = NativeEngine(str(path), fp8=fp8, device="cuda", max_batch_size=64)
+    got = with_pdl.generate(reqs)
+    plain = NativeEngine(str(path), fp8=fp8, device="cuda", max_batch_size=64)
+    plain._scheduler.runner.chooser.choice = with_pdl._scheduler.runner.chooser.choice  # same FP8 GEMMs
+    with pdl.forced(False):
+        expected = plain.generate(reqs)
+    assert with_pdl._scheduler.decoder.graphs and plain._scheduler.decoder.graphs
+    assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+    assert [s.logprobs for s in got] == [s.logprobs for s in expected]
+
+
+def test_pdl_setting_follows_the_env_and_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infir2_rl.engines.native import pdl
+
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    assert pdl.requested()
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert not pdl.requested()
+    with pdl.forced(True):
+        assert pdl.requested()
+        with pdl.forced(False):
+            assert not pdl.requested()
+        assert pdl.requested()
+    assert not pdl.requested()
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.requested() and not pdl.enabled(torch.device("cpu"))  # CPU never launches with PDL
+    assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.gpu
 def test_triton_decode_attention_equals_sdpa() -> None:
     from infir2_rl.engines.native import attention
 

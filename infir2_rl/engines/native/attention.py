@@ -31,7 +31,9 @@ try:
     import triton
     import triton.language as tl
 
+    from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.fused_ops import _quant_store
+    from infir2_rl.engines.native.pdl import wait_then_release
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -86,7 +88,10 @@ if _HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, acc_ptr, ml_ptr,
         stride_qb, stride_cs, stride_ch, stride_ct, sm_scale, chunk, num_splits,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            wait_then_release()
         b, kvh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_kv = tl.num_programs(1)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -127,8 +132,10 @@ if _HAVE_TRITON:
     @triton.jit
     def _merge_kernel(
         acc_ptr, ml_ptr, out_ptr, q_ptr, s_ptr, total, heads, rows_pad,
-        SPLITS: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+        SPLITS: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            wait_then_release()
         bh = tl.program_id(0).to(tl.int64)
         valid = bh < total  # QUANT: programs past B x H write the padding rows (codes 0, scale 1)
         s = tl.arange(0, SPLITS)
@@ -176,7 +183,7 @@ def decode_triton(
         q, k_cache, v_cache, slot_ids, lengths, acc, ml,
         q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), dim**-0.5, chunk, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device),
     )  # fmt: skip
     if quant:
         if dim != 128:
@@ -188,13 +195,13 @@ def decode_triton(
         # out_ptr = q: never written here, it gives the dtype the output is rounded to before quantizing.
         _merge_kernel[(rows_pad * heads,)](
             acc, ml, q, qr.q, qr.s_t, num_rows * heads, heads, rows_pad,
-            SPLITS=num_splits, D=dim, QUANT=True, POW2=pow2, num_warps=1,
+            SPLITS=num_splits, D=dim, QUANT=True, POW2=pow2, num_warps=1, **pdl.launch_kwargs(q.device),
         )  # fmt: skip
         return qr
     out = torch.empty(num_rows, heads * dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(num_rows * heads,)](
         acc, ml, out, out, out, num_rows * heads, heads, 0, SPLITS=num_splits, D=dim, QUANT=False, POW2=False,
-        num_warps=1,
+        num_warps=1, **pdl.launch_kwargs(q.device),
     )  # fmt: skip
     return out
 

@@ -32,6 +32,8 @@ try:
     import triton
     import triton.language as tl
 
+    from infir2_rl.engines.native import pdl
+    from infir2_rl.engines.native.pdl import wait_then_release
     from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
 
     _HAVE_TRITON = True
@@ -84,6 +86,7 @@ if _HAVE_TRITON:
         x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr,
         M, N, K, KB, kb_per_split, stride_xm, xs_rows,
         HAS_BIAS, SPLIT, PREQUANT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -92,6 +95,8 @@ if _HAVE_TRITON:
         acc = tl.zeros((BM, BN), tl.float32)
         kb_start = pid_k * kb_per_split
         kb_end = tl.minimum(kb_start + kb_per_split, KB)
+        if PDL:
+            wait_then_release()
         for kb in range(kb_start, kb_end):
             ks = kb * 128 + kk
             x_mask = (rows[:, None] < M) & (ks[None, :] < K)
@@ -121,9 +126,12 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _split_sum_kernel(
-        part_ptr, bias_ptr, y_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+        part_ptr, bias_ptr, y_ptr, total, N,
+        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """y = sum of the SPLIT FP32 partials (+ bias), cast to y's dtype: one launch, one rounding."""
+        if PDL:
+            wait_then_release()
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < total
         acc = tl.zeros((BLOCK,), tl.float32)
@@ -162,12 +170,13 @@ def w8a8_fused(
         y = torch.empty(m, n, dtype=dtype, device=x.device)
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    launch = pdl.launch_kwargs(x.device)
     _w8a8_kernel[grid](
         x, x_scale_t if x_scale_t is not None else w_scale_inv, w_fp8, w_scale_inv,
         bias if bias is not None else w_scale_inv, y,
         m, n, k, kb, kb_per_split, x.stride(0), x_scale_t.shape[1] if x_scale_t is not None else 0,
-        int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales, BM=cfg.bm, BN=cfg.bn,
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales,
+        BM=cfg.bm, BN=cfg.bn, num_warps=cfg.warps, num_stages=cfg.stages, **launch,
     )  # fmt: skip
     if split == 1:
         return y
@@ -175,7 +184,7 @@ def w8a8_fused(
     block = 1024
     _split_sum_kernel[(triton.cdiv(m * n, block),)](
         y, bias if bias is not None else y, out, m * n, n,
-        SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **launch,
     )  # fmt: skip
     return out
 

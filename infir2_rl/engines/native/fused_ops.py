@@ -31,6 +31,8 @@ try:
     import triton
     import triton.language as tl
 
+    from infir2_rl.engines.native import pdl
+    from infir2_rl.engines.native.pdl import wait_then_release
     from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
 
     _HAVE_TRITON = True
@@ -91,7 +93,10 @@ if _HAVE_TRITON:
     def _add_rms_norm_kernel(
         h_ptr, d_ptr, w_ptr, out_ptr, q_ptr, s_ptr, M, E, rows_pad, eps,
         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            wait_then_release()
         # Programs for rows M..rows_pad-1 (FP8 only) read zeros and so write the padding rows' codes 0 and
         # scales 1, which the GEMMs expect: no separate fill of the buffers.
         row = tl.program_id(0)
@@ -116,8 +121,10 @@ if _HAVE_TRITON:
     @triton.jit
     def _silu_mul_kernel(
         gu_ptr, out_ptr, q_ptr, s_ptr, M, inter, rows_pad,
-        QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr,
+        QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            wait_then_release()
         row, part = tl.program_id(0), tl.program_id(1)  # rows M..rows_pad-1: padding (see the norm)
         tiles = part * TILES + tl.arange(0, TILES)[:, None]
         cols = tiles * 128 + tl.arange(0, 128)[None, :]
@@ -137,8 +144,10 @@ if _HAVE_TRITON:
     def _rope_kv_kernel(
         qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
         stride_qkv, k_offset, v_offset, stride_cs, stride_ch, stride_ct,
-        H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+        H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:
+            wait_then_release()
         b = tl.program_id(0)
         pos = tl.load(pos_ptr + b).to(tl.int64)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -191,7 +200,7 @@ def add_rms_norm(
         h, delta if delta is not None else h, weight, out,
         qr.q if qr else h, qr.s_t if qr else h, m, e, qr.q.shape[0] if qr else 0, eps,
         HAS_DELTA=delta is not None, QUANT=quant, POW2=pow2, TILES=triton.next_power_of_2(-(-e // 128)),
-        num_warps=4,
+        num_warps=4, **pdl.launch_kwargs(h.device),
     )  # fmt: skip
     return qr if qr is not None else out
 
@@ -209,7 +218,7 @@ def silu_mul(gate_up: Tensor, quant: bool = False, pow2: bool = False) -> Tensor
     _silu_mul_kernel[grid](
         gate_up, out, qr.q if qr else gate_up, qr.s_t if qr else gate_up, m, inter,
         qr.q.shape[0] if qr else 0,
-        QUANT=quant, POW2=pow2, TILES=tiles, num_warps=4,
+        QUANT=quant, POW2=pow2, TILES=tiles, num_warps=4, **pdl.launch_kwargs(gate_up.device),
     )  # fmt: skip
     return qr if qr is not None else out
 
@@ -243,5 +252,6 @@ def rope_write_kv(
         qkv, positions, slots, cos, sin, q_out, k_cache, v_cache,
         qkv.stride(0), k_offset, v_offset, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=heads, KVH=kv_heads, HP=max(triton.next_power_of_2(heads), 1), D=dim, num_warps=4,
+        **pdl.launch_kwargs(qkv.device),
     )  # fmt: skip
     return q_out
