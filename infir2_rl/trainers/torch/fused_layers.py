@@ -111,14 +111,28 @@ if _HAVE_TRITON:
     def _silu(g):
         return g / (1.0 + tl.exp(-g))
 
+    # SwiGLU's arithmetic, shared by the plain kernels and the quantizing ones below (same bits by
+    # construction). g, u, dh: FP32 values of the stored tensors; results in the output pointers' dtype.
+    @triton.jit
+    def _swiglu_h(g, u, h_ptr):
+        s = _silu(g).to(h_ptr.dtype.element_ty).to(tl.float32)  # act_fn(gate) is a tensor of gate's dtype
+        return (s * u).to(h_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _swiglu_grads(dh, g, u, dg_ptr, du_ptr):
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        s = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
+        ds = (dh * u).to(dg_ptr.dtype.element_ty).to(tl.float32)  # mul's backward, in the product's dtype
+        dg = (ds * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
+        return dg, (dh * s).to(du_ptr.dtype.element_ty)
+
     @triton.jit
     def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = _silu(g).to(h_ptr.dtype.element_ty).to(tl.float32)  # act_fn(gate) is a tensor of gate's dtype
-        tl.store(h_ptr + offs, (s * u).to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + offs, _swiglu_h(g, u, h_ptr), mask=mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
@@ -127,12 +141,9 @@ if _HAVE_TRITON:
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        s = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
-        ds = (dh * u).to(dg_ptr.dtype.element_ty).to(tl.float32)  # mul's backward, in the product's dtype
-        dg = ds * sig * (1.0 + g * (1.0 - sig))
-        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
-        tl.store(du_ptr + offs, (dh * s).to(du_ptr.dtype.element_ty), mask=mask)
+        dg, du = _swiglu_grads(dh, g, u, dg_ptr, du_ptr)
+        tl.store(dg_ptr + offs, dg, mask=mask)
+        tl.store(du_ptr + offs, du, mask=mask)
 
     # ---- SwiGLU with the FP8 row quantization of its output (forward) or of its two gradients (backward):
     # a program owns BM tokens x one 128-feature tile, so each row's 1x128 tile is complete in registers.
@@ -163,7 +174,7 @@ if _HAVE_TRITON:
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (_silu(g).to(h_ptr.dtype.element_ty).to(tl.float32) * u).to(h_ptr.dtype.element_ty)
+        h = _swiglu_h(g, u, h_ptr)
         tl.store(h_ptr + offs, h, mask=mask)
         _quant_rows_store(h.to(tl.float32), rows, cols, N, rows_q, pid_n, q_ptr, s_ptr, POW2, BM)
 
@@ -180,11 +191,7 @@ if _HAVE_TRITON:
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))  # as _swiglu_bwd_kernel
-        s = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
-        ds = (dh * u).to(dg_ptr.dtype.element_ty).to(tl.float32)
-        dg = (ds * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
-        du = (dh * s).to(du_ptr.dtype.element_ty)
+        dg, du = _swiglu_grads(dh, g, u, dg_ptr, du_ptr)
         tl.store(dg_ptr + offs, dg, mask=mask)
         tl.store(du_ptr + offs, du, mask=mask)
         _quant_rows_store(dg.to(tl.float32), rows, cols, N, rows_q, pid_n, gq_ptr, gs_ptr, POW2, BM)
@@ -261,12 +268,12 @@ QUANT_LAUNCH: dict[str, int] = {"bm": 16, "warps": 8}
 
 
 def _rows_quantized(
-    kernel: Any, m: int, n: int, device: torch.device, pow2: bool, *args: Any
+    kernel: Any, n_out: int, m: int, n: int, device: torch.device, pow2: bool, *args: Any
 ) -> list[tuple[Tensor, Tensor]]:
-    """Launch a quantizing SwiGLU kernel; returns its (q (M_16, N), s_t (Nb, M_16)) pairs, the layout of
-    quant_triton.quantize_rows (rows padded to 16 with zero codes and scale 1)."""
+    """Launch a quantizing SwiGLU kernel that quantizes ``n_out`` of its outputs; returns their
+    (q (M_16, N), s_t (Nb, M_16)) pairs, the layout of quant_triton.quantize_rows (rows padded to 16 with
+    zero codes and scale 1)."""
     rows_q = -(-m // 16) * 16
-    n_out = 2 if kernel is _swiglu_bwd_rows_kernel else 1
     pairs = [
         (
             torch.empty((rows_q, n), dtype=torch.float8_e4m3fn, device=device),
@@ -299,7 +306,7 @@ class _SwiGLUFn(torch.autograd.Function):
         if n and plan is not None and plan.h:
             k = gate.shape[-1]
             ((q, s_t),) = _rows_quantized(
-                _swiglu_fwd_rows_kernel, n // k, k, h.device, plan.pow2, gate, up, h
+                _swiglu_fwd_rows_kernel, 1, n // k, k, h.device, plan.pow2, gate, up, h
             )
             # (grad mode is off inside forward: the plan says whether down_proj's backward will want h's
             # token tiles)
@@ -322,7 +329,7 @@ class _SwiGLUFn(torch.autograd.Function):
         if n and plan is not None and plan.grads:
             k = gate.shape[-1]
             rows = _rows_quantized(
-                _swiglu_bwd_rows_kernel, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du
+                _swiglu_bwd_rows_kernel, 2, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du
             )
             for grad, (q, s_t) in zip((dg, du), rows, strict=True):
                 ops.offer_grad_quantization(
