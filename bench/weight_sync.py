@@ -73,13 +73,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from infir2_rl.weight_sync.service import WeightSyncService
 
     gpu = not args.tiny
-    transports = ["object_store", "cuda_ipc"] if gpu else ["object_store"]
+    # (result key, transport, bucket MiB): the object store, then cuda_ipc at each --ipc-bucket-mb
+    ipc_sizes = args.ipc_bucket_mb or [args.bucket_mb]
+    runs = [("object_store", "object_store", args.bucket_mb)] if "object_store" in args.transports else []
+    if gpu and "cuda_ipc" in args.transports:
+        runs += [
+            ("cuda_ipc" if i == 0 else f"cuda_ipc@{mb}", "cuda_ipc", mb) for i, mb in enumerate(ipc_sizes)
+        ]
     path = model_dir(args.tiny)
     ray.init(
         num_cpus=None if gpu else 2, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False
     )
 
-    def cfg(transport: str, check_layers: int) -> RlStageConfig:
+    def cfg(transport: str, check_layers: int, bucket_mb: int) -> RlStageConfig:
         return RlStageConfig.model_validate(
             {
                 "model": {"path": str(path)},
@@ -87,13 +93,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "placement": {"use_gpu": "yes" if gpu else "no", "mode": "colocate", "cpus_per_actor": 1},
                 "weight_sync": {
                     "transport": transport,
-                    "bucket_size_mb": args.bucket_mb,
+                    "bucket_size_mb": bucket_mb,
                     "self_check_layers": check_layers,
                 },
             }
         )
 
-    base = cfg("object_store", 0)
+    base = cfg("object_store", 0, args.bucket_mb)
     # GPU: one bundle, trainer and engine colocated as in the RL stage. CPU: a bundle each.
     placement = reserve_for(base.placement, num_trainers=1, num_engines=1)
     start = time.perf_counter()
@@ -107,10 +113,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         casts = [ray.get(worker.__ray_call__.remote(_time_cast)) for _ in range(args.warmup + args.reps)]
         results["cast_ms"] = summary(casts[args.warmup :])
         versions = itertools.count(1)
-        for transport in transports:
+        for result_key, transport, bucket_mb in runs:
             row: dict[str, Any] = {}
             for check_layers, key in ((0, "sync"), (2, "check")):
-                c = cfg(transport, check_layers)
+                c = cfg(transport, check_layers, bucket_mb)
                 resolve_transport(c, colocate=gpu)
                 service = WeightSyncService(engines, c.weight_sync)
                 walls, pushes, checks = [], [], []
@@ -132,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     }
                 else:
                     row |= {"check_ms": summary(checks), "num_checked": stats.num_checked}
-            results[transport] = row
+            results[result_key] = row
     finally:
         for e in engines:
             ray.kill(e)
@@ -147,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed repeats per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
     parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync.bucket_size_mb")
+    parser.add_argument(
+        "--ipc-bucket-mb", type=int, nargs="+", help="cuda_ipc at these bucket sizes (default: --bucket-mb)"
+    )
+    parser.add_argument(
+        "--transports", nargs="+", choices=("object_store", "cuda_ipc"), default=["object_store", "cuda_ipc"]
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny preset on CPU, object store only (checks the script)"
@@ -165,30 +177,31 @@ def main(argv: list[str] | None = None) -> int:
           f"bucket {args.bucket_mb} MiB | median of {args.reps} after {args.warmup} warm-up")  # fmt: skip
     start = time.perf_counter()
     r = run(args)
-    base = r["object_store"]
-    print(
-        f"one push: {base['bytes'] / 1e9:.3f} GB, {base['num_tensors']} tensors, {base['num_buckets']} bucket(s)"
-    )
+    base = r.get("object_store")
+    for key, row in r.items():
+        if key != "cast_ms":
+            print(
+                f"{key}: one push {row['bytes'] / 1e9:.3f} GB, {row['num_tensors']} tensors, {row['num_buckets']} bucket(s)"
+            )
     print(f"\n{'step':<31} {'median ms':>10} {'min':>9} {'max':>9}   vs object_store")
     print(
         f"{'(a) cast on the trainer':<31} {r['cast_ms']['median']:10.1f} {r['cast_ms']['min']:9.1f} {r['cast_ms']['max']:9.1f}"
     )
     ratios: dict[str, float] = {}
-    for transport in ("object_store", "cuda_ipc"):
-        if transport not in r:
-            print(f"{transport}: skipped (--tiny runs on CPU; CUDA IPC needs a GPU)")
-            continue
+    for transport in [k for k in r if k != "cast_ms"]:
         for key, label in (
             ("push_ms", "push"),
             ("sync_ms", "sync = cast + push"),
             ("check_ms", "self-check"),
         ):
             s = r[transport][key]
-            ratio = s["median"] / base[key]["median"]
+            ratio = s["median"] / base[key]["median"] if base else float("nan")
             ratios[f"{transport}/{key}"] = ratio
             print(
                 f"{transport + ' ' + label:<31} {s['median']:10.1f} {s['min']:9.1f} {s['max']:9.1f}   {ratio:6.3f}"
             )
+    if "cuda_ipc" not in r:
+        print("cuda_ipc: skipped (--tiny runs on CPU; CUDA IPC needs a GPU)")
     if "cuda_ipc" in r:
         total = r["cuda_ipc"]["sync_ms"]["median"]
         verdict = "met" if total <= GOAL_MS else "MISSED"

@@ -28,6 +28,7 @@ from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.service import WeightSyncService, make_transport, same_bytes
 from infir2_rl.weight_sync.transport import (
+    ONE_BUFFER,
     CudaIpcTransport,
     IpcBucket,
     ObjectStoreTransport,
@@ -134,6 +135,7 @@ class FakeTrainer:
         return self.state
 
     def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]:
+        self.asked_max_bytes = max_bytes
         return [_fake_ipc_bucket(version)]
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
@@ -144,6 +146,14 @@ class FakeTrainer:
 
     def release_export(self) -> None:
         self.released += 1
+
+
+def test_cuda_ipc_asks_for_one_buffer_unless_told_otherwise() -> None:
+    source = FakeTrainer([])
+    CudaIpcTransport().open(source, True, 1, max_bytes=512 << 20).close()
+    assert source.asked_max_bytes == ONE_BUFFER and source.released == 1
+    CudaIpcTransport(single_buffer=False).open(source, True, 2, max_bytes=512 << 20).close()
+    assert source.asked_max_bytes == 512 << 20
 
 
 def test_push_from_exports_and_always_releases(model_dir: Path) -> None:
@@ -218,7 +228,11 @@ def test_ipc_push_from_this_process_into_an_engine_actor(ray_gpu: Any, model_dir
     shared = source.export_ipc_buckets(True, max_bytes=64 * 1024, version=2)
     assert len(shared) > 3 and all(len(b.handles) == 1 for b in shared)
     source.release_export()
-    small = _SmallBuckets([engine], WeightSyncConfig(transport="cuda_ipc", self_check_layers=4))
+    small = _SmallBuckets(
+        [engine],
+        WeightSyncConfig(transport="cuda_ipc", self_check_layers=4),
+        transport=CudaIpcTransport(single_buffer=False),
+    )
     small.last_version = 1
     stats2 = small.push(state2, version=2)
     assert stats2.num_buckets == len(shared) and ray.get(engine.health.remote()).weight_version == 2

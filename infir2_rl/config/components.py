@@ -250,9 +250,10 @@ class WeightSyncConfig(_Config):
     # "auto": cuda_ipc when native engines share the trainer's GPUs (placement.mode=colocate), nccl when native
     # engines have GPUs of their own (placement.mode=disaggregate), else object_store (CPU, SGLang engines).
     transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
-    # Upper bound of one bucket of tensors, in MiB.
+    # Upper bound of one bucket of tensors, in MiB (object_store and nccl: it bounds the object-store and
+    # receive-buffer memory; cuda_ipc sends one buffer per push, see weight_sync.transport.CudaIpcTransport).
     bucket_size_mb: int = Field(default=512, ge=1)
-    # Decoder layers read back from an engine after every push and compared byte for byte (0 = off).
+    # Decoder layers of one engine checked after every push against what was sent, by digest (0 = off).
     self_check_layers: int = Field(default=2, ge=0)
     # Seconds a push may take before it is reported as hung (nccl: also each collective's limit inside the
     # trainer and engine processes, so a dead engine fails the push instead of hanging the trainer).

@@ -18,7 +18,8 @@ aligned offsets) and makes an ``IpcBucket``: the buffer's ``(rebuild_fn, args)``
 ``torch.multiprocessing.reductions.reduce_tensor`` (a CUDA IPC memory handle, a few hundred bytes) plus
 each tensor's (dtype, shape, offset). The engine maps the buffer into its process (``open_ipc_bucket``:
 ``rebuild_fn(*args)``), views the tensors out of it, ``WeightReceiver`` copies them into its weights in
-place, the engine synchronizes and drops the mapping.
+place, the engine synchronizes and drops the mapping. By default a push is one bucket, whatever
+``weight_sync.bucket_size_mb`` says (``CudaIpcTransport`` says why).
 
 Why one buffer per bucket rather than a handle per tensor: every shared storage costs an IPC event and a
 ref-counter slot on the trainer side and ``cudaIpcOpenMemHandle`` + an event wait on the engine side, and
@@ -335,11 +336,25 @@ class _IpcPush(Push):
         self.source.release_export()  # the trainer frees its GPU buckets
 
 
+# What ``CudaIpcTransport`` asks the trainer for by default: the whole export as one buffer.
+ONE_BUFFER = 1 << 62
+
+
 class CudaIpcTransport:
+    """``single_buffer`` (the default): one bucket per push whatever ``weight_sync.bucket_size_mb`` says. The
+    trainer holds every bucket of a push until it ends anyway (``TrainerWorker.export_ipc_buckets``), so
+    smaller buckets save no memory, and each one costs a Ray round trip, an IPC handle to open and a stream
+    sync in the engine: at 1.5B, four 512 MiB buckets took 60 ms per push and one 37 ms (H100,
+    ``bench/weight_sync.py --ipc-bucket-mb 512 4096``, docs/performance.md). ``single_buffer=False`` follows
+    ``max_bytes`` (tests of the multi-bucket path)."""
+
     name = "cuda_ipc"
 
+    def __init__(self, single_buffer: bool = True) -> None:
+        self.single_buffer = single_buffer
+
     def open(self, source: WeightSource, fp8: bool, version: int, max_bytes: int) -> Push:
-        buckets = source.export_ipc_buckets(fp8, max_bytes, version)
+        buckets = source.export_ipc_buckets(fp8, ONE_BUFFER if self.single_buffer else max_bytes, version)
         try:
             if any(b.version != version for b in buckets):
                 raise ValueError(
