@@ -15,6 +15,9 @@ trainer's rule (``fp8.quant_triton``: scale = amax / 448, IEEE division, clamp, 
 so the next GEMM reads FP8 activations quantized once, in the producer, instead of once per GEMM call;
 they return ``QuantizedRows`` (the layout ``F.scaled_mm`` takes) in place of the BF16 tensor.
 
+On Hopper and later every kernel here (and the attention and FP8 GEMM kernels) is launched with
+programmatic dependent launch and waits for its predecessor inside (``pdl.py``).
+
 The roundings follow torch's op by op (each product rounded to the model dtype where torch rounds), so
 the outputs equal the torch versions up to the order of the FP32 sums (RMSNorm's mean).
 """
