@@ -23,6 +23,9 @@ is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built
 and subtracts the two (what remains is k decode steps): device kernels by category, the top kernels, and
 the CPU/Python gap = unprofiled wall time of the k steps - their summed device kernel time (one stream,
 so kernels do not overlap; a gap means the GPU waited for the host); GPU-busy fraction = kernel time / wall.
+With PDL (the default on Hopper, ``engines/native/pdl.py``) kernels do overlap: a kernel launched early
+counts its wait, so the sums exceed the wall; ``--pdl both`` also profiles the engines without PDL, whose
+sums are valid.
 ``--gemms`` times each decoder GEMM of one layer at each batch size as the decode graph runs it: BF16 against
 every FP8 launch candidate, with the FP8 weight-bandwidth floor (bytes / 3.35 TB/s, the H100's peak).
 ``--tiny`` runs the tiny preset on CPU (FP8 emulated; runner path without graphs) to check the script.
@@ -450,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = dict(device=name, torch=torch.__version__, prompt_len=args.prompt_len)
     report |= dict(new_tokens=args.new_tokens, repeats=args.repeats, rows=rows, goal_min=GOAL)
     if args.profile:
-        prof = profile_decode(engines, args.profile_batch, args.profile_steps, args)
+        # Under PDL a kernel launched early counts its wait in its duration, so kernel times overlap and their
+        # sum exceeds the wall; with --pdl both the engines without PDL are profiled too (valid sums).
+        prof = profile_decode(swept, args.profile_batch, args.profile_steps, args)
         report["profile"] = {"batch": args.profile_batch, **prof}
         for mode, summary in prof.items():
             steps = summary["decode_steps"]
