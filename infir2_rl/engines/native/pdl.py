@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and later GPUs).
 
-Why: a decode step at 1.5B is ~340 small kernels (about 12 per layer), most of them a few microseconds
+Why: an FP8 decode step at 1.5B is ~370 small kernels (13 per layer), most of them a few microseconds
 long, and in a CUDA graph each one starts only after the previous one has finished and flushed its writes.
 With PDL (CUDA's programmatic stream serialization, Triton's ``launch_pdl=True``) a kernel is launched as
 soon as every program of the kernel before it has executed ``griddepcontrol.launch_dependents``; it then
