@@ -135,7 +135,7 @@ def test_pdl_decode_equals_plain_launches(tmp_path_factory: pytest.TempPathFacto
     # Programmatic dependent launch lets each decode kernel start before the previous one ends
     # (engines/native/pdl.py); a kernel that touched its inputs before its wait would race and change bits.
     # Head dim 128, so the FP8 attention merge quantizes o_proj's input too; 64 rows at once.
-    from infir2_rl.engines.native import pdl
+    from infir2_rl.engines.native import fused_ops, pdl
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("PDL needs a GPU of compute capability 9.0+ and a Triton with grid dependency control")
@@ -154,6 +154,13 @@ def test_pdl_decode_equals_plain_launches(tmp_path_factory: pytest.TempPathFacto
     assert with_pdl._scheduler.decoder.graphs and plain._scheduler.decoder.graphs
     assert [s.response_ids for s in got] == [s.response_ids for s in expected]
     assert [s.logprobs for s in got] == [s.logprobs for s in expected]
+    # Both kinds of launch really happened: the norm kernel was compiled with and without launch_pdl.
+    compiled = [
+        kernel.metadata.launch_pdl
+        for kernel_cache, *_ in fused_ops._add_rms_norm_kernel.device_caches.values()  # Triton 3.6 layout
+        for kernel in kernel_cache.values()
+    ]
+    assert True in compiled and False in compiled
 
 
 def test_pdl_setting_follows_the_env_and_forced(monkeypatch: pytest.MonkeyPatch) -> None:
