@@ -164,14 +164,19 @@ if _HAVE_TRITON:
         tl.store(s_ptr + pid_n * rows_q + rows, s, mask=rows < rows_q)
 
     @triton.jit
+    def _row_tile(M, N, pid_n, BM: tl.constexpr):
+        """This program's BM tokens x 128 features (tile pid_n) of an (M, N) tensor: rows, cols, mask, offsets."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = pid_n * 128 + tl.arange(0, 128)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        return rows, cols, mask, rows[:, None].to(tl.int64) * N + cols[None, :]
+
+    @triton.jit
     def _swiglu_fwd_rows_kernel(
         g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, N, rows_q, POW2: tl.constexpr, BM: tl.constexpr
     ):  # fmt: skip
         pid_n = tl.program_id(1)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = pid_n * 128 + tl.arange(0, 128)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        rows, cols, mask, offs = _row_tile(M, N, pid_n, BM)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = _swiglu_h(g, u, h_ptr)
@@ -184,10 +189,7 @@ if _HAVE_TRITON:
         POW2: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(1)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = pid_n * 128 + tl.arange(0, 128)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        rows, cols, mask, offs = _row_tile(M, N, pid_n, BM)
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
