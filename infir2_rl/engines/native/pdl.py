@@ -91,7 +91,7 @@ if _HAVE_GDC:
 
     @triton.jit
     def wait_then_release():
-        """Rule 1 then rule 2 of the module docstring: call first thing in a kernel (after a prefetch)."""
+        """Rule 1 then rule 2 of the module docstring: call it first thing in a kernel."""
         gdc_wait()
         gdc_launch_dependents()
 
