@@ -179,11 +179,12 @@ def decode_triton(
     chunk = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     acc = torch.empty(num_rows, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(num_rows, heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    launch = pdl.launch_kwargs(q.device)
     _split_kernel[(num_rows, kv_heads, num_splits)](
         q, k_cache, v_cache, slot_ids, lengths, acc, ml,
         q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), dim**-0.5, chunk, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
-        num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device),
+        num_warps=4, num_stages=2, **launch,
     )  # fmt: skip
     if quant:
         if dim != 128:
@@ -195,13 +196,13 @@ def decode_triton(
         # out_ptr = q: never written here, it gives the dtype the output is rounded to before quantizing.
         _merge_kernel[(rows_pad * heads,)](
             acc, ml, q, qr.q, qr.s_t, num_rows * heads, heads, rows_pad,
-            SPLITS=num_splits, D=dim, QUANT=True, POW2=pow2, num_warps=1, **pdl.launch_kwargs(q.device),
+            SPLITS=num_splits, D=dim, QUANT=True, POW2=pow2, num_warps=1, **launch,
         )  # fmt: skip
         return qr
     out = torch.empty(num_rows, heads * dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(num_rows * heads,)](
         acc, ml, out, out, out, num_rows * heads, heads, 0, SPLITS=num_splits, D=dim, QUANT=False, POW2=False,
-        num_warps=1, **pdl.launch_kwargs(q.device),
+        num_warps=1, **launch,
     )  # fmt: skip
     return out
 
