@@ -1,6 +1,6 @@
 """Decode-sized GEMMs of the 1.5B shape: BF16 against FP8 W8A8 launch shapes, with weights hot in L2 and cold.
 
-    python bench/decode_gemm.py [--batches 16 64 128 256] [--wide] [--out PATH]
+    python bench/decode_gemm.py [--batches 16 64 128 256] [--wide] [--gemms qkv o gate_up down] [--out PATH]
 
 Why: the engine's GEMM chooser (``engines/native/linears.Fp8GemmChooser``) times each candidate inside a
 CUDA graph. If every call in that graph reads the same weight, the weight sits in the H100's 50 MB L2 after
@@ -58,7 +58,7 @@ def wide_configs(m: int) -> list[fp8_gemm.GemmConfig]:
     for bm in bms:
         for bn in (32, 64, 128):
             for warps, stages in ((4, 3), (4, 5), (8, 4), (4, 7)):
-                for sk in (1, 2, 4, 8):
+                for sk in (1, 2, 4, 8, 16):
                     out.append(fp8_gemm.GemmConfig(bm, bn, sk, warps, stages))
     return out
 
@@ -67,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
     parser.add_argument("--wide", action="store_true", help="time launch shapes beyond fp8_gemm.candidates")
+    parser.add_argument("--gemms", nargs="+", choices=[name for name, _, _ in SHAPES], default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -76,6 +77,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
     for name, n, k in SHAPES:
+        if args.gemms and name not in args.gemms:
+            continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_weight_blockwise(w)
         copies = max(1, COLD_BYTES // (n * k))  # FP8 bytes; BF16 copies below use the same count (2x bytes)

@@ -16,8 +16,8 @@ Tokens/s is B * new_tokens / wall time of the whole call (prefill included), bet
 The decode step time is (wall of the call - wall of the same call with new_tokens=1, i.e. prefill and the
 first sample) / (new_tokens - 1). Both engines live in this process: BF16 weights (``fp8=False``) and
 FP8 W8A8 (``fp8=True``: decoder linears swapped for ``Fp8InferenceLinear``), the same random model, which
-is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built and saved once under
-/tmp/infir2_bench by bench/train_step.py's helper.
+is the ``qwen2.5-1.5b-shape`` preset (``--preset qwen2.5-7b-shape`` for the 7B shape) with Qwen's 151,936-token
+vocabulary, built and saved once under /tmp/infir2_bench by bench/train_step.py's helper.
 
 ``--profile`` runs torch.profiler at --profile-batch over a call with 1 + k new tokens and one with 1,
 and subtracts the two (what remains is k decode steps): device kernels by category, the top kernels, and
@@ -343,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=16, help="decode steps of --profile")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
+    parser.add_argument(
+        "--preset",
+        default="qwen2.5-1.5b-shape",
+        choices=["qwen2.5-1.5b-shape", "qwen2.5-7b-shape"],
+        help="the random model's shape (Qwen's 151,936-token vocabulary either way)",
+    )
     parser.add_argument("--peers", action="store_true", help="transformers generate, eager and compiled")
     parser.add_argument("--peer-batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--compile-batches", type=int, nargs="*", default=[256])
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("infir2_rl.engines.native").setLevel(logging.INFO)  # FP8 GEMM choices, graph captures
     start = time.perf_counter()
-    path = model_dir(args.tiny)
+    path = model_dir(args.tiny, args.preset)
     max_batch = max(args.batch_sizes + [args.profile_batch])
     engines = {
         mode: NativeEngine(

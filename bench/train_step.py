@@ -51,14 +51,15 @@ GOALS = {"step_time": 0.80, "peak_memory": 0.90, "peak_reserved": 0.90}  # issue
 GOALS_NONE = {"scoring_time": 1.0}  # no issue goal: FP8 scoring should at least not be slower
 
 
-def model_dir(tiny: bool) -> Path:
-    """A random model directory (written once, reused by bench/rollout.py and bench/weight_sync.py): 1.5B shape, or tiny on CPU."""
+def model_dir(tiny: bool, preset: str = "qwen2.5-1.5b-shape") -> Path:
+    """A random model directory (written once, reused by bench/rollout.py and bench/weight_sync.py): ``preset``
+    (the 1.5B shape unless told) with Qwen's vocabulary, or tiny on CPU."""
     from transformers import Qwen2ForCausalLM
 
     from infir2_rl.models.factory import preset_config
     from infir2_rl.models.tokenizer import build_tokenizer
 
-    preset = "tiny" if tiny else "qwen2.5-1.5b-shape"
+    preset = "tiny" if tiny else preset
     name = preset if tiny else f"{preset}-v{QWEN_VOCAB}"
     path = Path(tempfile.gettempdir()) / "infir2_bench" / name
     if (path / "config.json").is_file():

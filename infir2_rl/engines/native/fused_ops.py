@@ -189,39 +189,68 @@ def quant_buffers(m: int, k: int, device: torch.device) -> QuantizedRows:
 
 
 def add_rms_norm(
-    h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, quant: bool = False, pow2: bool = False
+    h: Tensor,
+    delta: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    quant: bool = False,
+    pow2: bool = False,
+    num_warps: int | None = None,
 ) -> Tensor | QuantizedRows:
-    """``h += delta`` (in place, if given), then RMSNorm(h) * weight; FP8 rows when ``quant``. h (M, E)."""
+    """``h += delta`` (in place, if given), then RMSNorm(h) * weight; FP8 rows when ``quant``. h (M, E).
+    One program per row of ``num_warps`` warps, by default 16 when quantizing and 8 otherwise: against 4,
+    3.73 -> 2.13 and 1.41 -> 1.37 us per call at the 1.5B shape and batch 64 (H100,
+    bench/decode_elementwise.py). The warps set the order of the FP32 mean, so one setting per mode."""
     if not use_triton(h):
         if delta is not None:
             h.copy_(h + delta)
         return rms_norm_torch(h, weight, eps)
     m, e = h.shape
+    num_warps = num_warps if num_warps is not None else 16 if quant else 8
     out = torch.empty_like(h) if not quant else h
     qr = quant_buffers(m, e, h.device) if quant else None
     _add_rms_norm_kernel[(qr.q.shape[0] if qr else m,)](
         h, delta if delta is not None else h, weight, out,
         qr.q if qr else h, qr.s_t if qr else h, m, e, qr.q.shape[0] if qr else 0, eps,
         HAS_DELTA=delta is not None, QUANT=quant, POW2=pow2, TILES=triton.next_power_of_2(-(-e // 128)),
-        num_warps=4, **pdl.launch_kwargs(h.device),
+        num_warps=num_warps, **pdl.launch_kwargs(h.device),
     )  # fmt: skip
     return qr if qr is not None else out
 
 
-def silu_mul(gate_up: Tensor, quant: bool = False, pow2: bool = False) -> Tensor | QuantizedRows:
-    """``silu(gate) * up`` of a fused (M, 2I) gate|up output -> (M, I), or FP8 rows when ``quant``."""
+def silu_launch(m: int, quant: bool) -> tuple[int, int]:
+    """(128-column tiles per program, warps) of SiLU*up at M rows: the fastest in
+    ``bench/decode_elementwise.py`` at the 1.5B shape (H100, docs/performance.md). Few rows want short
+    programs (more of them in flight); the quantizing kernel, which divides every element, wants shorter
+    ones than the BF16 kernel up to M = 64."""
+    if quant:
+        return (2, 4) if m <= 64 else (8, 8)
+    return (2, 4) if m <= 16 else (4, 4) if m <= 64 else (8, 8)
+
+
+def silu_mul(
+    gate_up: Tensor,
+    quant: bool = False,
+    pow2: bool = False,
+    tiles: int | None = None,
+    num_warps: int | None = None,
+) -> Tensor | QuantizedRows:
+    """``silu(gate) * up`` of a fused (M, 2I) gate|up output -> (M, I), or FP8 rows when ``quant``.
+    One program per row and ``tiles`` 128-column tiles, ``num_warps`` warps (by default ``silu_launch``)."""
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if not use_triton(gate_up):
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         return F.silu(gate) * up
-    tiles = 4
+    default_tiles, default_warps = silu_launch(m, quant)
+    tiles = tiles if tiles is not None else default_tiles
+    num_warps = num_warps if num_warps is not None else default_warps
     out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device) if not quant else gate_up
     qr = quant_buffers(m, inter, gate_up.device) if quant else None
     grid = (qr.q.shape[0] if qr else m, triton.cdiv(triton.cdiv(inter, 128), tiles))
     _silu_mul_kernel[grid](
         gate_up, out, qr.q if qr else gate_up, qr.s_t if qr else gate_up, m, inter,
         qr.q.shape[0] if qr else 0,
-        QUANT=quant, POW2=pow2, TILES=tiles, num_warps=4, **pdl.launch_kwargs(gate_up.device),
+        QUANT=quant, POW2=pow2, TILES=tiles, num_warps=num_warps, **pdl.launch_kwargs(gate_up.device),
     )  # fmt: skip
     return qr if qr is not None else out
 
