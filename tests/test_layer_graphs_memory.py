@@ -56,3 +56,28 @@ def test_without_the_check_every_shape_is_allowed(tmp_path: Path, monkeypatch: p
     graphs._capture_bytes_per_element = 1e12
     _free(monkeypatch, driver_free=0, reserved=0, allocated=0)
     assert graphs._memory_allows(torch.zeros(4, 64, 64), forward_only=False)
+
+
+def test_after_a_refusal_no_later_shape_of_that_kind_is_captured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log line says "it and later new shapes run eagerly", and the code must do so: a training shape
+    captured after other micro-batches ran their backward eagerly fails on the GPU (layer_graphs.py)."""
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=True)
+    captured: list[tuple[int, ...]] = []
+    monkeypatch.setattr(graphs, "_capture", lambda hidden, *a: captured.append(tuple(hidden.shape)))
+    monkeypatch.setattr(
+        graphs, "_capture_forward_only", lambda hidden, *a: captured.append(tuple(hidden.shape))
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    pe = (torch.zeros(1), torch.zeros(1))
+    big, small = torch.zeros(8, 64, 64), torch.zeros(2, 64, 64)
+    graphs._capture_bytes_per_element = 1000.0
+    need_small = 2 * 1000 * small.numel()
+    _free(monkeypatch, driver_free=need_small, reserved=0, allocated=0)  # enough for small, not for big
+    assert graphs._capture_or_none(("big",), big, None, pe) is None
+    assert graphs._capture_or_none(("small",), small, None, pe) is None  # would fit, but after a refusal
+    assert captured == []
+    with torch.no_grad():  # forward-only shapes are another kind, with their own refusal
+        graphs._capture_or_none(("scoring",), small, None, pe)
+    assert captured == [(2, 64, 64)]

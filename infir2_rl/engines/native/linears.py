@@ -15,8 +15,8 @@ The GEMM (``FusedLinear.__call__``):
 * FP8 on a Hopper GPU (``run_fp8``), the input either BF16 or already FP8 (quantized by its producer in
   ``fused_ops``): per (M, N, K, input kind) the fastest of cuBLASLt ``scaled_mm`` blockwise and the Triton
   kernel of ``fp8_gemm`` in each candidate launch shape, timed once inside a CUDA graph by
-  ``Fp8GemmChooser``, for decode sizes (M <= ``DECODE_MAX_ROWS``); prefill GEMMs (compute-bound) always
-  take cuBLASLt.
+  ``Fp8GemmChooser``, for decode sizes (M <= ``DECODE_MAX_ROWS``); prefill GEMMs (compute-bound; the
+  runner's prefill says so with ``prefill=True``, and any M > ``DECODE_MAX_ROWS``) always take cuBLASLt.
 """
 
 from __future__ import annotations
@@ -225,9 +225,11 @@ class FusedLinear:
             self.bias[sl].copy_(module.bias)  # type: ignore[arg-type]
             module.bias = nn.Parameter(self.bias[sl], requires_grad=False)
 
-    def __call__(self, x: Activation) -> Tensor:
+    def __call__(self, x: Activation, prefill: bool = False) -> Tensor:
         """x (M, K) -> (M, out_features); the FP8 path quantizes x per 1x128 tile like the trainer (x may
-        arrive already quantized by its producer, ``fused_ops.QuantizedRows``)."""
+        arrive already quantized by its producer, ``fused_ops.QuantizedRows``). ``prefill``: an FP8 GEMM
+        on the fast path takes cuBLASLt whatever M (prompt sizes vary, and cuBLASLt won every prefill shape
+        timed, M 96..16,384), so no choice is timed per new M."""
         if self.invariant:
             return self._invariant(x)
         if not self.fp8:
@@ -238,7 +240,7 @@ class FusedLinear:
         rows = x.m if isinstance(x, QuantizedRows) else x.shape[0]
         if isinstance(x, Tensor) and (self.chooser is None or not fp8_gemm.available(x.device)):
             return fp8_linear_forward(x, self.weight, self.scale, self.bias, pow2)
-        if rows > DECODE_MAX_ROWS or self.chooser is None:  # prefill: compute-bound, cuBLASLt's large tiles
+        if prefill or rows > DECODE_MAX_ROWS or self.chooser is None:  # compute-bound: cuBLASLt's large tiles
             return run_fp8(_CUBLAS, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
         choice = self.chooser.pick(x, self.weight, self.scale, self.bias, self.out_dtype)
         return run_fp8(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)

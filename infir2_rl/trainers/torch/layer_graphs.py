@@ -145,6 +145,12 @@ class LayerGraphs:
         self._active: tuple[_ShapeGraphs, tuple[Tensor, Tensor], Tensor | None] | None = None
         self._clock = [0]
         self._warned: set[str] = set()
+        # Kinds (forward_only flags) refused a capture for memory: no later shape of that kind is captured.
+        # For training shapes this is also what keeps capture safe: once a layer has run its backward eagerly,
+        # autograd keeps the parameters' AccumulateGrad nodes (made on the default stream) while the step's
+        # graph lives, and a backward captured next on the side stream then fails ("operation would make the
+        # legacy stream depend on a capturing blocking stream"; seen at 256 sequences in bench/train_packed.py).
+        self._refused: set[bool] = set()
         self.captures = 0
         self.replays = 0
         for i, layer in enumerate(self.layers):
@@ -287,7 +293,8 @@ class LayerGraphs:
                 f"eagerly (this one: {tuple(hidden.shape)})",
             )
             return None
-        if not self._memory_allows(hidden, forward_only):
+        if forward_only in self._refused or not self._memory_allows(hidden, forward_only):
+            self._refused.add(forward_only)
             return None
         assert position_embeddings is not None
         torch.cuda.synchronize()
