@@ -121,9 +121,8 @@ class Fp8GemmChooser:
     @staticmethod
     def bucket(m: int, prequant: bool) -> int:
         """The M a choice is kept under. Decode input (producer-quantized) comes in the few padded batch
-        sizes of the decode graphs: exact. Other (BF16) input may come at any M (the runner's prefill no
-        longer asks: it takes cuBLASLt; callers of ``FusedLinear`` without ``prefill=True`` still may): a
-        power-of-two bucket, timed at the first M seen in it, so that new prompt lengths do not re-time
+        sizes of the decode graphs: exact. BF16 input (o_proj's, where the attention does not quantize) may
+        come at any M: a power-of-two bucket, timed at the first M seen in it, so that new prompt lengths do not re-time
         every candidate in the middle of a generate call (it cost the first RL-shaped call 24 s)."""
         return m if prequant else 1 << max(m - 1, 0).bit_length()
 
