@@ -38,10 +38,11 @@ HF_PARTS["fc2"] = ("down_proj",)
 
 
 def quantize_for_training(w: Tensor, pow2_scales: bool) -> Fp8Weight:
-    """The quantization ``Fp8Linear`` uses: with the transposes the GPU dgrad reads on the fast path."""
+    """The quantization ``Fp8Linear`` uses. No W^T: the cache below keeps every layer's FP8 weight for the
+    whole step, and a kept transpose would add a byte per weight (1.2 GiB at 1.5B) for what one byte-moving
+    kernel makes in backward (``fp8.ops``, docs/performance.md "W^T at backward"), as the torch backend does."""
     if gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
-        w_fp8, scale_inv, w_fp8_t = quant_triton.quantize_weight_with_transpose(w, pow2_scales)
-        return Fp8Weight(w_fp8, scale_inv, w_fp8_t, scale_inv.t().contiguous())
+        return Fp8Weight(*quant_triton.quantize_weight(w, pow2_scales))
     return Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=pow2_scales))
 
 
