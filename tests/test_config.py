@@ -337,13 +337,14 @@ def test_context_parallelism_is_refused_when_the_config_loads() -> None:
 
 
 def test_cuda_graphs_refuses_what_a_captured_graph_cannot_hold() -> None:
-    """trainer.cuda_graphs: one line at load for packing, several workers, checkpointing, true_on_policy."""
+    """trainer.cuda_graphs: one line at load for megatron, several workers, checkpointing, true_on_policy;
+    packed micro-batches are graphed (their varlen offsets are a static buffer: layer_graphs.py)."""
     from infir2_rl.config.stage import RlStageConfig, SftStageConfig
 
-    with pytest.raises(
-        ValueError, match="cuda_graphs=true needs trainer.backend=torch with pack_sequences=false"
-    ):
-        SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "pack_sequences": True}})
+    with pytest.raises(ValueError, match="cuda_graphs=true is the torch backend's"):
+        SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "backend": "megatron"}})
+    packed = SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "pack_sequences": True}})
+    assert packed.trainer.cuda_graphs is True and packed.trainer.pack_sequences
     with pytest.raises(ValueError, match="cuda_graphs=true needs one trainer worker without FSDP"):
         SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "num_workers": 2}})
     with pytest.raises(ValueError, match="cuda_graphs=true needs model.gradient_checkpointing=false"):

@@ -1,6 +1,6 @@
 """On one CUDA GPU: ``trainer.cuda_graphs`` (decoder layers replayed from CUDA graphs) trains and scores as
-the eager trainer does, in BF16 and FP8, over micro-batches of two shapes and several optimizer steps, and
-refuses to write gradients into replaced ``.grad`` tensors or to back-propagate through an overwritten
+the eager trainer does, in BF16 and FP8, over micro-batches of two shapes and several optimizer steps, padded
+or packed (varlen offsets copied into the graphs' buffer for rows of other compositions), and refuses to write gradients into replaced ``.grad`` tensors or to back-propagate through an overwritten
 forward. "auto" turns the graphs on for an FP8 trainer on one GPU, not for BF16.
 Skipped on CPU."""
 
@@ -16,7 +16,7 @@ from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
-from infir2_rl.trainers.microbatch import bucket_length, pad_length
+from infir2_rl.trainers.microbatch import bucket_length, packed_bucket, pad_length
 from infir2_rl.trainers.torch.layer_graphs import GradsReplaced
 from infir2_rl.trainers.torch.trainer import TorchTrainer
 from infir2_rl.types import TokenBatch
@@ -27,10 +27,10 @@ pytestmark = [
 ]
 
 
-def _trainer(model: Path, fp8: bool, graphs: bool) -> TorchTrainer:
+def _trainer(model: Path, fp8: bool, graphs: bool, budget: int | None = None) -> TorchTrainer:
     return TorchTrainer(
         ModelConfig(path=str(model)),
-        TrainerConfig(cuda_graphs=graphs),
+        TrainerConfig(cuda_graphs=graphs, pack_sequences=budget is not None, max_tokens_per_gpu=budget),
         OptimizerConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant"),
         fp8=fp8,
         total_steps=8,
@@ -85,6 +85,58 @@ def test_graphed_layers_train_as_the_eager_layers(tmp_path: Path, fp8: bool) -> 
     for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
         err = float((p - q).detach().norm() / p.detach().norm().clamp_min(1e-12))
         assert err < 1e-4, name
+
+
+def _packed_rows(vocab: int, budget: int) -> list[TokenBatch]:
+    """Packed micro-batches of other compositions in three shapes: rows of exactly the budget and exactly
+    3/4 of it (no pads: packed_bucket keeps them) and one of 150 tokens, padded to 160."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for lengths in ([100, 90, 66], [40, 120, 96], [50, 70, 72], [150, 42], [30, 60, 60], [61, 89]):
+        longest = max(lengths)
+        mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).long()
+        loss_mask = mask.float()
+        loss_mask[:, :8] = 0
+        ids = torch.randint(1, vocab, (len(lengths), longest), generator=gen) * mask
+        rows.append(TokenBatch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask))
+    assert [packed_bucket(int(b.attention_mask.sum()), budget) for b in rows] == [
+        256,
+        256,
+        192,
+        192,
+        160,
+        160,
+    ]
+    return rows
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_packed_micro_batches_replay_as_the_eager_packed_ones(tmp_path: Path, fp8: bool) -> None:
+    budget = 256
+    model = init_model(tmp_path / "model", preset="tiny")
+    eager, graphed = _trainer(model, fp8, False, budget), _trainer(model, fp8, True, budget)
+    assert graphed.layer_graphs is not None
+    batches = _packed_rows(len(eager.tokenizer), budget)
+    units = sum(num_target_tokens(b) for b in batches)
+    losses: dict[str, list[float]] = {"eager": [], "graphs": []}
+    for _ in range(3):
+        ref, got = eager.forward_logprobs(batches), graphed.forward_logprobs(batches)
+        for a, b in zip(ref, got, strict=True):
+            assert a.shape == b.shape and float((a - b).abs().max()) < 2e-3
+        for name, trainer in (("eager", eager), ("graphs", graphed)):
+            stats = trainer.train_step(batches, SftLossFn(), units)
+            assert not stats.skipped
+            losses[name].append(stats.loss)
+    graphs = graphed.layer_graphs
+    # Three row lengths (256, 192, 160) for training and for scoring; six rows per pass, all replayed.
+    assert graphs.captures == graphs.num_shapes == 6
+    assert graphs.replays == 3 * 6 * 2
+    assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2
+    for a, b in zip(losses["eager"], losses["graphs"], strict=True):
+        assert b == pytest.approx(a, rel=2e-3)
+    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
+        err = float((p - q).detach().norm() / p.detach().norm().clamp_min(1e-12))
+        assert err < 2e-3, name
 
 
 def test_replaced_grads_and_a_second_forward_are_refused(tmp_path: Path) -> None:

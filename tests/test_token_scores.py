@@ -158,34 +158,95 @@ def test_packed_token_budget_sums_real_tokens() -> None:
     assert [b.num_sequences for b in padded] == [1, 1, 1]
 
 
+VARLEN_CALLS: list[tuple[list[int], int]] = []  # (offsets, max length) of each reference_varlen call
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), scale=None):  # type: ignore[no-untyped-def]
+    """A per-sequence SDPA standing in for torch's varlen_attn (CPU has no flash kernel)."""
+    assert window_size == (-1, 0) and k.shape[1] == q.shape[1]  # causal, KV heads repeated
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+    assert cu_k is cu_q and max_k == max_q and int(cu_q[-1]) == q.shape[0]
+    VARLEN_CALLS.append((cu_q.tolist(), max_q))
+    outs = []
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        assert e - s <= max_q
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
+    return torch.cat([o.transpose(0, 1) for o in outs])
+
+
+def _use_reference_varlen(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infir2_rl.trainers.torch import varlen_attention as va
+
+    monkeypatch.setattr(va, "_varlen_fn", lambda: (reference_varlen, True, False))
+    monkeypatch.setattr("infir2_rl.trainers.torch.scoring.varlen_available", lambda device: va._register())
+
+
 def test_varlen_attention_plumbing_equals_the_masked_packed_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # CPU has no flash kernel: stand in a per-sequence SDPA for torch's varlen_attn and check that the
     # attention switch, the cu_seq arguments, GQA and the output layout give the masked packed path's scores.
-    from infir2_rl.trainers.torch import varlen_attention as va
-
-    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), scale=None):  # type: ignore[no-untyped-def]
-        assert window_size == (-1, 0) and k.shape[1] == q.shape[1]  # causal, KV heads repeated
-        assert q.dtype == k.dtype == v.dtype == torch.bfloat16
-        outs = []
-        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
-            outs.append(
-                torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-            )
-        return torch.cat([o.transpose(0, 1) for o in outs])
-
     model = tiny_model()
     ids, mask, select = ragged_batch()
     # Under BF16 autocast, as on a GPU: SDPA casts q/k/v to BF16 and so must the varlen path (flash is
     # BF16/FP16 only); the stand-in asserts it sees BF16.
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         masked = _score(model, ids, mask, select, packed=True, need_entropy=False).logprobs_BL
-        monkeypatch.setattr(va, "_varlen_fn", lambda: (reference_varlen, True, False))
-        monkeypatch.setattr(
-            "infir2_rl.trainers.torch.scoring.varlen_available", lambda device: va._register()
-        )
+        _use_reference_varlen(monkeypatch)
         varlen = _score(model, ids, mask, select, packed=True, need_entropy=False).logprobs_BL
     assert model.config._attn_implementation == "sdpa"  # switched back
     torch.testing.assert_close(varlen, masked, rtol=1e-2, atol=1e-2)
     with pytest.raises(RuntimeError, match="BF16/FP16"):  # FP32 outside autocast: a clear error
         _score(model, ids, mask, select, packed=True, need_entropy=False)
+
+
+def test_varlen_kwargs_padded_to_a_length_keep_their_shapes_and_the_real_sequences() -> None:
+    from infir2_rl.trainers.torch.varlen_attention import sequence_slots, varlen_kwargs
+
+    assert [sequence_slots(n) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
+    plain = varlen_kwargs(torch.tensor([9, 4, 7]))
+    assert plain["cu_seq_lens_q"].tolist() == [0, 9, 13, 20] and plain["max_length_q"] == 9
+    padded = varlen_kwargs(torch.tensor([9, 4, 7]), padded_to=32)
+    # The real sequences, then the 12 pads as one sequence, then empty ones up to 16 slots.
+    assert padded["cu_seq_lens_q"].tolist() == [0, 9, 13, 20, 32] + [32] * 12
+    assert padded["cu_seq_lens_q"].dtype == torch.int32 and padded["cu_seq_lens_k"] is padded["cu_seq_lens_q"]
+    assert padded["max_length_q"] == padded["max_length_k"] == 32
+    exact = varlen_kwargs(torch.tensor([9, 4, 7]), padded_to=20)  # nothing to pad: no pad sequence
+    assert exact["cu_seq_lens_q"].tolist() == [0, 9, 13, 20] + [20] * 13
+    with pytest.raises(ValueError, match="20 real tokens > padded_to=19"):
+        varlen_kwargs(torch.tensor([9, 4, 7]), padded_to=19)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_packed_row_padded_for_the_layer_graphs_scores_as_the_unpadded_one(
+    monkeypatch: pytest.MonkeyPatch, varlen: bool
+) -> None:
+    # The trainer's layer graphs pad a packed row to a few lengths (packed_length); the pads are a sequence
+    # of their own, so the real tokens' scores and gradients are those of the unpadded row.
+    model = tiny_model()
+    ids, mask, select = ragged_batch()  # 20 real tokens
+    if varlen:
+        _use_reference_varlen(monkeypatch)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if varlen else contextlib.nullcontext()
+    results = []
+    for packed_length in (None, lambda n: n + 13):
+        VARLEN_CALLS.clear()
+        with context:
+            scores = score_tokens(
+                model, ids, mask, select, temperature=0.9, need_entropy=True, compute_dtype=torch.float32,
+                packed=True, autocast=contextlib.nullcontext, chunk_tokens=5, packed_length=packed_length,
+            )  # fmt: skip
+            assert scores.entropy_BL is not None
+            (scores.logprobs_BL.sum() + 0.1 * scores.entropy_BL.sum()).backward()
+        results.append((scores.logprobs_BL.detach(), scores.entropy_BL.detach(), _grads(model)))
+        if varlen:  # every layer got the padded offsets: 33 tokens, 16 slots
+            assert len(VARLEN_CALLS) == 2
+            assert VARLEN_CALLS[0] == (
+                ([0, 9, 13, 20, 33] + [33] * 12, 33) if packed_length else ([0, 9, 13, 20], 9)
+            )
+    (logp, ent, grads), (logp_p, ent_p, grads_p) = results
+    tol = {"rtol": 1e-2, "atol": 1e-2} if varlen else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(logp_p, logp, **tol)
+    torch.testing.assert_close(ent_p, ent, **tol)
+    assert grads_p.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_p[name], grad, **tol, msg=name)

@@ -119,9 +119,10 @@ class TrainerConfig(_Config):
     # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
     # micro-batch shape (at most 4 per kind; others run eagerly); micro-batches are right-padded to a length
     # bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5% padding) so that few shapes
-    # occur. Takes the host out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at
-    # 1.5B without it); the graphs' memory pool stays reserved between steps, with per training shape two
-    # FP32 activations of the micro-batch per layer. Not with pack_sequences, FSDP, gradient checkpointing or
+    # occur; packed rows over half of max_tokens_per_gpu to 3/4 of it or all of it (microbatch.packed_bucket).
+    # Takes the host out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower
+    # than BF16 at 1.5B without it); the graphs' memory pool stays reserved between steps, with per training
+    # shape two FP32 activations of the micro-batch per layer. Not with FSDP, gradient checkpointing or
     # true_on_policy. "auto": on for FP8 trainers where it applies (one CUDA GPU, none of those), and a new
     # shape after the first is captured only if the free memory looks enough; off for BF16 (eager BF16 is not
     # host-bound: graphs gain 3-10%, and their reserved pool left a colocated engine at 1.5B out of memory);
@@ -164,10 +165,10 @@ class TrainerConfig(_Config):
                 "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
                 " trainer.backend=megatron"
             )
-        if self.cuda_graphs is True and (self.backend != "torch" or self.pack_sequences):
+        if self.cuda_graphs is True and self.backend != "torch":
             raise ValueError(
-                "trainer.cuda_graphs=true needs trainer.backend=torch with pack_sequences=false (packed"
-                " micro-batches pass per-sequence attention arguments a captured graph cannot hold)"
+                "trainer.cuda_graphs=true is the torch backend's (trainers/torch/layer_graphs.py): leave it at"
+                " auto or false with trainer.backend=megatron"
             )
         if self.fused_kernels is True and self.backend != "torch":
             raise ValueError(

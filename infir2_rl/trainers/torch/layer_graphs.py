@@ -27,8 +27,14 @@ which layer i+1 reads, so a shape keeps two activations, not one per layer. The 
 a length bucket too. A training forward whose backward has not run yet and a replayed forward without
 gradients cannot interleave (the forward counter below refuses the backward).
 
-A call runs the layer's own (eager) forward when the layer is called with a KV cache or extra attention
-arguments (packed sequences), a training forward's layer is in eval mode or its input needs no gradient, the
+Packed micro-batches (``trainer.pack_sequences``) pass varlen attention arguments to every layer: the offsets
+``cu_seq_lens_q/k`` (one tensor) and the longest length ``max_length_q/k`` (an int, baked into the kernel's
+grid). They are part of the shape's key (offsets count and max length), the offsets are copied into a static
+buffer like the rotary tables, and scoring pads the packed row so that both depend only on its padded
+length (``varlen_attention.varlen_kwargs(padded_to=)``).
+
+A call runs the layer's own (eager) forward when the layer is called with a KV cache or other extra
+arguments, a training forward's layer is in eval mode or its input needs no gradient, the
 shape limit of its kind (training, or without gradients) is reached, or, after the first shape, the free
 GPU memory looks too small for another (logged once each). Capture needs the autocast weight cache off (``torch.autocast(...,
 cache_enabled=False)``): a cached cast made during a capture would be graph memory that later eager code
@@ -51,6 +57,18 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 WARMUP_ITERS = 2
+# The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
+VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+
+
+def _varlen(kwargs: dict[str, Any]) -> tuple[Tensor, int] | None:
+    """(offsets, max length) of packed-sequence arguments that one static buffer can stand for, else None."""
+    if set(kwargs) != VARLEN_KEYS:
+        return None
+    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    if kwargs["cu_seq_lens_k"] is not cu or kwargs["max_length_k"] != max_len or not isinstance(cu, Tensor):
+        return None
+    return cu, int(max_len)
 
 
 @functools.cache
@@ -92,6 +110,7 @@ class _ShapeGraphs:
         self.cos: Tensor | None = None
         self.sin: Tensor | None = None
         self.mask: Tensor | None = None
+        self.varlen: dict[str, Any] = {}  # packed sequences: the static offsets buffer and the max length
         # The .grad tensors the backward graphs add into, in the order of LayerGraphs._all_params.
         self.grads: list[Tensor] = []
         # Forwards begun on any shape (one counter for all shapes: they share one memory pool). A backward
@@ -142,7 +161,9 @@ class LayerGraphs:
         self._all_params = [p for params in self._params for p in params]
         self._shapes: dict[tuple[Any, ...], _ShapeGraphs] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self._active: tuple[_ShapeGraphs, tuple[Tensor, Tensor], Tensor | None] | None = None
+        # While a micro-batch's layers replay: its graphs, and the rotary tables, mask and offsets tensors every
+        # layer must be called with (what layer 0 copied into the static buffers).
+        self._active: tuple[_ShapeGraphs, tuple[Tensor, Tensor], Tensor | None, Tensor | None] | None = None
         self._clock = [0]
         self._warned: set[str] = set()
         # Kinds (forward_only flags) refused a capture for memory: no later shape of that kind is captured.
@@ -181,12 +202,16 @@ class LayerGraphs:
             if key is not None:
                 graphs = self._shapes.get(key)
                 if graphs is None:
-                    graphs = self._capture_or_none(key, hidden_states, attention_mask, position_embeddings)
+                    graphs = self._capture_or_none(
+                        key, hidden_states, attention_mask, position_embeddings, kwargs
+                    )
                 if graphs is not None:
-                    self._begin(graphs, attention_mask, position_embeddings)
+                    self._begin(graphs, attention_mask, position_embeddings, kwargs)
         elif self._active is not None:
-            graphs, pe, mask = self._active
-            if not (position_embeddings is pe and attention_mask is mask and not kwargs):
+            graphs, pe, mask, cu = self._active
+            varlen = _varlen(kwargs)
+            same_varlen = not kwargs if cu is None else varlen is not None and varlen[0] is cu
+            if not (position_embeddings is pe and attention_mask is mask and same_varlen):
                 graphs = None
         if graphs is None:
             return self._eager[i](
@@ -227,8 +252,12 @@ class LayerGraphs:
         grad = torch.is_grad_enabled()
         if not hidden.is_cuda or (grad and not (layer.training and hidden.requires_grad)):
             return None
-        if past_key_values is not None or use_cache or kwargs or position_embeddings is None:
-            return None  # a KV cache, or extra attention arguments (packed sequences): eager
+        if past_key_values is not None or use_cache or position_embeddings is None:
+            return None  # a KV cache: eager
+        varlen = _varlen(kwargs)
+        if kwargs and varlen is None:
+            self._warn_once("kwargs", f"layers called with {sorted(kwargs)}: they run eagerly")
+            return None
         cos, sin = position_embeddings
         autocast = torch.is_autocast_enabled("cuda")
         if autocast and torch.is_autocast_cache_enabled():
@@ -242,6 +271,7 @@ class LayerGraphs:
             tuple(cos.shape),
             cos.dtype,
             None if mask is None else (tuple(mask.shape), mask.dtype),
+            None if varlen is None else (varlen[0].numel(), varlen[0].dtype, varlen[1]),
             torch.get_autocast_dtype("cuda") if autocast else None,
             _fp8_state(layer),
             grad,
@@ -249,7 +279,11 @@ class LayerGraphs:
         )
 
     def _begin(
-        self, graphs: _ShapeGraphs, mask: Tensor | None, position_embeddings: tuple[Tensor, Tensor] | None
+        self,
+        graphs: _ShapeGraphs,
+        mask: Tensor | None,
+        position_embeddings: tuple[Tensor, Tensor] | None,
+        kwargs: dict[str, Any],
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
         if not graphs.forward_only:  # the backward graphs add into the .grad tensors of their capture
@@ -259,7 +293,10 @@ class LayerGraphs:
         if mask is not None:
             assert graphs.mask is not None
             graphs.mask.copy_(mask)
-        self._active = (graphs, position_embeddings, mask)
+        varlen = _varlen(kwargs)
+        if varlen is not None:
+            graphs.varlen["cu_seq_lens_q"].copy_(varlen[0])
+        self._active = (graphs, position_embeddings, mask, None if varlen is None else varlen[0])
         self._clock[0] += 1
         self.replays += 1
 
@@ -283,6 +320,7 @@ class LayerGraphs:
         hidden: Tensor,
         mask: Tensor | None,
         position_embeddings: tuple[Tensor, Tensor] | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> _ShapeGraphs | None:
         forward_only = not torch.is_grad_enabled()
         kind = "forward-only" if forward_only else "training"
@@ -300,9 +338,9 @@ class LayerGraphs:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved(hidden.device)
         if forward_only:
-            graphs = self._capture_forward_only(hidden, mask, position_embeddings)
+            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {})
         else:
-            graphs = self._capture(hidden, mask, position_embeddings)
+            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {})
         grown = torch.cuda.memory_reserved(hidden.device) - before
         if not forward_only and self._capture_bytes_per_element is None:
             self._capture_bytes_per_element = max(grown, 0) / hidden.numel()
@@ -342,11 +380,30 @@ class LayerGraphs:
         )
         return False
 
-    def _run_eager(self, i: int, x: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]) -> Tensor:
-        return self._eager[i](x, attention_mask=mask, position_embeddings=pe)
+    def _run_eager(
+        self, i: int, x: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], varlen: dict[str, Any]
+    ) -> Tensor:
+        return self._eager[i](x, attention_mask=mask, position_embeddings=pe, **varlen)
+
+    @staticmethod
+    def _static(
+        graphs: _ShapeGraphs, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
+    ) -> None:
+        """The buffers the graphs read the rotary tables, the mask and the packed offsets from."""
+        graphs.cos, graphs.sin = (t.detach().clone() for t in pe)
+        graphs.mask = None if mask is None else mask.detach().clone()
+        varlen = _varlen(kwargs)
+        if varlen is not None:
+            cu = varlen[0].clone()
+            graphs.varlen = {
+                "cu_seq_lens_q": cu,
+                "cu_seq_lens_k": cu,
+                "max_length_q": varlen[1],
+                "max_length_k": varlen[1],
+            }
 
     def _capture_forward_only(
-        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]
+        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock, forward_only=True)
@@ -355,20 +412,19 @@ class LayerGraphs:
         with torch.cuda.stream(side):
             for i in range(n):
                 for _ in range(WARMUP_ITERS):
-                    self._run_eager(i, torch.randn_like(hidden), mask, pe)
+                    self._run_eager(i, torch.randn_like(hidden), mask, pe, kwargs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-        cos, sin = (t.detach().clone() for t in pe)
-        graphs.cos, graphs.sin = cos, sin
-        graphs.mask = None if mask is None else mask.detach().clone()
+        self._static(graphs, mask, pe, kwargs)
+        static_pe = (graphs.cos, graphs.sin)
         # Allocated outside the captures: the input buffer and the two buffers the layers' outputs alternate in.
         x = torch.zeros_like(hidden)
         pingpong = (torch.empty_like(hidden), torch.empty_like(hidden))
         for i in range(n):
             buffer = pingpong[i % 2]
             with torch.cuda.graph(graphs.fwd[i], pool=self._pool):
-                out = self._run_eager(i, x, graphs.mask, (cos, sin))
+                out = self._run_eager(i, x, graphs.mask, static_pe, graphs.varlen)
                 if out.shape != buffer.shape or out.dtype != buffer.dtype:
                     raise RuntimeError(
                         f"trainer.cuda_graphs: layer {i} maps {tuple(hidden.shape)} {hidden.dtype} to "
@@ -382,7 +438,9 @@ class LayerGraphs:
         torch.cuda.synchronize()
         return graphs
 
-    def _capture(self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor]) -> _ShapeGraphs:
+    def _capture(
+        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
+    ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
         for p in self._all_params:
@@ -398,20 +456,19 @@ class LayerGraphs:
             for i in range(n):
                 for _ in range(WARMUP_ITERS):
                     x = torch.randn_like(hidden).requires_grad_()
-                    out = self._run_eager(i, x, mask, pe)
+                    out = self._run_eager(i, x, mask, pe, kwargs)
                     torch.autograd.grad(out, (x, *self._params[i]), torch.randn_like(out), allow_unused=True)
                     del x, out
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-        cos, sin = (t.detach().clone() for t in pe)
-        graphs.cos, graphs.sin = cos, sin
-        graphs.mask = None if mask is None else mask.detach().clone()
+        self._static(graphs, mask, pe, kwargs)
+        static_pe = (graphs.cos, graphs.sin)
         x = torch.zeros_like(hidden).requires_grad_()
         outs: list[Tensor] = []
         for i in range(n):
             with torch.cuda.graph(graphs.fwd[i], pool=self._pool):
-                out = self._run_eager(i, x, graphs.mask, (cos, sin))
+                out = self._run_eager(i, x, graphs.mask, static_pe, graphs.varlen)
             graphs.inputs.append(x)
             outs.append(out)  # keeps the captured autograd graph for the backward capture
             graphs.outputs.append(out.detach())

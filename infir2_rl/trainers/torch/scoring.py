@@ -72,8 +72,13 @@ def score_tokens(
     packed: bool,
     autocast: Callable[[], Any],
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    packed_length: Callable[[int], int] | None = None,
 ) -> TokenScores:
-    """Scores of ``input_ids_BL`` (right-padded rows) at the selected positions; zeros elsewhere."""
+    """Scores of ``input_ids_BL`` (right-padded rows) at the selected positions; zeros elsewhere.
+
+    ``packed_length`` (packed, under the trainer's layer graphs): the packed row of N real tokens is padded
+    to ``packed_length(N)`` tokens, a sequence of its own that nothing scores (``varlen_kwargs(padded_to=)``),
+    so that rows of any composition share a few captured shapes."""
     B, L = input_ids_BL.shape
     real = attention_mask_BL.bool()
     select = select_BL.bool() & real
@@ -84,13 +89,20 @@ def score_tokens(
             _positions(attention_mask_BL)[real][None],
             select[real][None],
         )
+        n = ids.shape[1]
+        padded_to = None if packed_length is None else packed_length(n)
+        if padded_to is not None and padded_to > n:
+            extra = padded_to - n
+            ids = torch.nn.functional.pad(ids, (0, extra))
+            pos = torch.cat([pos, torch.arange(extra, device=pos.device)[None]], dim=1)
+            sel = torch.nn.functional.pad(sel, (0, extra))
         first = pos == 0
         sel = sel & ~first
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
         attention: Any = nullcontext()
         if varlen_available(ids.device):  # flash over each sequence alone (varlen_attention.py)
             lengths = attention_mask_BL.sum(1)
-            kwargs |= varlen_kwargs(lengths[lengths > 0])
+            kwargs |= varlen_kwargs(lengths[lengths > 0], padded_to)
             attention = use_varlen(model)
     else:
         attention = nullcontext()
@@ -119,6 +131,6 @@ def score_tokens(
         scores = model(input_ids=ids, use_cache=False, **kwargs).logits  # type: ignore[operator]
     if packed:
         full = scores.new_zeros(B, L, k)
-        full[real] = scores[0]
+        full[real] = scores[0, :n]  # the real tokens, without the pads of packed_length
         scores = full
     return TokenScores(logprobs_BL=scores[..., 0], entropy_BL=scores[..., 1] if need_entropy else None)

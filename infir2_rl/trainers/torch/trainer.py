@@ -21,11 +21,11 @@ is decided on the device (optim.step_unless_nonfinite): the host waits once, aft
 Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
 entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
 
-`trainer.cuda_graphs` ("auto", the default: on for an FP8 trainer on one CUDA GPU without FSDP, packing, gradient
-checkpointing or true_on_policy; off elsewhere, BF16 included): the decoder layers' forward and backward of training micro-batches, and their
-forward in scoring and evaluation, are replayed from CUDA graphs (layer_graphs.py); micro-batches are padded to
-a length bucket, gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast
-cache. Eager FP8 on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
+`trainer.cuda_graphs` ("auto", the default: on for an FP8 trainer on one CUDA GPU without FSDP, gradient
+checkpointing or true_on_policy; off elsewhere, BF16 included): the decoder layers' forward and backward of
+training micro-batches, and their forward in scoring and evaluation, are replayed from CUDA graphs
+(layer_graphs.py); micro-batches are padded to a length bucket (packed rows: microbatch.packed_bucket),
+gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. Eager FP8 on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
 
 `trainer.fused_kernels` ("auto": on for CUDA with Triton, not under true_on_policy): the model's RMSNorm and
 SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), in both precisions; the CPU keeps torch's.
@@ -53,7 +53,7 @@ from transformers import PreTrainedModel
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
-from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
+from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, packed_bucket, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
@@ -117,6 +117,7 @@ class TorchTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Packed micro-batches (trainer.pack_sequences): see scoring.py.
         self.pack_sequences = trainer_cfg.pack_sequences
+        self.max_tokens_per_gpu = trainer_cfg.max_tokens_per_gpu  # packed rows' length bucket (graphs)
         self.fp8_linears: list[str] = []
         self.pow2_scales = trainer_cfg.fp8_pow2_scales
         if fp8:
@@ -166,15 +167,14 @@ class TorchTrainer:
                 f"device {self.device}": self.device.type != "cuda",
                 "FSDP": self.fsdp,
                 "true_on_policy": true_on_policy,
-                "pack_sequences": self.pack_sequences,
                 "gradient checkpointing": model_cfg.gradient_checkpointing,
             }.items()
             if present
         ]
         if trainer_cfg.cuda_graphs is True and blockers:
             raise ValueError(
-                "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy, packing or "
-                f"gradient checkpointing; here: {', '.join(blockers)}"
+                "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy or gradient "
+                f"checkpointing; here: {', '.join(blockers)}"
             )
         # "auto" graphs FP8 trainers only: eager FP8 is host-bound (1.7x BF16's step at 1.5B x 8K), eager BF16
         # is not (graphs gain it 3-10%), and the graphs' pool stays reserved, which left a colocated BF16 engine
@@ -261,7 +261,12 @@ class TorchTrainer:
             compute_dtype=self.compute_dtype,
             packed=self.pack_sequences,
             autocast=self.autocast,
+            # Packed rows under the layer graphs (the policy's layers only) are padded to a few lengths.
+            packed_length=self._packed_length if self.layer_graphs is not None and model is None else None,
         )
+
+    def _packed_length(self, tokens: int) -> int:
+        return packed_bucket(tokens, self.max_tokens_per_gpu)
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
         return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
@@ -280,7 +285,7 @@ class TorchTrainer:
 
     def _bucketed(self, batch: TokenBatch) -> TokenBatch:
         """With the layer graphs: ``batch`` right-padded to its length bucket, so that few shapes occur."""
-        if self.layer_graphs is None:
+        if self.layer_graphs is None or self.pack_sequences:  # packed: scoring pads the packed row instead
             return batch
         return pad_length(batch, bucket_length(batch.input_ids.shape[1]))
 

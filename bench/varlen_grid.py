@@ -1,0 +1,176 @@
+"""What a fixed launch shape costs varlen flash attention: the price of capturing packed micro-batches in CUDA graphs.
+
+    python bench/varlen_grid.py [--tokens 8192] [--heads 12] [--kv-heads 2] [--head-dim 128] [--caps 16 32 64]
+                                [--reps 20] [--out PATH]
+
+A CUDA graph fixes a kernel's grid. Flash attention's varlen grid is (ceil(max_len / block), sequences, heads),
+and ``cu_seq`` (sequences + 1 offsets) is its input. To replay one graph for packed rows of different
+compositions, the graph is captured with a fixed number of sequences (``cap``: offsets padded by repeating
+the last one, i.e. empty sequences) and ``max_len`` = the row's padded length; the programs past a sequence's
+end return at once. This bench times, for micro-batches of the RL-shaped batch of bench/train_packed.py
+(lengths 200..8,192, long-tailed, grouped as ``trainer.pack_sequences`` groups them under ``--tokens``),
+varlen attention forward + backward (replayed from a CUDA graph, so no host time) with
+
+* exact: the row's own sequence count and longest sequence (what eager packing launches),
+* capped: ``cap`` sequences and ``max_len`` = ``--tokens`` (what one graph per row length needs),
+
+checks that the capped launch gives bit-equal outputs and gradients on the real tokens, and prints the
+per-call difference and what it adds to a micro-batch of 28 layers (the 1.5B shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from train_packed import rl_batch
+from train_step import write_report
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    from infir2_rl.trainers.torch.varlen_attention import _varlen_fn
+
+    fn = _varlen_fn()
+    assert fn is not None, "this torch has no torch.nn.attention.varlen"
+    varlen_attn, has_window, has_gqa = fn
+    extra: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
+    if has_gqa:
+        extra["enable_gqa"] = True
+    else:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+
+def timed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, reps: int
+) -> dict[str, Any]:
+    """Forward + backward in one CUDA graph: median ms per replay, and the outputs and gradients."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    grad = torch.randn(
+        q.shape, generator=torch.Generator(q.device).manual_seed(1), device=q.device, dtype=q.dtype
+    )
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            out = attention(q, k, v, cu, max_len)
+            torch.autograd.grad(out, (q, k, v), grad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention(q, k, v, cu, max_len)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {
+        "ms": statistics.median(times),
+        "spread": [min(times), max(times)],
+        "out": out.detach(),
+        "grads": grads,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from infir2_rl.trainers.microbatch import packed_token_budget, row_lengths
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=8192, help="token budget per packed row (max_tokens_per_gpu)"
+    )
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--caps", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=6, help="micro-batches timed (spread over the batch)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("varlen_grid: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    lengths = row_lengths(rl_batch(args.seqs, 1000))
+    groups = packed_token_budget(lengths, args.tokens)
+    pick = sorted({round(i * (len(groups) - 1) / max(args.rows - 1, 1)) for i in range(args.rows)})
+    gen = torch.Generator(dev).manual_seed(0)
+    N, D = args.tokens, args.head_dim
+    q = torch.randn(N, args.heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(N, args.kv_heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(N, args.kv_heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {N} tokens, {args.heads}/{args.kv_heads} heads x {D}"
+    )
+    print(
+        f"{'row':>4} {'seqs':>4} {'real':>5} {'longest':>7} {'exact ms':>9} "
+        + " ".join(f"{'cap ' + str(c) + ' ms':>10}" for c in args.caps)
+    )
+    rows = []
+    for g in pick:
+        ls = [lengths[i] for i in groups[g]]
+        real = sum(ls)
+        # The packed row padded to N tokens: the pads are one more sequence, after the real ones.
+        seq = ls + ([N - real] if real < N else [])
+        cu = torch.tensor([0, *torch.tensor(seq).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        exact = timed(q, k, v, cu, max(seq), args.reps)
+        row: dict[str, Any] = {
+            "group": g,
+            "seqs": len(ls),
+            "real": real,
+            "longest": max(ls),
+            "exact_ms": exact["ms"],
+            "exact_spread": exact["spread"],
+        }
+        cells = []
+        for cap in args.caps:
+            if cap < len(seq):
+                cells.append(f"{'-':>10}")
+                continue
+            padded = torch.cat([cu, cu[-1:].expand(cap - len(seq))])
+            got = timed(q, k, v, padded, N, args.reps)
+            equal = torch.equal(got["out"][:real], exact["out"][:real]) and all(
+                torch.equal(a[:real], b[:real]) for a, b in zip(got["grads"], exact["grads"], strict=True)
+            )
+            row[f"cap{cap}_ms"], row[f"cap{cap}_equal"] = got["ms"], equal
+            cells.append(f"{got['ms']:>8.3f}{'' if equal else ' !='}")
+        rows.append(row)
+        print(f"{g:>4} {len(ls):>4} {real:>5} {max(ls):>7} {exact['ms']:>9.3f} " + " ".join(cells))
+    for cap in args.caps:
+        deltas = [r[f"cap{cap}_ms"] - r["exact_ms"] for r in rows if f"cap{cap}_ms" in r]
+        if deltas:
+            mean = statistics.mean(deltas)
+            print(
+                f"cap {cap}: +{mean:.3f} ms per attention fwd+bwd on average, x {args.layers} layers = "
+                f"+{mean * args.layers:.1f} ms per micro-batch; bit-equal: {all(r.get(f'cap{cap}_equal', True) for r in rows)}"
+            )
+    write_report(
+        args.out,
+        {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "args": vars(args) | {"out": str(args.out)},
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
