@@ -388,9 +388,10 @@ class LayerGraphs:
     @staticmethod
     def _static(
         graphs: _ShapeGraphs, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
-    ) -> None:
-        """The buffers the graphs read the rotary tables, the mask and the packed offsets from."""
-        graphs.cos, graphs.sin = (t.detach().clone() for t in pe)
+    ) -> tuple[Tensor, Tensor]:
+        """The buffers the graphs read the rotary tables (returned), the mask and the packed offsets from."""
+        cos, sin = (t.detach().clone() for t in pe)
+        graphs.cos, graphs.sin = cos, sin
         graphs.mask = None if mask is None else mask.detach().clone()
         varlen = _varlen(kwargs)
         if varlen is not None:
@@ -401,6 +402,7 @@ class LayerGraphs:
                 "max_length_q": varlen[1],
                 "max_length_k": varlen[1],
             }
+        return cos, sin
 
     def _capture_forward_only(
         self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
@@ -416,8 +418,7 @@ class LayerGraphs:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-        self._static(graphs, mask, pe, kwargs)
-        static_pe = (graphs.cos, graphs.sin)
+        static_pe = self._static(graphs, mask, pe, kwargs)
         # Allocated outside the captures: the input buffer and the two buffers the layers' outputs alternate in.
         x = torch.zeros_like(hidden)
         pingpong = (torch.empty_like(hidden), torch.empty_like(hidden))
@@ -462,8 +463,7 @@ class LayerGraphs:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-        self._static(graphs, mask, pe, kwargs)
-        static_pe = (graphs.cos, graphs.sin)
+        static_pe = self._static(graphs, mask, pe, kwargs)
         x = torch.zeros_like(hidden).requires_grad_()
         outs: list[Tensor] = []
         for i in range(n):
