@@ -96,6 +96,11 @@ def run(
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
         "loss": stats.loss,
     }
+    print(
+        f"  {'fp8' if fp8 else 'bf16'} {'packed' if packed else 'padded'} graphs={graphed}: "
+        f"step {step_s:.2f} s [{min(times):.2f}, {max(times):.2f}], {out['tokens_per_s']:.0f} tok/s",
+        flush=True,
+    )
     del trainer
     gc.collect()
     return out
