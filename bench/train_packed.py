@@ -1,7 +1,7 @@
 """Packed vs padded micro-batches on an RL-shaped batch: one trainer step, 1.5B shape, BF16 and FP8.
 
     python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8]
-                                 [--cuda-graphs auto|on|off|both] [--out PATH]
+                                 [--layouts padded packed] [--cuda-graphs auto|on|off|both] [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=8192, help="trainer.max_tokens_per_gpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per case (median)")
     parser.add_argument("--modes", nargs="*", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--layouts", nargs="*", default=["padded", "packed"], choices=["padded", "packed"])
     parser.add_argument("--checkpointing", action="store_true", help="model.gradient_checkpointing")
     parser.add_argument(
         "--cuda-graphs", default="auto", choices=["auto", "on", "off", "both"], help="trainer.cuda_graphs"
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes
         for graphs in graph_settings
         for packed in (False, True)
+        if ("packed" if packed else "padded") in args.layouts
     ]
     print(
         f"\n{'mode':<5} {'layout':<7} {'graphs':<6} | {'micro':>5} | {'computed':>9} | {'step s':>7} | {'tok/s':>8} | {'peak GiB':>8}"

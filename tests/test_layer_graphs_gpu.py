@@ -114,16 +114,28 @@ def _packed_rows(vocab: int, budget: int) -> list[TokenBatch]:
 def test_packed_micro_batches_replay_as_the_eager_packed_ones(tmp_path: Path, fp8: bool) -> None:
     budget = 256
     model = init_model(tmp_path / "model", preset="tiny")
+    plain = _trainer(model, fp8, False, budget)  # eager, each row at its own length and sequence count
     eager, graphed = _trainer(model, fp8, False, budget), _trainer(model, fp8, True, budget)
-    assert graphed.layer_graphs is not None
+    assert graphed.layer_graphs is not None and graphed.packed_length is not None
+    # The eager trainer pads its packed rows as the graphed one does: the same launches, so the same bits
+    # where the kernels are deterministic (flash attention's backward adds dQ with atomics: gradients differ
+    # in the last bits, and training steps drift apart slowly).
+    eager.packed_length = graphed.packed_length
     batches = _packed_rows(len(eager.tokenizer), budget)
     units = sum(num_target_tokens(b) for b in batches)
-    losses: dict[str, list[float]] = {"eager": [], "graphs": []}
-    for _ in range(3):
+    losses: dict[str, list[float]] = {"plain": [], "eager": [], "graphs": []}
+    for step in range(3):
         ref, got = eager.forward_logprobs(batches), graphed.forward_logprobs(batches)
         for a, b in zip(ref, got, strict=True):
-            assert a.shape == b.shape and float((a - b).abs().max()) < 2e-3
-        for name, trainer in (("eager", eager), ("graphs", graphed)):
+            assert a.shape == b.shape
+            if step == 0:
+                assert torch.equal(a, b)  # every row replays its shape's graph with its own offsets
+            else:
+                assert float((a - b).abs().max()) < 2e-2
+        if step == 0:  # against plain packing: other launches (pads, flash's split choice), close values
+            for a, b in zip(plain.forward_logprobs(batches), got, strict=True):
+                assert float((a - b).abs().mean()) < (5e-3 if fp8 else 1e-3)
+        for name, trainer in (("plain", plain), ("eager", eager), ("graphs", graphed)):
             stats = trainer.train_step(batches, SftLossFn(), units)
             assert not stats.skipped
             losses[name].append(stats.loss)
@@ -132,8 +144,9 @@ def test_packed_micro_batches_replay_as_the_eager_packed_ones(tmp_path: Path, fp
     assert graphs.captures == graphs.num_shapes == 6
     assert graphs.replays == 3 * 6 * 2
     assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2
-    for a, b in zip(losses["eager"], losses["graphs"], strict=True):
-        assert b == pytest.approx(a, rel=2e-3)
+    for name in ("plain", "graphs"):
+        for a, b in zip(losses["eager"], losses[name], strict=True):
+            assert b == pytest.approx(a, rel=2e-3), name
     for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
         err = float((p - q).detach().norm() / p.detach().norm().clamp_min(1e-12))
         assert err < 2e-3, name

@@ -38,10 +38,11 @@ trainer's log-probs of the engine's samples equal the engine's bit for bit; back
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,6 @@ class TorchTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Packed micro-batches (trainer.pack_sequences): see scoring.py.
         self.pack_sequences = trainer_cfg.pack_sequences
-        self.max_tokens_per_gpu = trainer_cfg.max_tokens_per_gpu  # packed rows' length bucket (graphs)
         self.fp8_linears: list[str] = []
         self.pow2_scales = trainer_cfg.fp8_pow2_scales
         if fp8:
@@ -189,6 +189,13 @@ class TorchTrainer:
                 if self.layer_graphs
                 else f"eager ({', '.join(auto_blockers)})",
             )
+        # Packed rows under the layer graphs are padded to a few lengths (scoring.score_tokens).
+        budget = trainer_cfg.max_tokens_per_gpu
+        self.packed_length: Callable[[int], int] | None = (
+            functools.partial(packed_bucket, budget=budget)
+            if self.layer_graphs is not None and self.pack_sequences
+            else None
+        )
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, optimizer_cfg)
@@ -261,12 +268,8 @@ class TorchTrainer:
             compute_dtype=self.compute_dtype,
             packed=self.pack_sequences,
             autocast=self.autocast,
-            # Packed rows under the layer graphs (the policy's layers only) are padded to a few lengths.
-            packed_length=self._packed_length if self.layer_graphs is not None and model is None else None,
+            packed_length=self.packed_length if model is None else None,  # the policy's layers are graphed
         )
-
-    def _packed_length(self, tokens: int) -> int:
-        return packed_bucket(tokens, self.max_tokens_per_gpu)
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
         return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
