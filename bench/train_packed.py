@@ -1,7 +1,8 @@
 """Packed vs padded micro-batches on an RL-shaped batch: one trainer step, 1.5B shape, BF16 and FP8.
 
     python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8]
-                                 [--layouts padded packed] [--cuda-graphs auto|on|off|both] [--out PATH]
+                                 [--layouts padded packed] [--cuda-graphs auto|on|off|both]
+                                 [--packed-steps N] [--max-shapes N] [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
@@ -18,7 +19,9 @@ layout against the fastest BF16 of that layout.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import logging
 import statistics
 import sys
 import time
@@ -63,11 +66,16 @@ def run(
     )
     parts = micro_batches(batch, 1, args.budget, packed=packed)
     graphed = trainer.layer_graphs is not None
+    if graphed and args.max_shapes is not None:
+        trainer.layer_graphs.max_shapes = args.max_shapes  # type: ignore[union-attr]
+    if trainer.packed_length is not None and args.packed_steps is not None:
+        trainer.packed_length = functools.partial(packed_bucket, budget=args.budget, steps=args.packed_steps)
+    packed_length = trainer.packed_length
 
     def computed_tokens(b: Any) -> int:
         if packed:
             real = int(b.attention_mask.sum())
-            return packed_bucket(real, args.budget) if graphed else real
+            return packed_length(real) if packed_length else real
         rows, length = b.input_ids.shape
         return rows * (bucket_length(length) if graphed else length)
 
@@ -113,12 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per case (median)")
     parser.add_argument("--modes", nargs="*", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     parser.add_argument("--layouts", nargs="*", default=["padded", "packed"], choices=["padded", "packed"])
+    parser.add_argument(
+        "--packed-steps", type=int, help="packed rows' lengths over half the budget (packed_bucket steps)"
+    )
+    parser.add_argument("--max-shapes", type=int, help="LayerGraphs.max_shapes (4 unless told)")
     parser.add_argument("--checkpointing", action="store_true", help="model.gradient_checkpointing")
     parser.add_argument(
         "--cuda-graphs", default="auto", choices=["auto", "on", "off", "both"], help="trainer.cuda_graphs"
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("infir2_rl.trainers.torch.layer_graphs").setLevel(logging.INFO)  # each capture's growth
     if not torch.cuda.is_available():
         print("bench/train_packed.py needs a CUDA GPU.")
         return 1

@@ -33,18 +33,30 @@ def test_auto_captures_another_shape_only_when_memory_looks_enough(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     graphs = _graphs(tmp_path, monkeypatch, check_memory=True)
+    layers = len(graphs.layers)
     hidden = torch.zeros(32, 320, 64)  # FP32: 2.5 MiB
+    act = hidden.numel() * hidden.element_size()
     _free(monkeypatch, driver_free=0, reserved=0, allocated=0)
     assert graphs._memory_allows(hidden, forward_only=False)  # the first training shape: always
-    graphs._capture_bytes_per_element = 1000.0  # as if the first capture grew the pool by 1000 B per element
-    need = 2 * 1000 * hidden.numel()
+    # As if the first capture (this shape) grew the pool by 1000 B per element, its static buffers included.
+    graphs._capture_bytes_per_element = 1000.0
+    working = 1000 * hidden.numel()
+    graphs._pool_bytes, graphs._static_bytes = working, 2 * layers * act
+    # Another shape of the same size: its static buffers, what the pool lacks (its static part), a tenth.
+    need = 2 * layers * act + 2 * layers * act + working // 10
     # Free = the driver's free memory + the allocator's cached, unallocated blocks.
     _free(monkeypatch, driver_free=need // 2, reserved=need, allocated=need // 2)
     assert graphs._memory_allows(hidden, forward_only=False)
     _free(monkeypatch, driver_free=need // 2 - 1, reserved=need, allocated=need // 2)
     assert not graphs._memory_allows(hidden, forward_only=False)
+    # A shape twice as large needs the pool's growth by its second half too.
+    double = torch.zeros(64, 320, 64)
+    need2 = 2 * layers * 2 * act + (2 * working - (working - 2 * layers * act)) + 2 * working // 10
+    _free(monkeypatch, driver_free=need2, reserved=0, allocated=0)
+    assert graphs._memory_allows(double, forward_only=False)
+    _free(monkeypatch, driver_free=need2 - 1, reserved=0, allocated=0)
+    assert not graphs._memory_allows(double, forward_only=False)
     # Forward-only shapes need room for 8 activations.
-    act = hidden.numel() * hidden.element_size()
     _free(monkeypatch, driver_free=8 * act, reserved=0, allocated=0)
     assert graphs._memory_allows(hidden, forward_only=True)
     _free(monkeypatch, driver_free=8 * act - 1, reserved=0, allocated=0)

@@ -155,7 +155,9 @@ class LayerGraphs:
         # check_memory ("auto" mode): before each shape after the first, compare the free memory with what
         # the first capture took (scaled by size) and run eagerly rather than risk running out.
         self.check_memory = check_memory
-        self._capture_bytes_per_element: float | None = None
+        self._capture_bytes_per_element: float | None = None  # the first training capture's pool growth
+        self._pool_bytes = 0  # reserved memory all captures added (the shared pool and the static buffers)
+        self._static_bytes = 0  # the static buffers among them: kept per shape, never reused by another
         self._eager: list[Callable[..., Tensor]] = [layer.forward for layer in self.layers]
         self._params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self._all_params = [p for params in self._params for p in params]
@@ -341,9 +343,11 @@ class LayerGraphs:
             graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {})
         else:
             graphs = self._capture(hidden, mask, position_embeddings, kwargs or {})
-        grown = torch.cuda.memory_reserved(hidden.device) - before
+        grown = max(torch.cuda.memory_reserved(hidden.device) - before, 0)
         if not forward_only and self._capture_bytes_per_element is None:
-            self._capture_bytes_per_element = max(grown, 0) / hidden.numel()
+            self._capture_bytes_per_element = grown / hidden.numel()
+        self._pool_bytes += grown
+        self._static_bytes += self._static_size(hidden, forward_only)
         self._shapes[key] = graphs
         self.captures += 1
         log.info(
@@ -352,11 +356,19 @@ class LayerGraphs:
         )  # fmt: skip
         return graphs
 
+    def _static_size(self, hidden: Tensor, forward_only: bool) -> int:
+        """Bytes of the buffers a shape keeps for itself: per layer its output and (training) input gradient;
+        forward-only, its input and two ping-pong buffers."""
+        activation = hidden.numel() * hidden.element_size()
+        return 3 * activation if forward_only else 2 * len(self.layers) * activation
+
     def _memory_allows(self, hidden: Tensor, forward_only: bool) -> bool:
-        """In "auto" mode: another training shape is captured only if the free GPU memory (the driver's plus
-        the allocator's cached blocks) is at least twice what the first capture took, scaled by input size;
-        forward-only shapes only if it holds 8 more activations (their two buffers, and the layer's working
-        memory, a few activations' worth, in the shared pool)."""
+        """In "auto" mode: is the free GPU memory (the driver's plus the allocator's cached blocks) enough for
+        another shape? All shapes share one pool (their replays never interleave), so a new training shape
+        needs its static buffers, the part of its working memory the pool cannot hold already (the first
+        capture's growth scaled by size, less what the pool holds beyond static buffers) and a margin of a
+        tenth of that working memory (blocks that do not fit). Forward-only shapes need 8 activations (their
+        buffers, and the layer's working memory, a few activations' worth, in the shared pool)."""
         if not self.check_memory:
             return True
         if forward_only:
@@ -364,7 +376,9 @@ class LayerGraphs:
         elif self._capture_bytes_per_element is None:
             return True  # the first training shape: the eager step at this shape needs about as much
         else:
-            need = 2.0 * self._capture_bytes_per_element * hidden.numel()
+            working = self._capture_bytes_per_element * hidden.numel()
+            reusable = self._pool_bytes - self._static_bytes
+            need = self._static_size(hidden, False) + max(working - reusable, 0.0) + 0.1 * working
         dev = hidden.device
         free = (
             torch.cuda.mem_get_info(dev)[0]
