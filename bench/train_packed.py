@@ -2,7 +2,7 @@
 
     python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8]
                                  [--layouts padded packed] [--cuda-graphs auto|on|off|both]
-                                 [--packed-steps N] [--max-shapes N] [--out PATH]
+                                 [--max-shapes N] [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
@@ -12,14 +12,13 @@ longest row <= --budget (``trainer.max_tokens_per_gpu``), each padded to its lon
 Tokens/s counts real tokens. Median of --steps steps after one warm-up step, synchronized wall time.
 ``--cuda-graphs`` sets ``trainer.cuda_graphs`` (auto, the trainer's default: graphs for FP8, eager BF16; both:
 every mode and layout eager and graphed). With graphs, padded micro-batches are padded to a length bucket and
-packed rows to ``microbatch.packed_bucket``; "computed" counts those pads. FP8/BF16 ratios are printed per
+packed rows to the bucket of their real tokens; "computed" counts those pads. FP8/BF16 ratios are printed per
 layout against the fastest BF16 of that layout.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import logging
 import statistics
@@ -51,7 +50,7 @@ def run(
 ) -> dict[str, Any]:
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
-    from infir2_rl.trainers.microbatch import bucket_length, micro_batches, packed_bucket
+    from infir2_rl.trainers.microbatch import bucket_length, micro_batches
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     gc.collect()
@@ -68,8 +67,6 @@ def run(
     graphed = trainer.layer_graphs is not None
     if graphed and args.max_shapes is not None:
         trainer.layer_graphs.max_shapes = args.max_shapes  # type: ignore[union-attr]
-    if trainer.packed_length is not None and args.packed_steps is not None:
-        trainer.packed_length = functools.partial(packed_bucket, budget=args.budget, steps=args.packed_steps)
     packed_length = trainer.packed_length
 
     def computed_tokens(b: Any) -> int:
@@ -122,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="*", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     parser.add_argument("--layouts", nargs="*", default=["padded", "packed"], choices=["padded", "packed"])
     parser.add_argument(
-        "--packed-steps", type=int, help="packed rows' lengths over half the budget (packed_bucket steps)"
+        "--max-shapes", type=int, help="LayerGraphs.max_shapes (the trainer's default unless told)"
     )
-    parser.add_argument("--max-shapes", type=int, help="LayerGraphs.max_shapes (4 unless told)")
     parser.add_argument("--checkpointing", action="store_true", help="model.gradient_checkpointing")
     parser.add_argument(
         "--cuda-graphs", default="auto", choices=["auto", "on", "off", "both"], help="trainer.cuda_graphs"

@@ -16,7 +16,7 @@ from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
-from infir2_rl.trainers.microbatch import bucket_length, packed_bucket, pad_length
+from infir2_rl.trainers.microbatch import bucket_length, pad_length
 from infir2_rl.trainers.torch.layer_graphs import GradsReplaced
 from infir2_rl.trainers.torch.trainer import TorchTrainer
 from infir2_rl.types import TokenBatch
@@ -87,9 +87,9 @@ def test_graphed_layers_train_as_the_eager_layers(tmp_path: Path, fp8: bool) -> 
         assert err < 1e-4, name
 
 
-def _packed_rows(vocab: int, budget: int) -> list[TokenBatch]:
-    """Packed micro-batches of other compositions in three shapes: rows of exactly the budget and exactly
-    3/4 of it (no pads: packed_bucket keeps them) and two of 115 and 113 tokens, padded to 120."""
+def _packed_rows(vocab: int) -> list[TokenBatch]:
+    """Packed micro-batches of other compositions in three shapes: rows of 256 and 192 tokens (no pads: each
+    is its own length bucket) and two of 115 and 113 tokens, padded to 120; in no size order."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for lengths in ([100, 90, 66], [40, 120, 96], [50, 70, 72], [150, 42], [30, 55, 30], [40, 73]):
@@ -99,14 +99,7 @@ def _packed_rows(vocab: int, budget: int) -> list[TokenBatch]:
         loss_mask[:, :8] = 0
         ids = torch.randint(1, vocab, (len(lengths), longest), generator=gen) * mask
         rows.append(TokenBatch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask))
-    assert [packed_bucket(int(b.attention_mask.sum()), budget) for b in rows] == [
-        256,
-        256,
-        192,
-        192,
-        120,
-        120,
-    ]
+    assert [bucket_length(int(b.attention_mask.sum())) for b in rows] == [256, 256, 192, 192, 120, 120]
     return rows
 
 
@@ -121,7 +114,7 @@ def test_packed_micro_batches_replay_as_the_eager_packed_ones(tmp_path: Path, fp
     # where the kernels are deterministic (flash attention's backward adds dQ with atomics: gradients differ
     # in the last bits, and training steps drift apart slowly).
     eager.packed_length = graphed.packed_length
-    batches = _packed_rows(len(eager.tokenizer), budget)
+    batches = _packed_rows(len(eager.tokenizer))
     units = sum(num_target_tokens(b) for b in batches)
     losses: dict[str, list[float]] = {"plain": [], "eager": [], "graphs": []}
     for step in range(3):

@@ -13,7 +13,7 @@ from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, to_token_batch
-from infir2_rl.trainers.microbatch import bucket_length, packed_bucket, pad_length
+from infir2_rl.trainers.microbatch import bucket_length, pad_length
 from infir2_rl.trainers.torch.trainer import TorchTrainer
 
 
@@ -26,23 +26,6 @@ def test_buckets_are_few_and_pad_at_most_an_eighth() -> None:
     assert len(buckets) <= 8 * 9  # eight per doubling from 64 up
     assert all(n <= bucket_length(n) <= max(64, 1.125 * n) for n in lengths)
     assert all(bucket_length(b) == b for b in buckets)  # a bucket is its own bucket
-
-
-def test_packed_rows_over_half_the_budget_take_one_of_two_lengths() -> None:
-    budget = 8192
-    assert [packed_bucket(n, budget) for n in (4096, 4097, 6144, 6145, 8192)] == [
-        4096,
-        6144,
-        6144,
-        8192,
-        8192,
-    ]
-    assert {packed_bucket(n, budget) for n in range(4097, budget + 1)} == {6144, 8192}
-    assert all(packed_bucket(n, budget) == bucket_length(n) for n in range(1, 4097))  # short rows: buckets
-    assert all(packed_bucket(n, None) == bucket_length(n) for n in (1, 700, 9000))  # no budget: buckets
-    assert {packed_bucket(n, 10) for n in range(6, 11)} == {7, 10}  # a budget not divisible by 4
-    with pytest.raises(ValueError, match="8193 tokens > the budget 8192"):
-        packed_bucket(8193, budget)
 
 
 def test_a_padded_micro_batch_scores_and_loses_as_the_unpadded_one(tmp_path: Path) -> None:
@@ -69,3 +52,26 @@ def test_a_padded_micro_batch_scores_and_loses_as_the_unpadded_one(tmp_path: Pat
     assert float(lb.loss) == pytest.approx(float(la.loss), rel=1e-5)
     with pytest.raises(ValueError, match="tokens per row"):
         pad_length(padded, length)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_under_the_layer_graphs_micro_batches_run_largest_first(tmp_path: Path, packed: bool) -> None:
+    """The first capture sizes the graphs' shared pool (layer_graphs.py); eager trainers keep the order."""
+    from infir2_rl.types import TokenBatch
+
+    model = init_model(tmp_path / "model", preset="tiny")
+    trainer = TorchTrainer(
+        ModelConfig(path=str(model)), TrainerConfig(pack_sequences=packed), OptimizerConfig(), fp8=False,
+        total_steps=1,
+    )  # fmt: skip
+
+    def batch(rows: int, length: int, real: int) -> TokenBatch:
+        mask = torch.zeros(rows, length, dtype=torch.long)
+        mask[:, :real] = 1
+        return TokenBatch(input_ids=mask.clone(), attention_mask=mask, loss_mask=mask.float())
+
+    # Padded: rows x bucket(length) = 8 x 104, 1 x 576, 2 x 320; packed: bucket(real tokens) of 40, 570, 400.
+    items: list[TokenBatch | None] = [batch(8, 100, 5), batch(1, 570, 570), batch(2, 300, 200)]
+    assert trainer._graph_order(items) == [0, 1, 2]  # no layer graphs: as given
+    trainer.layer_graphs = object()  # type: ignore[assignment]  # only its presence matters to the order
+    assert trainer._graph_order(items) == ([1, 2, 0] if packed else [0, 2, 1])

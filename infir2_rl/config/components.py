@@ -117,12 +117,12 @@ class TrainerConfig(_Config):
     pack_sequences: bool = False
     # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
     # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
-    # micro-batch shape (at most 4 per kind; others run eagerly); micro-batches are right-padded to a length
-    # bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5% padding) so that few shapes
-    # occur; packed rows over half of max_tokens_per_gpu to 3/4 of it or all of it (microbatch.packed_bucket).
-    # Takes the host out of the step (Python autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower
-    # than BF16 at 1.5B without it); the graphs' memory pool stays reserved between steps, with per training
-    # shape two FP32 activations of the micro-batch per layer. Not with FSDP, gradient checkpointing or
+    # micro-batch shape (at most 16 per kind; others run eagerly); micro-batches, and packed rows, are
+    # right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5%
+    # padding) so that few shapes occur, and run largest first. Takes the host out of the step (Python
+    # autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at 1.5B without it); the
+    # graphs' memory pool stays reserved between steps: the largest shape's working memory, shared by all
+    # shapes, and per shape two FP32 activations per layer. Not with FSDP, gradient checkpointing or
     # true_on_policy. "auto": on for FP8 trainers where it applies (one CUDA GPU, none of those), and a new
     # shape after the first is captured only if the free memory looks enough; off for BF16 (eager BF16 is not
     # host-bound: graphs gain 3-10%, and their reserved pool left a colocated engine at 1.5B out of memory);

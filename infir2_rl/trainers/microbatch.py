@@ -58,24 +58,6 @@ def bucket_length(length: int, smallest: int = 64) -> int:
     return -(-length // step) * step
 
 
-def packed_bucket(tokens: int, budget: int | None, steps: int = 2) -> int:
-    """The padded length of a packed row of ``tokens`` real tokens under ``trainer.cuda_graphs``: for a row
-    over half the token budget (``max_tokens_per_gpu``), the next of ``steps`` lengths spread evenly over the
-    budget's upper half (two: 3/4 of the budget and all of it); else its ``bucket_length``.
-
-    Packing fills rows up to the budget, so most rows of a batch land in those few shapes. On the RL-shaped
-    batch of bench/train_packed.py (256 sequences of 200..8,192 tokens, budget 8,192: 52 rows, 47 over half
-    the budget) two steps pad by 8% of the real tokens in 6 shapes; the budget alone pads by 13% (5 shapes),
-    ``bucket_length`` by 3% in 12 shapes, each holding two activations per layer in the graphs' pool."""
-    if budget is None or 2 * tokens <= budget:
-        return bucket_length(tokens)
-    if tokens > budget:
-        raise ValueError(f"packed_bucket: a packed row of {tokens} tokens > the budget {budget}")
-    return next(
-        length for k in range(steps + 1, 2 * steps + 1) if tokens <= (length := budget * k // (2 * steps))
-    )
-
-
 def pad_length(batch: TokenBatch, length: int) -> TokenBatch:
     """``batch`` with every B x L field right-padded with zeros to ``length`` (pads: attention and loss mask 0,
     so no loss reads them, and causal attention keeps them out of every real token's output)."""

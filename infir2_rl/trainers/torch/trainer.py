@@ -24,8 +24,9 @@ entropies when asked) at the positions the loss needs (scoring.py, trainers/toke
 `trainer.cuda_graphs` ("auto", the default: on for an FP8 trainer on one CUDA GPU without FSDP, gradient
 checkpointing or true_on_policy; off elsewhere, BF16 included): the decoder layers' forward and backward of
 training micro-batches, and their forward in scoring and evaluation, are replayed from CUDA graphs
-(layer_graphs.py); micro-batches are padded to a length bucket (packed rows: microbatch.packed_bucket),
-gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. Eager FP8 on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
+(layer_graphs.py); micro-batches (packed rows too) are padded to a length bucket and run largest first,
+gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. Eager FP8
+on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
 
 `trainer.fused_kernels` ("auto": on for CUDA with Triton, not under true_on_policy): the model's RMSNorm and
 SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), in both precisions; the CPU keeps torch's.
@@ -38,7 +39,6 @@ trainer's log-probs of the engine's samples equal the engine's bit for bit; back
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -54,7 +54,7 @@ from transformers import PreTrainedModel
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
-from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, packed_bucket, pad_length
+from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
@@ -190,11 +190,8 @@ class TorchTrainer:
                 else f"eager ({', '.join(auto_blockers)})",
             )
         # Packed rows under the layer graphs are padded to a few lengths (scoring.score_tokens).
-        budget = trainer_cfg.max_tokens_per_gpu
         self.packed_length: Callable[[int], int] | None = (
-            functools.partial(packed_bucket, budget=budget)
-            if self.layer_graphs is not None and self.pack_sequences
-            else None
+            bucket_length if self.layer_graphs is not None and self.pack_sequences else None
         )
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -286,6 +283,26 @@ class TorchTrainer:
             items += [None] * (D.all_reduce_max_int(len(items), self.device) - len(items))
         return items
 
+    def _graph_order(self, items: list[TokenBatch | None]) -> list[int]:
+        """The order micro-batches run in: as given, or largest first under the layer graphs. The first capture
+        sizes the graphs' shared memory pool and smaller shapes' captures then fit in it (bench/train_packed.py:
+        +0.00 GiB for each later shape when the largest came first; a padded batch whose largest shape came
+        late had the pool grow, refused that shape and ran out of memory running it eagerly)."""
+        order = list(range(len(items)))
+        if self.layer_graphs is None:
+            return order
+
+        def tokens(batch: TokenBatch | None) -> int:
+            if batch is None:
+                return 0
+            if self.pack_sequences:
+                return bucket_length(int(batch.attention_mask.sum()))
+            rows, length = batch.input_ids.shape
+            return rows * bucket_length(length)
+
+        sizes = [tokens(b) for b in items]
+        return sorted(order, key=lambda i: -sizes[i])
+
     def _bucketed(self, batch: TokenBatch) -> TokenBatch:
         """With the layer graphs: ``batch`` right-padded to its length bucket, so that few shapes occur."""
         if self.layer_graphs is None or self.pack_sequences:  # packed: scoring pads the packed row instead
@@ -347,7 +364,8 @@ class TorchTrainer:
         num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         metrics = MetricMeans()
         num_sequences = 0
-        for batch in self._padded(batches):
+        items = self._padded(batches)
+        for batch in (items[i] for i in self._graph_order(items)):
             if batch is None:
                 (self._dummy_scores().sum() * 0.0).backward()
                 continue
@@ -439,8 +457,10 @@ class TorchTrainer:
     def _forward_logprobs(
         self, batches: Sequence[TokenBatch], temperature: float, model: PreTrainedModel | None = None
     ) -> list[Tensor]:
-        out: list[Tensor] = []
-        for batch in self._padded(batches):
+        items = self._padded(batches)
+        out: list[Tensor | None] = [None] * len(items)
+        for i in self._graph_order(items):
+            batch = items[i]
             if batch is None:
                 self._dummy_scores(model)
                 continue
@@ -448,8 +468,8 @@ class TorchTrainer:
             if model is None:  # the policy model's layers are graphed; the reference model's are not
                 batch = self._bucketed(batch)
             scores = self._scores(batch, batch.attention_mask > 0, temperature, model=model)
-            out.append(scores.logprobs_BL[:, :length].cpu())
-        return out
+            out[i] = scores.logprobs_BL[:, :length].cpu()
+        return [t for t in out if t is not None]  # in the order given (dummies have none)
 
     @torch.no_grad()
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
@@ -457,7 +477,8 @@ class TorchTrainer:
         self.model.eval()
         self.invalidate_fp8_cache()
         total, units = 0.0, 0
-        for batch in self._padded(batches):
+        items = self._padded(batches)
+        for batch in (items[i] for i in self._graph_order(items)):
             if batch is None:
                 self._dummy_scores()
                 continue
