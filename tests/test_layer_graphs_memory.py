@@ -33,25 +33,23 @@ def test_auto_captures_another_shape_only_when_memory_looks_enough(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     graphs = _graphs(tmp_path, monkeypatch, check_memory=True)
-    layers = len(graphs.layers)
     hidden = torch.zeros(32, 320, 64)  # FP32: 2.5 MiB
     act = hidden.numel() * hidden.element_size()
     _free(monkeypatch, driver_free=0, reserved=0, allocated=0)
     assert graphs._memory_allows(hidden, forward_only=False)  # the first training shape: always
-    # As if the first capture (this shape) grew the pool by 1000 B per element, its static buffers included.
+    # As if the first capture (this shape) grew the pool by 1000 B per element.
     graphs._capture_bytes_per_element = 1000.0
-    working = 1000 * hidden.numel()
-    graphs._pool_bytes, graphs._static_bytes = working, 2 * layers * act
-    # Another shape of the same size: its static buffers, what the pool lacks (its static part), a tenth.
-    need = 2 * layers * act + 2 * layers * act + working // 10
+    graphs._largest_training = hidden.numel()
+    # A shape no larger fits in the shared pool: it needs the margin only, a tenth of its scaled growth.
+    need = 100 * hidden.numel()
     # Free = the driver's free memory + the allocator's cached, unallocated blocks.
     _free(monkeypatch, driver_free=need // 2, reserved=need, allocated=need // 2)
     assert graphs._memory_allows(hidden, forward_only=False)
     _free(monkeypatch, driver_free=need // 2 - 1, reserved=need, allocated=need // 2)
     assert not graphs._memory_allows(hidden, forward_only=False)
-    # A shape twice as large needs the pool's growth by its second half too.
+    # A shape twice as large needs the pool to grow by its second half, and its margin.
     double = torch.zeros(64, 320, 64)
-    need2 = 2 * layers * 2 * act + (2 * working - (working - 2 * layers * act)) + 2 * working // 10
+    need2 = 1000 * hidden.numel() + 100 * double.numel()
     _free(monkeypatch, driver_free=need2, reserved=0, allocated=0)
     assert graphs._memory_allows(double, forward_only=False)
     _free(monkeypatch, driver_free=need2 - 1, reserved=0, allocated=0)

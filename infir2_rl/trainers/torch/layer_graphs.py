@@ -21,9 +21,9 @@ training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``
   and backward of one shape before any other shape replays, and each buffer a graph reads is written by the
   same micro-batch's replays (or copied in) first. It is also what keeps many shapes affordable: the trainer
   runs its micro-batches largest first, the first capture grows the pool by the working memory of that shape
-  (saved activations, temporaries) and smaller shapes' captures reuse those blocks, adding only the two
-  activations per layer each keeps as static buffers (bench/train_packed.py, 1.5B, H100: +24.9 GiB for the
-  8,192-token shape, then +0.0 for each of 11 smaller ones).
+  (saved activations, temporaries) and smaller shapes' captures fit in its blocks (bench/train_packed.py,
+  1.5B, H100: +24.9 GiB for the 8,192-token packed row, then +0.0 GiB for each of 11 smaller ones; padded,
+  +27.4 GiB, then 0.0-0.35 GiB for each of 12).
 
 Forwards without gradients (old log-probs, evaluation, the dense-trainer mismatch scoring) get graphs of their
 own, forward only, per shape: layer i's graph ends by copying its output into one of two ping-pong buffers,
@@ -162,8 +162,7 @@ class LayerGraphs:
         # the first capture took (scaled by size) and run eagerly rather than risk running out.
         self.check_memory = check_memory
         self._capture_bytes_per_element: float | None = None  # the first training capture's pool growth
-        self._pool_bytes = 0  # reserved memory all captures added (the shared pool and the static buffers)
-        self._static_bytes = 0  # the static buffers among them: kept per shape, never reused by another
+        self._largest_training = 0  # elements of the largest training input captured
         self._eager: list[Callable[..., Tensor]] = [layer.forward for layer in self.layers]
         self._params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self._all_params = [p for params in self._params for p in params]
@@ -350,10 +349,10 @@ class LayerGraphs:
         else:
             graphs = self._capture(hidden, mask, position_embeddings, kwargs or {})
         grown = max(torch.cuda.memory_reserved(hidden.device) - before, 0)
-        if not forward_only and self._capture_bytes_per_element is None:
-            self._capture_bytes_per_element = grown / hidden.numel()
-        self._pool_bytes += grown
-        self._static_bytes += self._static_size(hidden, forward_only)
+        if not forward_only:
+            if self._capture_bytes_per_element is None:
+                self._capture_bytes_per_element = grown / hidden.numel()
+            self._largest_training = max(self._largest_training, hidden.numel())
         self._shapes[key] = graphs
         self.captures += 1
         log.info(
@@ -362,19 +361,14 @@ class LayerGraphs:
         )  # fmt: skip
         return graphs
 
-    def _static_size(self, hidden: Tensor, forward_only: bool) -> int:
-        """Bytes of the buffers a shape keeps for itself: per layer its output and (training) input gradient;
-        forward-only, its input and two ping-pong buffers."""
-        activation = hidden.numel() * hidden.element_size()
-        return 3 * activation if forward_only else 2 * len(self.layers) * activation
-
     def _memory_allows(self, hidden: Tensor, forward_only: bool) -> bool:
         """In "auto" mode: is the free GPU memory (the driver's plus the allocator's cached blocks) enough for
-        another shape? All shapes share one pool (their replays never interleave), so a new training shape
-        needs its static buffers, the part of its working memory the pool cannot hold already (the first
-        capture's growth scaled by size, less what the pool holds beyond static buffers) and a margin of a
-        tenth of that working memory (blocks that do not fit). Forward-only shapes need 8 activations (their
-        buffers, and the layer's working memory, a few activations' worth, in the shared pool)."""
+        another shape? All shapes share one pool (their replays never interleave), and a shape no larger than
+        one captured before fits in it: the pool grew by 0.0-0.35 GiB for each of 12 smaller shapes after
+        24.9-28.4 GiB for the first (bench/train_packed.py, 1.5B, H100). So a new training shape needs the
+        first capture's growth, scaled by size, beyond that of the largest shape captured, plus a tenth of its
+        own as a margin. Forward-only shapes need 8 activations (their buffers, and the layer's working
+        memory, a few activations' worth, in the shared pool)."""
         if not self.check_memory:
             return True
         if forward_only:
@@ -382,9 +376,9 @@ class LayerGraphs:
         elif self._capture_bytes_per_element is None:
             return True  # the first training shape: the eager step at this shape needs about as much
         else:
-            working = self._capture_bytes_per_element * hidden.numel()
-            reusable = self._pool_bytes - self._static_bytes
-            need = self._static_size(hidden, False) + max(working - reusable, 0.0) + 0.1 * working
+            per_element = self._capture_bytes_per_element
+            grows = max(hidden.numel() - self._largest_training, 0)
+            need = per_element * grows + 0.1 * per_element * hidden.numel()
         dev = hidden.device
         free = (
             torch.cuda.mem_get_info(dev)[0]
