@@ -121,8 +121,8 @@ class TrainerConfig(_Config):
     # right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5%
     # padding) so that few shapes occur, and run largest first. Takes the host out of the step (Python
     # autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at 1.5B without it); the
-    # graphs' memory pool stays reserved between steps: the largest shape's working memory, shared by all
-    # shapes, and per shape two FP32 activations per layer. Not with FSDP, gradient checkpointing or
+    # graphs' memory stays reserved between steps: the largest shape's working memory and two FP32
+    # activations per layer, both shared by all shapes. Not with FSDP, gradient checkpointing or
     # true_on_policy. "auto": on for FP8 trainers where it applies (one CUDA GPU, none of those), and a new
     # shape after the first is captured only if the free memory looks enough; off for BF16 (eager BF16 is not
     # host-bound: graphs gain 3-10%, and their reserved pool left a colocated engine at 1.5B out of memory);

@@ -13,8 +13,8 @@ training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``
   the buffer layer i+1 reads; backward graphs in reverse, layer i copying its input gradient where layer
   i-1's backward reads its output gradient. These boundary buffers (``_Boundaries``) are shared by every
   training shape that fits them: per shape they would cost two FP32 activations per layer (2.8 GiB at 1.5B
-  x 8,192 tokens), and a padded batch has dozens of shapes. The copies cost 2 x 28 activation copies per
-  micro-batch, ~1% of its time at 1.5B.
+  x 8,192 tokens), and a padded batch has dozens of shapes. The copies cost ~1.9 ms of a 281 ms FP8 step
+  at 1.5B x 8,192 (docs/performance.md, run D).
 * The backward graph adds the parameter gradients into ``.grad`` itself. The ``.grad`` tensors must therefore
   stay the same tensors from capture on: the trainer zeroes them in place (``zero_grad(set_to_none=False)``)
   and every replay checks their identity (``GradsReplaced`` otherwise, never a silent write to freed memory).
@@ -43,9 +43,9 @@ length (``varlen_attention.varlen_kwargs(padded_to=)``).
 A call runs the layer's own (eager) forward when the layer is called with a KV cache or other extra
 arguments, a training forward's layer is in eval mode or its input needs no gradient, the shape limit of its
 kind (training, or without gradients) is reached, or, after the first shape, the free GPU memory looks too
-small for another (logged once each). Such an eager micro-batch cannot use the pool's memory: a shape
-refused late, larger than the pool, ran a padded 1.5B batch out of memory, which the largest-first order
-avoids. Capture needs the autocast weight cache off (``torch.autocast(...,
+small for another (logged once each). Such an eager micro-batch cannot use the pool's memory, so the pool and
+the eager work must fit side by side (a padded 1.5B FP8 batch with 16 shapes captured ran out of memory
+that way while each shape kept its own buffers between layers). Capture needs the autocast weight cache off (``torch.autocast(...,
 cache_enabled=False)``): a cached cast made during a capture would be graph memory that later eager code
 reads.
 
@@ -483,10 +483,9 @@ class LayerGraphs:
         for boundaries in self._boundary_sets:
             if boundaries.fits(hidden):
                 return boundaries
-        self._boundary_sets.append(
-            _Boundaries(len(self.layers), hidden)
-        )  # outside any capture: not pool memory
-        return self._boundary_sets[-1]
+        boundaries = _Boundaries(len(self.layers), hidden)  # allocated outside any capture: not pool memory
+        self._boundary_sets.append(boundaries)
+        return boundaries
 
     def _capture(
         self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
