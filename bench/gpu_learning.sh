@@ -5,6 +5,12 @@
 #
 #   bash bench/gpu_learning.sh OUT_DIR [SEEDS] [overrides...]    # e.g. sft:trainer.max_steps=50 rl:rollout.num_steps=3
 #   MODES="unified_fp8 unified_fp8+top" bash bench/gpu_learning.sh OUT_DIR "0 1"   # fast vs true_on_policy, 2 seeds
+#   SHARED_SFT=1 MODES="unified_fp8 unified_fp8+top" bash bench/gpu_learning.sh OUT_DIR "0 1"
+#
+# SHARED_SFT=1 (modes of one precision, e.g. fast vs true_on_policy, which differ only in RL): the SFT stages
+# run once per seed, under the first mode (one pipeline per seed at once, cut at SFT_LIMIT_S, default 330 s);
+# the other modes start from a copy of that run directory, whose pipeline_state.json marks SFT done, so every
+# mode's RL starts from the same SFT checkpoint and only the RL stages run side by side (cut at LIMIT_S).
 #
 # MODES (default: the three precision setups) lists the runs; a mode ending in "+top" runs its RL stages with
 # true_on_policy=true (the trainer's log-probs equal the engine's bit for bit) and is named <mode>_top. SEEDS
@@ -30,6 +36,24 @@ ray start --head --num-gpus=$(( ${#modes[@]} * ${#seeds[@]} )) --include-dashboa
     >"$out/ray_start.log" 2>&1 || { cat "$out/ray_start.log"; exit 1; }
 export RAY_ADDRESS=auto
 start=$(date +%s)
+if [ -n "${SHARED_SFT:-}" ]; then
+    precisions=$(printf '%s\n' "${specs[@]%+top}" | sort -u | wc -l)
+    [ "$precisions" = 1 ] || { echo "SHARED_SFT=1 needs modes of one precision, got: ${specs[*]}"; exit 2; }
+    cfg=$(pwd)/configs/gpu
+    printf 'name: gpu_100m_sft\nrun_dir: unused\nstages:\n  - name: sft_stage1\n    config: %s/sft_stage1.yaml\n  - name: sft_stage2\n    config: %s/sft_stage2.yaml\n' \
+        "$cfg" "$cfg" >"$out/pipeline_sft.yaml"
+    for seed in "${seeds[@]}"; do
+        mkdir -p "$out/s$seed"
+        timeout "${SFT_LIMIT_S:-330}" python -m infir2_rl.cli demo --pipeline "$out/pipeline_sft.yaml" \
+            --preset 100m --precision "${specs[0]%+top}" --seed "$seed" --out "$out/s$seed/${modes[0]}" "$@" \
+            >"$out/s$seed/sft.log" 2>&1 &
+    done
+    wait
+    echo "SFT for seeds ${seeds[*]} done in $(( $(date +%s) - start )) s"
+    for seed in "${seeds[@]}"; do
+        for mode in "${modes[@]:1}"; do cp -r "$out/s$seed/${modes[0]}" "$out/s$seed/$mode"; done
+    done
+fi
 for seed in "${seeds[@]}"; do
     mkdir -p "$out/s$seed"
     for spec in "${specs[@]}"; do
