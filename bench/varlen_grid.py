@@ -30,22 +30,7 @@ import torch
 from train_packed import rl_batch
 from train_step import write_report
 
-
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int
-) -> torch.Tensor:
-    from infir2_rl.trainers.torch.varlen_attention import _varlen_fn
-
-    fn = _varlen_fn()
-    assert fn is not None, "this torch has no torch.nn.attention.varlen"
-    varlen_attn, has_window, has_gqa = fn
-    extra: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
-    if has_gqa:
-        extra["enable_gqa"] = True
-    else:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+from infir2_rl.trainers.torch.varlen_attention import varlen_causal
 
 
 def timed(
@@ -60,12 +45,12 @@ def timed(
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            out = attention(q, k, v, cu, max_len)
+            out = varlen_causal(q, k, v, cu, max_len)
             torch.autograd.grad(out, (q, k, v), grad)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attention(q, k, v, cu, max_len)
+        out = varlen_causal(q, k, v, cu, max_len)
         grads = torch.autograd.grad(out, (q, k, v), grad)
     graph.replay()
     times = []

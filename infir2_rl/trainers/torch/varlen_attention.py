@@ -87,7 +87,6 @@ def _varlen_attention_forward(
         raise RuntimeError(
             f"{NAME} attention needs one packed row and cu_seq_lens_q / max_length_q (use scoring.score_tokens)"
         )
-    varlen_attn, has_window, has_gqa = fn
     # Flash runs in BF16/FP16 only. Under autocast SDPA would cast q/k/v (FP32 after RoPE, whose cos/sin
     # take the FP32 residual stream's dtype) to the autocast dtype; do the same here.
     dtype = query.dtype
@@ -99,6 +98,18 @@ def _varlen_attention_forward(
             "on a GPU): use model.dtype auto/bfloat16 or trainer.pack_sequences=false"
         )
     q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (N, H, D)
+    return varlen_causal(q, k, v, cu_seq, max_len, scaling)[None], None
+
+
+def varlen_causal(
+    q: Tensor, k: Tensor, v: Tensor, cu_seq: Tensor, max_len: int, scaling: float | None = None
+) -> Tensor:
+    """Causal flash attention over each sequence of a packed row: q (N, Hq, D), k/v (N, Hkv, D), Hkv dividing
+    Hq (GQA), offsets ``cu_seq`` (sequences + 1, int32, as ``varlen_kwargs`` makes them) -> (N, Hq, D)."""
+    fn = _varlen_fn()
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    varlen_attn, has_window, has_gqa = fn
     groups = q.shape[1] // k.shape[1]
     extra: dict[str, Any] = {"window_size": (-1, 0)} if has_window else {"is_causal": True}
     if groups > 1:
@@ -110,10 +121,9 @@ def _varlen_attention_forward(
         extra["scale"] = scaling
     elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
         raise RuntimeError(f"{NAME}: this torch's varlen_attn takes no scale and the model uses {scaling}")
-    out = varlen_attn(
+    return varlen_attn(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seq, cu_seq, max_len, max_len, **extra
     )
-    return out[None], None
 
 
 @contextmanager
