@@ -295,8 +295,9 @@ class TorchTrainer:
         def tokens(batch: TokenBatch | None) -> int:
             if batch is None:
                 return 0
-            if self.pack_sequences:
-                return bucket_length(int(batch.attention_mask.sum()))
+            if self.pack_sequences:  # the length scoring pads the packed row to
+                real = int(batch.attention_mask.sum())
+                return self.packed_length(real) if self.packed_length is not None else real
             rows, length = batch.input_ids.shape
             return rows * bucket_length(length)
 
