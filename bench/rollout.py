@@ -296,6 +296,8 @@ def run_rl(engines: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             f"{res['wall_s']['max']:.2f}), {res['tokens_per_s']:.0f} tok/s, {res['tokens']} tokens, "
             f"length mean {lens['mean']:.0f} median {lens['median']:.0f} max {lens['max']} ({lens['at_max']} at max)"
         )
+        if res["work"]:
+            print(f"  work of the last call: {res['work']}")
     return out
 
 

@@ -117,7 +117,11 @@ def rl_requests(
 def rl_workload(engine: Any, reqs: list[Any], repeats: int) -> dict[str, Any]:
     """Wall time and tokens/s of ``engine.generate`` on the RL-shaped requests (median, min, max)."""
     walls, lengths = [], []
+    scheduler = getattr(engine, "_scheduler", None)
     for _ in range(repeats):
+        if scheduler is not None:  # the work tally of the last call (scheduler.py)
+            scheduler.tally.clear()
+            scheduler.steps_by_size.clear()
         _sync()
         start = time.perf_counter()
         samples = engine.generate(reqs)
@@ -136,6 +140,9 @@ def rl_workload(engine: Any, reqs: list[Any], repeats: int) -> dict[str, Any]:
             "at_max": lengths.count(max(r.params.max_new_tokens for r in reqs)),
         },
         "lengths": lengths,
+        "work": None
+        if scheduler is None
+        else dict(scheduler.tally) | {"decode_steps_by_batch": dict(sorted(scheduler.steps_by_size.items()))},
     }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -60,6 +60,10 @@ class Scheduler:
         self.state: DecodeState | None = None
         self.decoder: GraphDecoder | None = None
         self.num_decode_steps = 0
+        # Work tally (benchmarks split a workload's time with it): prefill calls, their prompt tokens and
+        # padded tokens, and decode steps per padded batch size.
+        self.tally: Counter[str] = Counter()
+        self.steps_by_size: Counter[int] = Counter()
 
     # ---- memory ---------------------------------------------------------------------------------
     def _ensure(self, max_len: int, max_response: int, max_stops: int) -> None:
@@ -159,6 +163,7 @@ class Scheduler:
             for _ in range(steps):
                 decoder.step(truncating)
             self.num_decode_steps += steps
+            self.steps_by_size[decoder.padded] += steps
             on_steps(steps)
         return [results[(pos, i)] for pos, r in enumerate(requests) for i in range(r.n)]
 
@@ -198,6 +203,8 @@ class Scheduler:
         slots_t = torch.tensor([s for _, _, s in rows], device=device)
         lengths_t = torch.tensor(lengths, device=device)
         assert self.cache is not None
+        self.tally.update(prefills=1, prompts=len(groups), prompt_tokens=sum(lengths),
+                          padded_tokens=len(groups) * max(lengths), rows=len(rows))  # fmt: skip
         logits = self.runner.prefill(ids.to(device), lengths_t, self.cache, slots_t, prompt_of_row)
         params = [r.params for r, _, _ in rows]
         sampling = RowSampling.build(
