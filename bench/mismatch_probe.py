@@ -108,7 +108,10 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
     fp8 = args.precision == "fp8"
     trainer = TorchTrainer(
         ModelConfig(path=path, dtype=args.dtype),
-        RlTrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype, fp8_pow2_scales=args.pow2_scales),
+        # Padded rows: the probe compares each op's output row by row (a packed row would mix them).
+        RlTrainerConfig(
+            fsdp_param_dtype=args.fsdp_param_dtype, fp8_pow2_scales=args.pow2_scales, pack_sequences=False
+        ),
         OptimizerConfig(),
         fp8=fp8,
         total_steps=1,

@@ -222,7 +222,12 @@ def run_mode(
     else:
         trainer = TorchTrainer(
             ModelConfig(path=str(path)),
-            TrainerConfig(fsdp_param_dtype=args.fsdp_param_dtype, cuda_graphs=graphs, fused_kernels=fused),
+            TrainerConfig(
+                fsdp_param_dtype=args.fsdp_param_dtype,
+                cuda_graphs=graphs,
+                fused_kernels=fused,
+                pack_sequences={"false": False, "true": True, "auto": "auto"}[args.pack_sequences],
+            ),
             optim,
             fp8=fp8,
             total_steps=args.warmup + args.steps + 1,
@@ -341,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="torch backend: trainer.fused_kernels as the trainer's default (auto), off, or both (each mode twice)",
     )
+    parser.add_argument(
+        "--pack-sequences",
+        choices=("false", "true", "auto"),
+        default="false",
+        help="torch backend: trainer.pack_sequences (default false: padded rows, as every number in "
+        "docs/performance.md's trainer-step tables; a 1 x 8,192 batch has no padding to save)",
+    )
     args = parser.parse_args(argv)
     if args.fused_kernels == "both" and (args.tiny or args.backend != "torch"):
         parser.error("--fused-kernels both needs the torch backend on a GPU (not --tiny)")
@@ -361,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(args.tiny)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
     print(
-        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | {path.name} | {args.batch} x {args.seq} tokens | "
+        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | pack_sequences {args.pack_sequences} | {path.name} | {args.batch} x {args.seq} tokens | "
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     graph_settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graphs]

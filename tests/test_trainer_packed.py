@@ -15,6 +15,7 @@ from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
 from infir2_rl.trainers.microbatch import micro_batches
 from infir2_rl.trainers.torch.trainer import TorchTrainer
+from infir2_rl.types import TokenBatch
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -51,3 +52,60 @@ def test_packed_and_padded_train_the_same(tmp_path: Path, fp8: bool) -> None:
     for name, p in trainers[True].model.named_parameters():
         atol = 2 * lr if fp8 else 2e-5
         torch.testing.assert_close(p, padded_params[name], rtol=1e-5, atol=atol, msg=name)
+
+
+def test_pack_sequences_auto_packs_only_where_varlen_flash_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.pack_sequences: "auto" packs on a CUDA device with varlen flash attention and BF16/FP16
+    compute, not under true_on_policy; true/false are kept as given."""
+    from infir2_rl.trainers.torch import trainer as trainer_mod
+    from infir2_rl.trainers.torch import varlen_attention
+
+    cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
+    resolve = trainer_mod.resolve_pack_sequences
+    assert resolve("auto", cpu, torch.float32, False) is False  # the CPU demo keeps padded rows
+    assert resolve("auto", cpu, bf16, False) is False
+    assert resolve(True, cpu, torch.float32, False) is True and resolve(False, cuda, bf16, False) is False
+    asked: list[tuple[torch.device, bool]] = []
+
+    def available(device: torch.device, warn: bool = True) -> bool:
+        asked.append((device, warn))
+        return device.type == "cuda"
+
+    monkeypatch.setattr(varlen_attention, "varlen_available", available)
+    assert resolve("auto", cuda, bf16, False) is True
+    assert asked == [(cuda, False)]  # asked quietly: auto pads where it cannot pack, nothing to warn about
+    assert resolve("auto", cuda, torch.float16, False) is True
+    assert resolve("auto", cuda, torch.float32, False) is False  # flash runs in BF16/FP16 only
+    assert resolve("auto", cuda, bf16, True) is False  # true_on_policy's walk scores padded rows
+    monkeypatch.setattr(varlen_attention, "varlen_available", lambda device, warn=True: False)
+    assert resolve("auto", cuda, bf16, False) is False  # no torch.nn.attention.varlen
+
+
+def test_the_trainer_group_splits_by_the_workers_resolved_setting(tmp_path: Path) -> None:
+    """A worker reports how "auto" resolved on its device (CPU: padded; an explicit true packs on CPU too,
+    with the block-diagonal mask), and the group splits batches by that answer, not by the config's value
+    (packed: the token budget counts real tokens). Without Ray: the classes are used directly."""
+    from infir2_rl.actors.trainer_group import TrainerGroup
+    from infir2_rl.actors.trainer_worker import TrainerWorker
+
+    model = init_model(tmp_path / "model", preset="tiny", num_hidden_layers=1)
+    for setting, expected in (("auto", False), (True, True)):
+        worker = TrainerWorker.__new__(TrainerWorker)
+        worker._backend = TorchTrainer(
+            ModelConfig(path=str(model)),
+            TrainerConfig(pack_sequences=setting),
+            OptimizerConfig(),
+            fp8=False,
+            total_steps=1,
+        )
+        assert worker.packs_sequences() is expected
+    ids = torch.ones(4, 8, dtype=torch.long)
+    mask = torch.tensor([[1] * 8, [1] * 2 + [0] * 6, [1] * 2 + [0] * 6, [1] * 2 + [0] * 6])
+    batch = TokenBatch(input_ids=ids * mask, attention_mask=mask, loss_mask=mask.float())
+    group = TrainerGroup.__new__(TrainerGroup)
+    group.trainer_cfg = TrainerConfig(pack_sequences="auto", max_tokens_per_gpu=16)
+    group.model_parallel, group.num_workers = 1, 1
+    for packed, rows in ((False, [2, 2]), (True, [4])):  # padded: 2 rows x 8 <= 16; packed: 8+2+2+2 <= 16
+        group.pack_sequences = packed
+        (shard,) = group._shards(batch)
+        assert [int(mb.input_ids.shape[0]) for mb in shard] == rows, packed

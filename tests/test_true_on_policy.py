@@ -107,7 +107,7 @@ def test_trainer_and_engine_refuse_without_the_gpu_kernels(model_dir: Path) -> N
         ({"rollout": {"backend": "sglang"}}, "rollout.backend=native"),
         ({"trainer": {"num_workers": 2}}, "trainer.num_workers=1"),
         ({"trainer": {"fsdp_param_dtype": "bfloat16"}}, "trainer.fsdp_param_dtype auto or float32"),
-        ({"trainer": {"pack_sequences": True}}, "trainer.pack_sequences=false"),
+        ({"trainer": {"pack_sequences": True}}, "trainer.pack_sequences auto or false"),
         ({"model": {"gradient_checkpointing": True}}, "model.gradient_checkpointing=false"),
     ],
 )

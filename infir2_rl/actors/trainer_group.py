@@ -89,10 +89,18 @@ class TrainerGroup:
         try:
             addr, port = ray.get(self.workers[0].master_address.remote())
             devices = self._all("setup", addr, port)
+            packs = set(self._all("packs_sequences"))  # "auto" resolves on the workers' devices
         except Exception:
             self.shutdown()
             raise
-        log.info("trainer group: %d ranks on %s (fsdp=%s)", self.num_workers, sorted(set(devices)), fsdp)
+        if len(packs) != 1:
+            self.shutdown()
+            raise RuntimeError(f"trainer ranks disagree on trainer.pack_sequences=auto (devices {devices})")
+        self.pack_sequences: bool = packs.pop()
+        log.info(
+            "trainer group: %d ranks on %s (fsdp=%s, packed micro-batches: %s)",
+            self.num_workers, sorted(set(devices)), fsdp, self.pack_sequences,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ fan-out helpers
     def _all(self, method: str, *args: Any) -> list[Any]:
@@ -105,7 +113,7 @@ class TrainerGroup:
         t = self.trainer_cfg
         mp = self.model_parallel
         shards = shard_micro_batches(
-            batch, self.num_workers // mp, t.micro_batch_size, t.max_tokens_per_gpu, t.pack_sequences
+            batch, self.num_workers // mp, t.micro_batch_size, t.max_tokens_per_gpu, self.pack_sequences
         )
         return [shards[rank // mp] for rank in range(self.num_workers)]
 

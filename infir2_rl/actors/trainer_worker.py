@@ -159,6 +159,10 @@ class TrainerWorker:
             raise RuntimeError("TrainerWorker.setup() must be called before use")
         return self._backend
 
+    def packs_sequences(self) -> bool:
+        """Whether this rank runs packed micro-batches (``trainer.pack_sequences`` resolved on its device)."""
+        return bool(getattr(self.backend, "pack_sequences", False))  # megatron: always padded
+
     def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
         stats: TrainStats = self.backend.train_step(batches, loss_fn, total_units)
         # Peak memory is per rank; the group reports the maximum over ranks.

@@ -255,8 +255,8 @@ class RlStageConfig(_StageBase):
                 problems.append("trainer.backend=torch with trainer.num_workers=1 (no FSDP)")
             if self.trainer.fsdp_param_dtype == "bfloat16":
                 problems.append("trainer.fsdp_param_dtype auto or float32 (the walk bypasses FSDP)")
-            if self.trainer.pack_sequences:
-                problems.append("trainer.pack_sequences=false (the walk scores padded rows)")
+            if self.trainer.pack_sequences is True:  # auto pads under true_on_policy
+                problems.append("trainer.pack_sequences auto or false (the walk scores padded rows)")
             if self.model.gradient_checkpointing:
                 problems.append("model.gradient_checkpointing=false (the walk does not checkpoint)")
             if problems:

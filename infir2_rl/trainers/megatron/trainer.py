@@ -76,7 +76,7 @@ class MegatronTrainer:
         from infir2_rl.config.parallel_rules import check_tensor_parallel
 
         # The config refuses kl_coef > 0 and pack_sequences with this backend (config/stage.py, components.py).
-        assert not reference and not trainer_cfg.pack_sequences, "refused by the stage config"
+        assert not reference and trainer_cfg.pack_sequences is not True, "refused by the stage config"
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if model_cfg.gradient_checkpointing and self.device.type != "cuda":
             raise ValueError(

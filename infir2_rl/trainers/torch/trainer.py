@@ -58,7 +58,7 @@ from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
-from infir2_rl.trainers.torch import fused_layers
+from infir2_rl.trainers.torch import fused_layers, varlen_attention
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
@@ -73,6 +73,20 @@ def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
+def resolve_pack_sequences(
+    setting: bool | str, device: torch.device, compute_dtype: torch.dtype, true_on_policy: bool
+) -> bool:
+    """``trainer.pack_sequences``: "auto" packs where varlen flash attention runs (a CUDA device, BF16/FP16
+    compute, not true_on_policy, whose walk scores padded rows) and pads elsewhere."""
+    if setting != "auto":
+        return bool(setting)
+    return (
+        not true_on_policy
+        and compute_dtype in (torch.bfloat16, torch.float16)
+        and varlen_attention.varlen_available(device, warn=False)
+    )
 
 
 class TorchTrainer:
@@ -116,8 +130,13 @@ class TorchTrainer:
         model.config.use_cache = False
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # Packed micro-batches (trainer.pack_sequences): see scoring.py.
-        self.pack_sequences = trainer_cfg.pack_sequences
+        # Packed micro-batches (trainer.pack_sequences): see scoring.py. The trainer group asks for the
+        # resolved setting (TrainerWorker.packs_sequences), since it splits batches into micro-batches.
+        self.pack_sequences = resolve_pack_sequences(
+            trainer_cfg.pack_sequences, self.device, self.compute_dtype, true_on_policy
+        )
+        if trainer_cfg.pack_sequences == "auto" and self.device.type == "cuda":
+            log.info("trainer.pack_sequences=auto: %s", "packed" if self.pack_sequences else "padded")
         self.fp8_linears: list[str] = []
         self.pow2_scales = trainer_cfg.fp8_pow2_scales
         if fp8:

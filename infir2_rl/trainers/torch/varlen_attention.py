@@ -39,12 +39,14 @@ def _varlen_fn() -> tuple[Any, bool, bool] | None:
     return varlen_attn, "window_size" in params, "enable_gqa" in params
 
 
-def varlen_available(device: torch.device) -> bool:
-    """True when packed micro-batches on ``device`` can use varlen flash attention (logged once if not)."""
+def varlen_available(device: torch.device, warn: bool = True) -> bool:
+    """True when packed micro-batches on ``device`` can use varlen flash attention (logged once if not, on
+    CUDA, unless ``warn`` is off: ``trainer.pack_sequences: auto`` asks before it packs)."""
     if device.type != "cuda":
         return False
     if _varlen_fn() is None:
-        _warn_once(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+        if warn:
+            _warn_once(f"torch {torch.__version__} has no torch.nn.attention.varlen")
         return False
     return _register()
 
