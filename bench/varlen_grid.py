@@ -30,7 +30,7 @@ import torch
 from train_packed import rl_batch
 from train_step import write_report
 
-from infir2_rl.trainers.torch.varlen_attention import varlen_causal
+from infir2_rl.trainers.torch.varlen_attention import varlen_causal, varlen_kwargs
 
 
 def timed(
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'row':>4} {'seqs':>4} {'real':>5} {'longest':>7} {'exact ms':>9} "
         + " ".join(f"{'cap ' + str(c) + ' ms':>10}" for c in args.caps)
+        + "  trainer ms (slots, max_len)"
     )
     rows = []
     for g in pick:
@@ -135,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             row[f"cap{cap}_ms"], row[f"cap{cap}_equal"] = got["ms"], equal
             cells.append(f"{got['ms']:>8.3f}{'' if equal else ' !='}")
+        # What the trainer launches (varlen_kwargs(padded_to=)): its slot count and graph_max_len bound.
+        launch = varlen_kwargs(torch.tensor(ls), padded_to=N)
+        got = timed(q, k, v, launch["cu_seq_lens_q"].to(dev), launch["max_length_q"], args.reps)
+        equal = torch.equal(got["out"][:real], exact["out"][:real]) and all(
+            torch.equal(a[:real], b[:real]) for a, b in zip(got["grads"], exact["grads"], strict=True)
+        )
+        row["trainer_ms"], row["trainer_equal"] = got["ms"], equal
+        row["trainer_launch"] = [launch["cu_seq_lens_q"].numel() - 1, launch["max_length_q"]]
+        cells.append(
+            f"{got['ms']:>8.3f}{'' if equal else ' !='} ({row['trainer_launch'][0]}, {row['trainer_launch'][1]})"
+        )
         rows.append(row)
         print(f"{g:>4} {len(ls):>4} {real:>5} {max(ls):>7} {exact['ms']:>9.3f} " + " ".join(cells))
     for cap in args.caps:
@@ -145,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"cap {cap}: +{mean:.3f} ms per attention fwd+bwd on average, x {args.layers} layers = "
                 f"+{mean * args.layers:.1f} ms per micro-batch; bit-equal: {all(r.get(f'cap{cap}_equal', True) for r in rows)}"
             )
+    deltas = [r["trainer_ms"] - r["exact_ms"] for r in rows]
+    print(
+        f"trainer launch: +{statistics.mean(deltas):.3f} ms per attention fwd+bwd on average, x {args.layers} "
+        f"layers = +{statistics.mean(deltas) * args.layers:.1f} ms per micro-batch; bit-equal: "
+        f"{all(r['trainer_equal'] for r in rows)}"
+    )
     write_report(
         args.out,
         {

@@ -141,6 +141,7 @@ def use_varlen(model: nn.Module) -> Iterator[None]:
 
 
 MIN_SEQUENCE_SLOTS = 16
+MIN_GRAPH_MAX_LEN = 512
 
 
 def sequence_slots(count: int) -> int:
@@ -150,24 +151,35 @@ def sequence_slots(count: int) -> int:
     return max(MIN_SEQUENCE_SLOTS, 1 << (count - 1).bit_length())
 
 
+def graph_max_len(longest: int, padded_to: int) -> int:
+    """The longest-sequence bound a padded packed row is launched with: the power of two >= its longest real
+    sequence, at least MIN_GRAPH_MAX_LEN, at most ``padded_to``. Flash's grid has ceil(max_len / 128) programs
+    per sequence slot; bounding it by the row's length instead made a row of 32 sequences of ~320 tokens
+    launch 80 per slot where 3 work, and packed training at 1.5B 3% slower than padded (H100, bench/rl_1p5b.sh,
+    docs/performance.md). A power of two keeps the graphs' shapes few (the bound is part of their key)."""
+    return min(padded_to, max(MIN_GRAPH_MAX_LEN, 1 << (longest - 1).bit_length()))
+
+
 def varlen_kwargs(lengths: Tensor, padded_to: int | None = None) -> dict[str, Any]:
     """Model keyword arguments of a packed row of sequences of these lengths.
 
     ``padded_to`` (the layer graphs, which replay one launch for rows of any composition): the row has
-    ``padded_to`` tokens, the real ones first; the pads are one more sequence, the offsets are padded to
-    ``sequence_slots`` entries by repeating the last (empty sequences), and the longest length is given as
-    ``padded_to``. So the arguments' shapes and the integers depend on ``padded_to`` and the slot count only,
-    and each real sequence attends over itself as before."""
+    ``padded_to`` tokens, the real ones first; the pads follow as sequences of their own of at most
+    ``graph_max_len`` tokens each, the offsets are padded to ``sequence_slots`` entries by repeating the last
+    (empty sequences), and the longest length is given as ``graph_max_len``. So the arguments' shapes and the
+    integers depend on ``padded_to``, the slot count and that power of two only, and each real sequence
+    attends over itself as before."""
+    max_len = int(lengths.max()) if lengths.numel() else 0
     if padded_to is not None:
         extra = padded_to - int(lengths.sum())
         if extra < 0:
             raise ValueError(f"varlen_kwargs: {int(lengths.sum())} real tokens > padded_to={padded_to}")
-        if extra:
-            lengths = torch.cat([lengths, lengths.new_tensor([extra])])
+        max_len = graph_max_len(max(max_len, 1), padded_to)
+        pads = [max_len] * (extra // max_len) + ([extra % max_len] if extra % max_len else [])
+        lengths = torch.cat([lengths, lengths.new_tensor(pads, dtype=lengths.dtype)])
         lengths = torch.cat([lengths, lengths.new_zeros(sequence_slots(lengths.numel()) - lengths.numel())])
     cu_seq = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
     cu_seq[1:] = lengths.cumsum(0)
-    max_len = int(lengths.max()) if padded_to is None else padded_to
     return {
         "cu_seq_lens_q": cu_seq,
         "cu_seq_lens_k": cu_seq,
