@@ -214,15 +214,13 @@ def test_varlen_kwargs_padded_to_a_length_keep_their_shapes_and_the_real_sequenc
     assert exact["cu_seq_lens_q"].tolist() == [0, 9, 13, 20] + [20] * 13
     with pytest.raises(ValueError, match="20 real tokens > padded_to=19"):
         varlen_kwargs(torch.tensor([9, 4, 7]), padded_to=19)
-    # A long row of short sequences: the launch bound is the power of two >= the longest (at least 512), not
-    # the row's length, and the pads are cut into sequences no longer than it.
+    # A long row of short sequences: the launch bound is an eighth of the row (rounded up to 128) when every
+    # sequence fits in it, and the pads are cut into sequences no longer than it; else the row's length.
     short = varlen_kwargs(torch.tensor([300] * 10), padded_to=4096)
     assert short["max_length_q"] == 512
     assert short["cu_seq_lens_q"].tolist() == [300 * i for i in range(11)] + [3512, 4024, 4096] + [4096] * 3
-    assert varlen_kwargs(torch.tensor([600, 300]), padded_to=4096)["max_length_q"] == 1024
-    assert (
-        varlen_kwargs(torch.tensor([3000, 300]), padded_to=3328)["max_length_q"] == 3328
-    )  # capped by the row
+    assert varlen_kwargs(torch.tensor([600, 300]), padded_to=4096)["max_length_q"] == 4096
+    assert varlen_kwargs(torch.tensor([300] * 30), padded_to=10240)["max_length_q"] == 1280
 
 
 @pytest.mark.parametrize("varlen", [False, True])

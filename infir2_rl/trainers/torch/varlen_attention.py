@@ -141,7 +141,6 @@ def use_varlen(model: nn.Module) -> Iterator[None]:
 
 
 MIN_SEQUENCE_SLOTS = 16
-MIN_GRAPH_MAX_LEN = 512
 
 
 def sequence_slots(count: int) -> int:
@@ -152,12 +151,16 @@ def sequence_slots(count: int) -> int:
 
 
 def graph_max_len(longest: int, padded_to: int) -> int:
-    """The longest-sequence bound a padded packed row is launched with: the power of two >= its longest real
-    sequence, at least MIN_GRAPH_MAX_LEN, at most ``padded_to``. Flash's grid has ceil(max_len / 128) programs
-    per sequence slot; bounding it by the row's length instead made a row of 32 sequences of ~320 tokens
-    launch 80 per slot where 3 work, and packed training at 1.5B 3% slower than padded (H100, bench/rl_1p5b.sh,
-    docs/performance.md). A power of two keeps the graphs' shapes few (the bound is part of their key)."""
-    return min(padded_to, max(MIN_GRAPH_MAX_LEN, 1 << (longest - 1).bit_length()))
+    """The longest-sequence bound a padded packed row is launched with: an eighth of ``padded_to`` (rounded up
+    to 128) when its longest real sequence fits in that, else ``padded_to``. Flash's grid has
+    ceil(max_len / 128) programs per sequence slot: a row of 32 sequences of ~320 tokens launched with its
+    whole length, 10,240, ran 80 per slot where 3 work, and packed 1.5B RL training ran 3% slower than padded
+    (H100, bench/rl_1p5b.sh). The bound is part of the graphs' key, so it takes two values per row length,
+    not one per longest sequence: a power of two >= the longest (at least 512) gave the RL-shaped batch of
+    bench/train_packed.py more than the 16 shapes the graphs hold, and FP8 there 1.01x BF16 instead of 1.06x
+    (docs/performance.md)."""
+    short = min(padded_to, max(128, -(-padded_to // 8 // 128) * 128))
+    return short if longest <= short else padded_to
 
 
 def varlen_kwargs(lengths: Tensor, padded_to: int | None = None) -> dict[str, Any]:
@@ -167,8 +170,8 @@ def varlen_kwargs(lengths: Tensor, padded_to: int | None = None) -> dict[str, An
     ``padded_to`` tokens, the real ones first; the pads follow as sequences of their own of at most
     ``graph_max_len`` tokens each, the offsets are padded to ``sequence_slots`` entries by repeating the last
     (empty sequences), and the longest length is given as ``graph_max_len``. So the arguments' shapes and the
-    integers depend on ``padded_to``, the slot count and that power of two only, and each real sequence
-    attends over itself as before."""
+    integers depend on ``padded_to``, the slot count and which of its two bounds applies, and each real
+    sequence attends over itself as before."""
     max_len = int(lengths.max()) if lengths.numel() else 0
     if padded_to is not None:
         extra = padded_to - int(lengths.sum())
