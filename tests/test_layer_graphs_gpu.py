@@ -19,6 +19,7 @@ from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_bat
 from infir2_rl.trainers.microbatch import bucket_length, pad_length
 from infir2_rl.trainers.torch.layer_graphs import GradsReplaced
 from infir2_rl.trainers.torch.trainer import TorchTrainer
+from infir2_rl.trainers.torch.varlen_attention import graph_max_len
 from infir2_rl.types import TokenBatch
 
 pytestmark = [
@@ -88,7 +89,7 @@ def test_graphed_layers_train_as_the_eager_layers(tmp_path: Path, fp8: bool) -> 
 
 
 def _packed_rows(vocab: int) -> list[TokenBatch]:
-    """Packed micro-batches of other compositions in three shapes: rows of 256 and 192 tokens (no pads: each
+    """Packed micro-batches of other compositions in three lengths: rows of 256 and 192 tokens (no pads: each
     is its own length bucket) and two of 115 and 113 tokens, padded to 120; in no size order."""
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -133,8 +134,13 @@ def test_packed_micro_batches_replay_as_the_eager_packed_ones(tmp_path: Path, fp
             assert not stats.skipped
             losses[name].append(stats.loss)
     graphs = graphed.layer_graphs
-    # Three row lengths (256, 192, 120) for training and for scoring; six rows per pass, all replayed.
-    assert graphs.captures == graphs.num_shapes == 6
+    # Four launch shapes for training and four for scoring: three row lengths (256, 192, 120), and the rows of
+    # 192 under two flash length bounds (varlen_attention.graph_max_len: 128 for [50, 70, 72], the row's
+    # 192 for [150, 42]); six rows per pass, all replayed.
+    assert [
+        graph_max_len(max(ls), n) for ls, n in (([100, 90, 66], 256), ([50, 70, 72], 192), ([150, 42], 192))
+    ] == [128, 128, 192]
+    assert graphs.captures == graphs.num_shapes == 8
     assert graphs.replays == 3 * 6 * 2
     assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2
     for name in ("plain", "graphs"):
