@@ -66,17 +66,23 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
     model, batches = assets
     results = {}
     runs = (
-        (1, None, None, "auto"),
-        (2, None, None, "auto"),
-        (2, True, 150, "auto"),
-        (2, True, None, "bfloat16"),
+        (1, None, None, "auto", "auto"),
+        (2, None, None, "auto", "auto"),
+        (2, True, 150, "auto", "auto"),
+        (2, True, 150, "auto", True),
+        (2, True, None, "bfloat16", "auto"),
     )
-    for num_workers, fsdp, budget, gather in runs:
+    for num_workers, fsdp, budget, gather, pack in runs:
         # budget: token-budget micro-batches give the FSDP ranks unequal forward counts (dummy padding).
         # gather: trainer.fsdp_param_dtype ("auto" gathers the FP32 masters on CPU; bfloat16 is the GPU default).
-        cfg = stage_cfg(model, num_workers, max_tokens_per_gpu=budget, fsdp_param_dtype=gather)
+        # pack: trainer.pack_sequences ("auto" pads on CPU; true packs, the default on GPUs, here with the mask).
+        cfg = stage_cfg(
+            model, num_workers, max_tokens_per_gpu=budget, fsdp_param_dtype=gather, pack_sequences=pack
+        )
         with placed_trainer_group(cfg, total_steps=5, fsdp=fsdp) as group:
-            results[(num_workers, fsdp, gather)] = run(group, batches)
+            assert group.pack_sequences is (pack is True)
+            key = (num_workers, fsdp, gather) if pack == "auto" else (num_workers, fsdp, "packed")
+            results[key] = run(group, batches)
             if num_workers == 2 and fsdp is None:
                 # One row for two ranks: rank 1 has no micro-batch and no loss metrics of its own.
                 one_row = select_rows(batches[0], 0, 1)
@@ -90,7 +96,7 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
             peak = group.train_step(batches[0], SftLossFn(), num_target_tokens(batches[0])).metrics
             assert peak["perf/peak_memory_gb"] > 0
     losses_1, norms_1, logp_1 = results[(1, None, "auto")]
-    for key in ((2, None, "auto"), (2, True, "auto")):
+    for key in ((2, None, "auto"), (2, True, "auto"), (2, True, "packed")):
         losses, norms, logp = results[key]
         # Same global batches -> same global-mean loss; only the summation order differs.
         assert losses == pytest.approx(losses_1, rel=1e-5), key
