@@ -69,6 +69,13 @@ def timed(
     }
 
 
+def same_on_real(got: dict[str, Any], exact: dict[str, Any], real: int) -> bool:
+    """Outputs and gradients of two ``timed`` runs bit-equal on the first ``real`` (non-pad) tokens."""
+    return torch.equal(got["out"][:real], exact["out"][:real]) and all(
+        torch.equal(a[:real], b[:real]) for a, b in zip(got["grads"], exact["grads"], strict=True)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from infir2_rl.trainers.microbatch import packed_token_budget, row_lengths
 
@@ -131,17 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             padded = torch.cat([cu, cu[-1:].expand(cap - len(seq))])
             got = timed(q, k, v, padded, N, args.reps)
-            equal = torch.equal(got["out"][:real], exact["out"][:real]) and all(
-                torch.equal(a[:real], b[:real]) for a, b in zip(got["grads"], exact["grads"], strict=True)
-            )
+            equal = same_on_real(got, exact, real)
             row[f"cap{cap}_ms"], row[f"cap{cap}_equal"] = got["ms"], equal
             cells.append(f"{got['ms']:>8.3f}{'' if equal else ' !='}")
         # What the trainer launches (varlen_kwargs(padded_to=)): its slot count and graph_max_len bound.
         launch = varlen_kwargs(torch.tensor(ls), padded_to=N)
         got = timed(q, k, v, launch["cu_seq_lens_q"].to(dev), launch["max_length_q"], args.reps)
-        equal = torch.equal(got["out"][:real], exact["out"][:real]) and all(
-            torch.equal(a[:real], b[:real]) for a, b in zip(got["grads"], exact["grads"], strict=True)
-        )
+        equal = same_on_real(got, exact, real)
         row["trainer_ms"], row["trainer_equal"] = got["ms"], equal
         row["trainer_launch"] = [launch["cu_seq_lens_q"].numel() - 1, launch["max_length_q"]]
         cells.append(

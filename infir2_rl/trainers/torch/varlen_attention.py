@@ -172,11 +172,12 @@ def varlen_kwargs(lengths: Tensor, padded_to: int | None = None) -> dict[str, An
     (empty sequences), and the longest length is given as ``graph_max_len``. So the arguments' shapes and the
     integers depend on ``padded_to``, the slot count and which of its two bounds applies, and each real
     sequence attends over itself as before."""
-    max_len = int(lengths.max()) if lengths.numel() else 0
+    host = lengths.tolist()  # one device sync for the two integers below
+    max_len = max(host, default=0)
     if padded_to is not None:
-        extra = padded_to - int(lengths.sum())
+        extra = padded_to - sum(host)
         if extra < 0:
-            raise ValueError(f"varlen_kwargs: {int(lengths.sum())} real tokens > padded_to={padded_to}")
+            raise ValueError(f"varlen_kwargs: {sum(host)} real tokens > padded_to={padded_to}")
         max_len = graph_max_len(max(max_len, 1), padded_to)
         pads = [max_len] * (extra // max_len) + ([extra % max_len] if extra % max_len else [])
         lengths = torch.cat([lengths, lengths.new_tensor(pads, dtype=lengths.dtype)])
