@@ -1,7 +1,7 @@
 """Prefill of the native engine, BF16 vs FP8: wall time against device kernel time, and where the host spends it.
 
     python bench/prefill.py [--prompts 2 4 16 64] [--prompt-len 128] [--repeats 5] [--cprofile] [--launch-costs]
-                            [--out PATH]
+                            [--trace DIR] [--out PATH]
 
 Why: ``bench/rollout.py`` showed the FP8 engine's prefill of 16 prompts x 128 tokens at 33.5 ms against
 BF16's 21.1 ms, while from 64 prompts on FP8 is the faster (H100, docs/performance.md), and the RL-shaped
@@ -13,7 +13,9 @@ the host ops with the most self time. ``--cprofile`` also prints the Python func
 time in one call per engine at the smallest prompt count (cProfile: host work the torch profiler does not
 name, such as Triton's launcher). ``--launch-costs`` times eager loops of one q|k|v-shaped GEMM at M = 256
 (BF16 ``F.linear``, FP8 cuBLASLt ``scaled_mm`` on quantized input, the quantize kernel alone): wall
-microseconds per call, which for kernels this small is the host cost of a call.
+microseconds per call, which for kernels this small is the host cost of a call. ``--trace DIR`` writes a
+Chrome trace (torch profiler, CPU and CUDA) of one call per engine at the smallest prompt count, to read
+where the host's wall goes between ops (chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true", help="Python profile of one call per engine")
     parser.add_argument("--launch-costs", action="store_true", help="host cost per GEMM call, eager")
+    parser.add_argument("--trace", type=Path, default=None, help="Chrome traces of one call per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -138,6 +141,17 @@ def main() -> None:
             prof.runcall(timed_generate, engine, reqs)
             print(f"\n# {mode}: Python functions by own time, one call at {min(args.prompts)} prompts")
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        args.trace.mkdir(parents=True, exist_ok=True)
+        for mode, engine in engines.items():
+            reqs = requests(min(args.prompts), args.prompt_len, 1, engine.vocab_size)
+            timed_generate(engine, reqs)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                timed_generate(engine, reqs)
+            prof.export_chrome_trace(str(args.trace / f"prefill_{mode}_{min(args.prompts)}.json"))
+        print(f"# traces in {args.trace}")
     if args.launch_costs:
         launch_costs()
     if args.out:

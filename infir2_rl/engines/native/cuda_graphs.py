@@ -20,7 +20,6 @@ the same ``decode_step`` runs eagerly.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -30,6 +29,7 @@ from torch import Tensor
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.model_runner import Qwen2Runner
 from infir2_rl.engines.sampling import RowSampling
+from infir2_rl.graph_capture import capture, warmup_stream
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +98,6 @@ def padded_size(num_rows: int, sizes: list[int]) -> int:
     return next(s for s in sizes if s >= num_rows)
 
 
-@functools.cache
-def warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every capture's warm-up. cuBLAS(Lt) keeps a workspace (32 MiB on
-    Hopper) per stream it has run on, for the life of the process: a new stream per capture grew the engine by
-    ~0.19 GiB per release/resume cycle until torch's pool of 32 streams came round (bench/release_check.py
-    --cycles, docs/performance.md)."""
-    return torch.cuda.Stream(device)
-
-
 class GraphDecoder:
     """Replays ``decode_step`` from CUDA graphs per padded batch size (eager on CPU)."""
 
@@ -135,7 +126,7 @@ class GraphDecoder:
                 decode_step(self.runner, self.cache, self.state, ids, truncating)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with capture(graph, self.pool):
             decode_step(self.runner, self.cache, self.state, ids, truncating)
         ids.copy_(saved)
         self.graphs[(size, truncating)] = graph

@@ -36,6 +36,7 @@ from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.ops import fp8_linear_forward
+from infir2_rl.graph_capture import capture
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class Fp8GemmChooser:
         torch.cuda.synchronize()
         sequence = fns * -(-calls // len(fns))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             for f in sequence:
                 f()
         graph.replay()

@@ -63,6 +63,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from infir2_rl.graph_capture import capture, warmup_stream
+
 log = logging.getLogger(__name__)
 
 WARMUP_ITERS = 2
@@ -78,13 +80,6 @@ def _varlen(kwargs: dict[str, Any]) -> tuple[Tensor, int] | None:
     if kwargs["cu_seq_lens_k"] is not cu or kwargs["max_length_k"] != max_len or not isinstance(cu, Tensor):
         return None
     return cu, int(max_len)
-
-
-@functools.cache
-def warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """One warm-up stream per device: cuBLAS(Lt) keeps a workspace per stream for the life of the process,
-    so a new stream per capture would grow memory (as engines/native/cuda_graphs.warmup_stream explains)."""
-    return torch.cuda.Stream(device)
 
 
 class GradsReplaced(RuntimeError):
@@ -464,7 +459,7 @@ class LayerGraphs:
         pingpong = (torch.empty_like(hidden), torch.empty_like(hidden))
         for i in range(n):
             buffer = pingpong[i % 2]
-            with torch.cuda.graph(graphs.fwd[i], pool=self._pool):
+            with capture(graphs.fwd[i], self._pool):
                 out = self._run_eager(i, x, graphs.mask, static_pe, graphs.varlen)
                 if out.shape != buffer.shape or out.dtype != buffer.dtype:
                     raise RuntimeError(
@@ -517,7 +512,7 @@ class LayerGraphs:
         outs: list[Tensor | None] = []
         for i in range(n):
             x = acts[i].detach().requires_grad_()  # the leaf the backward differentiates against
-            with torch.cuda.graph(graphs.fwd[i], pool=self._pool):
+            with capture(graphs.fwd[i], self._pool):
                 out = self._run_eager(i, x, graphs.mask, static_pe, graphs.varlen)
                 with torch.no_grad():
                     acts[i + 1].copy_(out)
@@ -529,7 +524,7 @@ class LayerGraphs:
             params = self._params[i]
             layer_out = outs[i]
             assert layer_out is not None
-            with torch.cuda.graph(graphs.bwd[i], pool=self._pool):
+            with capture(graphs.bwd[i], self._pool):
                 grads = torch.autograd.grad(
                     layer_out, (graphs.inputs[i], *params), grad_bufs[i + 1], allow_unused=True
                 )
