@@ -148,7 +148,9 @@ def main() -> None:
         for mode, engine in engines.items():
             reqs = requests(min(args.prompts), args.prompt_len, 1, engine.vocab_size)
             timed_generate(engine, reqs)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            with profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+            ) as prof:
                 timed_generate(engine, reqs)
             prof.export_chrome_trace(str(args.trace / f"prefill_{mode}_{min(args.prompts)}.json"))
         print(f"# traces in {args.trace}")

@@ -2,8 +2,10 @@
 
 * ``hf_step_ms``: transformers ``generate`` on the same random model, sampling at T=1.0 with top-k/top-p
   off and exactly ``new_tokens`` tokens (``min_new_tokens``), with the dynamic cache in eager mode or with
-  ``cache_implementation="static"`` and ``torch.compile(mode="reduce-overhead")`` of the forward (CUDA
-  graphs). ms per decode step = (median wall of the full call - median wall of a 1-token call) /
+  ``cache_implementation="static"``, with which ``generate`` compiles its decoding forward itself
+  (transformers' auto-compile: ``CompileConfig`` defaults, ``mode="reduce-overhead"``, i.e. CUDA graphs).
+  Wrapping ``model.forward`` in ``torch.compile`` on top of that, as this script did before, fails under
+  transformers 5.17 ("accessing tensor output of CUDAGraphs that has been overwritten"). ms per decode step = (median wall of the full call - median wall of a 1-token call) /
   (new_tokens - 1), as for the engines.
 * ``rl_workload``: 64 prompts x 16 samples (128 random prompt tokens), T=1.0, max 2,048 new tokens, and
   a stop set of random token ids sized so that a row stops with probability ~1/``mean_len`` per step
@@ -59,8 +61,10 @@ def hf_step_ms(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
     model.generation_config.eos_token_id = None
-    if static:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    if static:  # generate compiles the decoding forward itself (module docstring); say so if it would not
+        from transformers import CompileConfig
+
+        model.generation_config.compile_config = CompileConfig()
     out: dict[int, dict[str, float]] = {}
     for batch in batches:
         g = torch.Generator().manual_seed(batch)
@@ -69,6 +73,8 @@ def hf_step_ms(
         for n in (new_tokens, 1):  # warm-up, compiles both shapes when static
             _hf_generate(model, ids, n, static)
         warm_s = time.perf_counter() - start
+        if static and not hasattr(model, "_compiled_call"):  # transformers' marker of its compiled forward
+            raise RuntimeError("generate with the static cache did not compile its forward")
         full = [_hf_generate(model, ids, new_tokens, static) for _ in range(repeats)]
         first = [_hf_generate(model, ids, 1, static) for _ in range(repeats)]
         steps = [1e3 * (f - statistics.median(first)) / (new_tokens - 1) for f in full]

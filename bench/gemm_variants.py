@@ -1,0 +1,162 @@
+"""The engine's FP8 W8A8 decode GEMM kernel against variants of its K loop, in the same launch shapes.
+
+    python bench/gemm_variants.py [--batches 16 64 256] [--gemms qkv o gate_up down]
+
+"kuU": the engine's kernel (``fp8_gemm._w8a8_kernel``, producer-quantized input) with U consecutive 128-deep
+K blocks per loop iteration: U loads per row issued together, so each weight row is read in U x 128
+contiguous bytes, still promoted to FP32 one block at a time in K order, so the output must equal the
+engine's bit for bit (checked). Why: at M = 64 the kernel pulls the down projection's weights at 38% of
+DRAM bandwidth (Nsight Compute, ``bench/gemm_ncu.py``) with 128-byte reads from 64 rows 8,960 bytes apart.
+A first variant here (pointer increments, no K/N masks, a scalar weight scale) was 0.89-1.07x the kernel and
+was dropped. Cold weights (a rotation over copies larger than the L2), CUDA-graph timing as the engine's
+chooser does; prints the best us per call of each kind and its launch shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infir2_rl.engines.native import fp8_gemm, pdl  # noqa: E402
+from infir2_rl.engines.native.linears import Fp8GemmChooser  # noqa: E402
+from infir2_rl.engines.native.pdl import wait_then_release  # noqa: E402
+from infir2_rl.fp8 import quant_triton  # noqa: E402
+from infir2_rl.fp8.quant import quantize_weight_blockwise  # noqa: E402
+
+SHAPES = [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)]
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ku_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, kb_per_split, stride_xm, xs_rows,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The engine's kernel with KU consecutive K blocks per loop iteration (KU loads per row issued together,
+    KU x 128 contiguous weight bytes per row), promoted one block at a time in K order as before."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, 128)
+    row_ok = rows < M
+    acc = tl.zeros((BM, BN), tl.float32)
+    kb_start = pid_k * kb_per_split
+    kb_end = tl.minimum(kb_start + kb_per_split, KB)
+    if PDL:
+        wait_then_release()
+    for kb0 in range(kb_start, kb_end, KU):
+        for u in tl.static_range(KU):
+            kb = kb0 + u
+            ok = kb < kb_end
+            ks = kb * 128 + kk
+            q = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & ok, other=0.0)
+            s_x = tl.load(xs_ptr + kb * xs_rows + rows, mask=row_ok & ok, other=0.0)
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=ok, other=0.0)
+            s_w = tl.load(ws_ptr + (cols // 128) * KB + kb, mask=ok, other=0.0)
+            acc += tl.dot(q, w) * s_x[:, None] * s_w[None, :]
+    out_mask = row_ok[:, None]
+    if SPLIT:
+        offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(y_ptr + offs, acc, mask=out_mask)
+    else:
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def ku(
+    q: torch.Tensor,
+    s_t: torch.Tensor,
+    m: int,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    cfg: fp8_gemm.GemmConfig,
+    unroll: int,
+):
+    n, k = w.shape
+    assert n % cfg.bn == 0 and k % 128 == 0
+    kb = k // 128
+    split = min(cfg.split_k, kb)
+    per = triton.cdiv(kb, split)
+    split = triton.cdiv(kb, per)
+    grid = (triton.cdiv(m, cfg.bm), n // cfg.bn, split)
+    y = torch.empty((split, m, n) if split > 1 else (m, n), device=q.device,
+                    dtype=torch.float32 if split > 1 else torch.bfloat16)  # fmt: skip
+    launch = pdl.launch_kwargs(q.device)
+    _ku_kernel[grid](
+        q, s_t, w, s, y, m, n, k, kb, per, q.stride(0), s_t.shape[1],
+        SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, KU=unroll, num_warps=cfg.warps, num_stages=cfg.stages, **launch,
+    )  # fmt: skip
+    if split == 1:
+        return y
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    fp8_gemm._split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        y, y, out, m * n, n, SPLIT=split, HAS_BIAS=False, BLOCK=1024, num_warps=4, **launch
+    )
+    return out
+
+
+def v1(
+    q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor, cfg: fp8_gemm.GemmConfig
+):
+    return fp8_gemm.w8a8_fused(q, w, s, None, cfg, False, s_t, m, torch.bfloat16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--gemms", nargs="+", default=[g for g, _, _ in SHAPES])
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for name, n, k in SHAPES:
+        if name not in args.gemms:
+            continue
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_weight_blockwise(w)
+        copies = [(wq.clone(), ws.clone()) for _ in range(Fp8GemmChooser.cold_copies(wq, ws))]
+        for m in args.batches:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            q, s_t = quant_triton.quantize_rows(x)
+            pad = -(-m // 16) * 16
+            qp = torch.zeros(pad, k, dtype=q.dtype, device=dev)
+            qp[:m] = q
+            sp = torch.ones(s_t.shape[0], pad, dtype=s_t.dtype, device=dev)
+            sp[:, :m] = s_t
+            best: dict[str, tuple[float, str]] = {}
+            bm = 16 if m <= 16 else 64
+            extra = [
+                fp8_gemm.GemmConfig(bm, bn, sk, 4, st)
+                for bn, sk, st in ((128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 8, 3))
+            ]
+            for cfg in dict.fromkeys(fp8_gemm.candidates(m) + extra):
+                kinds = [("v1", v1)] + [(f"ku{u}", functools.partial(ku, unroll=u)) for u in (1, 2, 4)]
+                for kind, fn in kinds:
+                    try:
+                        same = torch.equal(fn(qp, sp, m, wq, ws, cfg), v1(qp, sp, m, wq, ws, cfg))
+                        us = 1e3 * Fp8GemmChooser._time(
+                            [functools.partial(fn, qp, sp, m, wc, sc, cfg) for wc, sc in copies],
+                            calls=20,
+                            replays=7,
+                        )
+                    except Exception as exc:  # e.g. shared memory: KU x stages tiles do not fit
+                        print(f"  {name} M {m} {cfg} {kind}: failed ({str(exc).splitlines()[0][:80]})")
+                        continue
+                    if kind not in best or us < best[kind][0]:
+                        best[kind] = (us, str(cfg))
+                    if not same:
+                        print(f"  {name} M {m} {cfg} {kind}: NOT bit-equal to v1")
+            floor = n * k / 3.35e12 * 1e6
+            line = "  ".join(f"{kind} {us:6.2f} [{cfg}]" for kind, (us, cfg) in best.items())
+            print(f"{name:8s} M {m:4d} floor {floor:4.1f}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
