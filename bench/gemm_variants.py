@@ -1,6 +1,7 @@
 """The engine's FP8 W8A8 decode GEMM kernel against variants of its K loop, in the same launch shapes.
 
-    python bench/gemm_variants.py [--batches 16 64 256] [--gemms qkv o gate_up down]
+    python bench/gemm_variants.py [--batches 16 64 256] [--gemms qkv o gate_up down] [--unroll 1 2 4]
+                                  [--small-bm]
 
 "kuU": the engine's kernel (``fp8_gemm._w8a8_kernel``, producer-quantized input) with U consecutive 128-deep
 K blocks per loop iteration: U loads per row issued together, so each weight row is read in U x 128
@@ -9,7 +10,8 @@ engine's bit for bit (checked). Why: at M = 64 the kernel pulls the down project
 DRAM bandwidth (Nsight Compute, ``bench/gemm_ncu.py``) with 128-byte reads from 64 rows 8,960 bytes apart.
 A first variant here (pointer increments, no K/N masks, a scalar weight scale) was 0.89-1.07x the kernel and
 was dropped. Cold weights (a rotation over copies larger than the L2), CUDA-graph timing as the engine's
-chooser does; prints the best us per call of each kind and its launch shape.
+chooser does; prints the best us per call of each kind and its launch shape. ``--small-bm`` adds launch
+shapes with BM 16 and 32 at M > 16 (several row tiles, each re-reading the weight tile from L2).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--gemms", nargs="+", default=[g for g, _, _ in SHAPES])
+    parser.add_argument("--unroll", type=int, nargs="*", default=[1, 2, 4], help="K blocks per iteration")
+    parser.add_argument("--small-bm", action="store_true", help="also BM 16 and 32 tiles where M > 16")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -131,13 +135,14 @@ def main() -> None:
             sp = torch.ones(s_t.shape[0], pad, dtype=s_t.dtype, device=dev)
             sp[:, :m] = s_t
             best: dict[str, tuple[float, str]] = {}
-            bm = 16 if m <= 16 else 64
+            bms = [16] if m <= 16 else [16, 32, 64]  # BM below M: more, smaller programs (--small-bm)
             extra = [
                 fp8_gemm.GemmConfig(bm, bn, sk, 4, st)
-                for bn, sk, st in ((128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 8, 3))
+                for bm in (bms if args.small_bm else bms[-1:])
+                for bn, sk, st in ((128, 4, 3), (128, 8, 3), (64, 4, 3), (64, 8, 4), (32, 8, 3), (32, 4, 3))
             ]
             for cfg in dict.fromkeys(fp8_gemm.candidates(m) + extra):
-                kinds = [("v1", v1)] + [(f"ku{u}", functools.partial(ku, unroll=u)) for u in (1, 2, 4)]
+                kinds = [("v1", v1)] + [(f"ku{u}", functools.partial(ku, unroll=u)) for u in args.unroll]
                 for kind, fn in kinds:
                     try:
                         same = torch.equal(fn(qp, sp, m, wq, ws, cfg), v1(qp, sp, m, wq, ws, cfg))
