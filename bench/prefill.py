@@ -1,7 +1,7 @@
 """Prefill of the native engine, BF16 vs FP8: wall time against device kernel time, and where the host spends it.
 
     python bench/prefill.py [--prompts 2 4 16 64] [--prompt-len 128] [--repeats 5] [--cprofile] [--launch-costs]
-                            [--trace DIR] [--out PATH]
+                            [--eager-too] [--trace DIR] [--out PATH]
 
 Why: ``bench/rollout.py`` showed the FP8 engine's prefill of 16 prompts x 128 tokens at 33.5 ms against
 BF16's 21.1 ms, while from 64 prompts on FP8 is the faster (H100, docs/performance.md), and the RL-shaped
@@ -15,7 +15,9 @@ name, such as Triton's launcher). ``--launch-costs`` times eager loops of one q|
 (BF16 ``F.linear``, FP8 cuBLASLt ``scaled_mm`` on quantized input, the quantize kernel alone): wall
 microseconds per call, which for kernels this small is the host cost of a call. ``--trace DIR`` writes a
 Chrome trace (torch profiler, CPU and CUDA) of one call per engine at the smallest prompt count, to read
-where the host's wall goes between ops (chrome://tracing or Perfetto).
+where the host's wall goes between ops (chrome://tracing or Perfetto). Prefills of up to
+``prefill_graphs.MAX_TOKENS`` tokens replay CUDA graphs (``engines/native/prefill_graphs.py``);
+``--eager-too`` also times two more engines with them off, in the same process.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true", help="Python profile of one call per engine")
     parser.add_argument("--launch-costs", action="store_true", help="host cost per GEMM call, eager")
+    parser.add_argument("--eager-too", action="store_true", help="also engines without prefill graphs")
     parser.add_argument("--trace", type=Path, default=None, help="Chrome traces of one call per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -108,6 +111,11 @@ def main() -> None:
         mode: NativeEngine(str(path), fp8=mode == "fp8", device=dev, max_batch_size=max(args.prompts))
         for mode in ("bf16", "fp8")
     }
+    if args.eager_too:  # the same engines' prefill without graphs (the path before prefill_graphs.py)
+        for mode in ("bf16", "fp8"):
+            eager = NativeEngine(str(path), fp8=mode == "fp8", device=dev, max_batch_size=max(args.prompts))
+            eager._scheduler.prefill_graphs = None
+            engines[f"{mode}_eager"] = eager
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | {path.name} | prompt {args.prompt_len}"
     )
@@ -120,12 +128,15 @@ def main() -> None:
             wall = statistics.median(timed_generate(engine, reqs) for _ in range(args.repeats))
             row[mode] = {"wall_ms": 1e3 * wall, **profile_call(engine, reqs)}
         rows.append(row)
-        b, f = row["bf16"], row["fp8"]
-        print(
-            f"{p:4d} prompts | wall BF16 {b['wall_ms']:7.2f} FP8 {f['wall_ms']:7.2f} ms (x{b['wall_ms'] / f['wall_ms']:.2f})"
-            f" | kernels BF16 {b['kernels_ms']:7.2f} FP8 {f['kernels_ms']:7.2f} ms",
-            flush=True,
-        )
+        for tag in ("", "_eager") if args.eager_too else ("",):
+            b, f = row["bf16" + tag], row["fp8" + tag]
+            graphs = engines["bf16" + tag]._scheduler.prefill_graphs is not None
+            print(
+                f"{p:4d} prompts {'graphs' if graphs else 'eager '} | wall BF16 {b['wall_ms']:7.2f} FP8 "
+                f"{f['wall_ms']:7.2f} ms (x{b['wall_ms'] / f['wall_ms']:.2f}) | kernels BF16 "
+                f"{b['kernels_ms']:7.2f} FP8 {f['kernels_ms']:7.2f} ms",
+                flush=True,
+            )
         for mode in ("bf16", "fp8"):
             ops = ", ".join(
                 f"{o['op']} {o['self_ms']:.1f}/{o['calls']}" for o in row[mode]["top_host_ops"][:6]

@@ -113,6 +113,7 @@ def test_unknown_decode_path_is_refused(model_dir: Path) -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_graph_decode_equals_eager_decode_bit_for_bit(model_dir: Path, fp8: bool) -> None:
     graphs = NativeEngine(str(model_dir), fp8=fp8, device="cuda", max_batch_size=4)
+    graphs._scheduler.prefill_graphs = None  # decode graphs here; prefill graphs: test_prefill_graphs_gpu.py
     eager = NativeEngine(str(model_dir), fp8=fp8, device="cuda", max_batch_size=4, cuda_graphs=False)
     reqs = _requests(max_new_tokens=40, stop=(11, 40, 77, 123, 200))
     got = graphs.generate(reqs)

@@ -381,7 +381,7 @@ class NativeEngine:
         re-captures). Eager path: move the weights to host memory."""
         if self._scheduler is not None:
             with self._lock:
-                self._scheduler.release()
+                self._scheduler.release(colocated=True)
         else:
             self._move("cpu")
         self._released = self.device.type == "cuda"

@@ -33,6 +33,7 @@ sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,7 +133,9 @@ class Qwen2Runner:
         """Run right-padded prompts, store their K/V in ``slots`` (row r takes prompt ``prompt_of_row[r]``);
         returns logits (P, V) at each prompt's last real token.
 
-        The prefill runs eagerly (its shapes vary), so its host time is its launches: on CUDA the residual
+        This is the eager prefill (any shape); small prefills on a GPU replay CUDA graphs of
+        ``prefill_forward`` instead (``prefill_graphs.PrefillGraphs``, the scheduler's choice). Eagerly its
+        host time is its launches: on CUDA the residual
         add + RMSNorm and SiLU*up are the decode step's fused kernels, which in FP8 also quantize the next
         GEMM's input, and every FP8 GEMM takes cuBLASLt (``FusedLinear(..., prefill=True)``: no choice timed
         per prompt size). Before, FP8 quantized each GEMM input in a launch of its own and the norms were 7
@@ -140,21 +143,42 @@ class Qwen2Runner:
         6.1 and 5.5 ms of kernels (bench/prefill.py, docs/performance.md)."""
         if self.true_on_policy:
             return self._prefill_invariant(ids_PL, lengths_P, cache, slots, prompt_of_row)
+
+        def write_kv(i: int, k: Tensor, v: Tensor) -> None:
+            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k, v)
+
+        return self.prefill_forward(ids_PL, lengths_P, write_kv)
+
+    @torch.no_grad()
+    def prefill_forward(
+        self,
+        ids_PL: Tensor,
+        lengths_P: Tensor,
+        write_kv: Callable[[int, Tensor, Tensor], None],
+        choose_gemms: bool = False,
+    ) -> Tensor:
+        """``prefill``'s forward: layer i's keys and values (P, KVH, L, D) go to ``write_kv(i, k, v)``;
+        returns the logits (P, V) at each prompt's last real token. ``choose_gemms``: FP8 GEMMs of up to
+        ``linears.DECODE_MAX_ROWS`` rows take the chooser's timed choice at this M, as decode does (the
+        prefill graphs, whose M is one of a few buckets); otherwise cuBLASLt (eager prefill, any M)."""
         num_prompts, length = ids_PL.shape
         cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
         quant, pow2, eps = self.fp8 and ids_PL.is_cuda, self.pow2, self.eps
+        cublas = not choose_gemms
         h = F.embedding(ids_PL, self.embed).reshape(num_prompts * length, -1)
         delta: Tensor | None = None
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2)  # h += delta in place
-            q, k, v = layer.qkv.split(layer.qkv(x, prefill=True))
+            q, k, v = layer.qkv.split(layer.qkv(x, prefill=cublas))
             q = rotate(q.reshape(num_prompts, length, self.num_heads, -1).transpose(1, 2), cos, sin)
             k = rotate(k.reshape(num_prompts, length, self.num_kv_heads, -1).transpose(1, 2), cos, sin)
             v = v.reshape(num_prompts, length, self.num_kv_heads, -1).transpose(1, 2)
-            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k, v)
+            write_kv(i, k, v)
             a = attention.prefill(q, k, v).reshape(num_prompts * length, -1)
-            x = fused_ops.add_rms_norm(h, layer.o(a, prefill=True), layer.post_norm, eps, quant, pow2)
-            delta = layer.down(fused_ops.silu_mul(layer.gate_up(x, prefill=True), quant, pow2), prefill=True)
+            x = fused_ops.add_rms_norm(h, layer.o(a, prefill=cublas), layer.post_norm, eps, quant, pow2)
+            delta = layer.down(
+                fused_ops.silu_mul(layer.gate_up(x, prefill=cublas), quant, pow2), prefill=cublas
+            )
         assert delta is not None
         h = h + delta
         last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=h.device), lengths_P - 1]

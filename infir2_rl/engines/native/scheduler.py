@@ -2,8 +2,9 @@
 
 The loop (``Scheduler.generate``):
 1. Admit: while slots are free and rows wait, take the next request's remaining samples (as many as fit),
-   run the prompts of all admitted requests through one prefill (``Qwen2Runner.prefill``; a prompt's K/V
-   is computed once and copied into each of its rows' slots), and sample each row's first token eagerly.
+   run the prompts of all admitted requests through one prefill (``Qwen2Runner.prefill``, or a CUDA graph
+   of it for small prefills, ``prefill_graphs.py``; a prompt's K/V is computed once and copied into each of
+   its rows' slots), and sample each row's first token eagerly.
    Admission waits until at least 1/8 of the slots are free (or nothing runs), so prefills come in batches.
 2. Decode ``k`` steps with no host synchronisation (``GraphDecoder.step``: CUDA-graph replays), where
    ``k = min(sync_every, fewest tokens any running row may still need)``, so a row that runs to its
@@ -26,6 +27,7 @@ import torch
 from infir2_rl.engines.native.cuda_graphs import DecodeState, GraphDecoder
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.model_runner import Qwen2Runner
+from infir2_rl.engines.native.prefill_graphs import PrefillGraphs
 from infir2_rl.engines.sampling import RowSampling, row_key, sample_tokens
 from infir2_rl.types import FinishReason, GenerateRequest, Sample
 
@@ -59,6 +61,11 @@ class Scheduler:
         self.cache: KVCache | None = None
         self.state: DecodeState | None = None
         self.decoder: GraphDecoder | None = None
+        # Small prefills from CUDA graphs (prefill_graphs.py); off on CPU, under true_on_policy (its own
+        # prefill walk) and once a colocated engine has released its memory (``release``).
+        self.prefill_graphs: PrefillGraphs | None = (
+            PrefillGraphs(runner, pad_token_id) if use_graphs and not runner.true_on_policy else None
+        )
         self.num_decode_steps = 0
         # Work tally (benchmarks split a workload's time with it): prefill calls, their prompt tokens and
         # padded tokens, and decode steps per padded batch size.
@@ -126,9 +133,16 @@ class Scheduler:
             )  # fmt: skip
         return min(fit, self.max_slots)
 
-    def release(self) -> None:
-        """Drop the KV cache, decode state and graphs (weights stay where they are)."""
+    def release(self, colocated: bool = False) -> None:
+        """Drop the KV cache, decode state and decode graphs (weights stay where they are). ``colocated``
+        (the engine gives the GPU to a trainer): the prefill graphs go too, for good (prefill_graphs.py)."""
         self.cache = self.state = self.decoder = None
+        if colocated and self.prefill_graphs is not None:
+            logger.info(
+                "native engine: prefill graphs off (a colocated engine's prefills hide behind decode steps; "
+                "re-capturing them after every release would cost each RL step)"
+            )
+            self.prefill_graphs = None
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -205,7 +219,12 @@ class Scheduler:
         assert self.cache is not None
         self.tally.update(prefills=1, prompts=len(groups), prompt_tokens=sum(lengths),
                           padded_tokens=len(groups) * max(lengths), rows=len(rows))  # fmt: skip
-        logits = self.runner.prefill(ids.to(device), lengths_t, self.cache, slots_t, prompt_of_row)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.bucket(len(groups), max(lengths)) is not None:
+            self.tally.update(graph_prefills=1)
+            logits = graphs.run(ids.to(device), lengths_t, self.cache, slots_t, prompt_of_row)
+        else:
+            logits = self.runner.prefill(ids.to(device), lengths_t, self.cache, slots_t, prompt_of_row)
         params = [r.params for r, _, _ in rows]
         sampling = RowSampling.build(
             temperature=[p.temperature for p in params],

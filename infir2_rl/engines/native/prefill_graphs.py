@@ -1,0 +1,129 @@
+"""Small prefills replayed from CUDA graphs, one per (prompts, length) bucket, so their host work is one replay.
+
+Why: a prefill of a few prompts is host-bound. On an H100 at the 1.5B shape, 2 prompts x 128 tokens took
+16 ms (BF16) and 28-34 ms (FP8) of wall for 4.1 / 4.6 ms of kernels: Triton's launcher alone costs ~50 us
+per kernel and FP8 launches more kernels (docs/performance.md, "Small FP8 prefills"), so FP8 was the slower
+precision exactly where a user runs ``generate`` on a few prompts.
+
+How (``PrefillGraphs.run``): the prompts are padded to a bucket, a power of two of at least 64 positions by a
+power of two of prompts, up to ``max_tokens`` tokens (larger prefills are kernel-bound and run eagerly). Each
+bucket's graph is captured on first use from ``Qwen2Runner.prefill_forward`` over static input buffers (pad
+prompts take the pad token and length 1). Its FP8 GEMMs take the chooser's timed choice at the bucket's M,
+as decode does (cuBLASLt's blockwise kernels are slow at M <= 256). Keys and values go to a staging buffer of
+the graph's own, and after the replay one indexed copy per group of layers puts the real prompts' into
+their rows' slots: the graphs never see the KV cache, so they survive its re-allocation. Replays read the
+weights in place, so weight sync reaches them.
+
+A colocated engine turns them off at its first ``release_memory`` (``Scheduler.release(colocated=True)``):
+there the prefills hide behind the decode steps already queued, and keeping graph memory across releases, or
+re-capturing after each, would cost every RL step. On CPU and under ``true_on_policy`` prefill is eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from infir2_rl.engines.native.kv_cache import KVCache
+from infir2_rl.engines.native.model_runner import Qwen2Runner
+from infir2_rl.graph_capture import capture, warmup_stream
+
+logger = logging.getLogger(__name__)
+
+MIN_LENGTH = 64
+MAX_TOKENS = 2048  # prompts x length of the largest graphed bucket; beyond, the prefill is kernel-bound
+_SCATTER_BYTES = 64 * 2**20  # the indexed K/V copy runs over groups of layers of about this many bytes
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class _Bucket:
+    graph: torch.cuda.CUDAGraph
+    ids: Tensor  # (P, L) prompt ids, right-padded
+    lengths: Tensor  # (P,)
+    kv: Tensor  # (layers, 2, P, KVH, L, D): the staged keys and values
+    logits: Tensor  # (P, V)
+
+
+class PrefillGraphs:
+    """CUDA graphs of the runner's prefill per (prompts, length) bucket (module docstring)."""
+
+    def __init__(self, runner: Qwen2Runner, pad_token_id: int, max_tokens: int = MAX_TOKENS) -> None:
+        self.runner, self.pad_token_id, self.max_tokens = runner, pad_token_id, max_tokens
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capture_s = 0.0
+
+    def bucket(self, num_prompts: int, length: int) -> tuple[int, int] | None:
+        """The (prompts, length) bucket of a prefill, or None when it runs eagerly (too large)."""
+        p, n = _pow2(num_prompts), max(MIN_LENGTH, _pow2(length))
+        if p * n > self.max_tokens or n > self.runner.max_positions:
+            return None
+        return p, n
+
+    def run(
+        self, ids_PL: Tensor, lengths_P: Tensor, cache: KVCache, slots: Tensor, prompt_of_row: Tensor
+    ) -> Tensor:
+        """``Qwen2Runner.prefill`` through the bucket's graph: logits (P, V), valid until the next run."""
+        num_prompts, length = ids_PL.shape
+        key = self.bucket(num_prompts, length)
+        if key is None:
+            raise ValueError(f"a prefill of {num_prompts} x {length} tokens has no graph bucket")
+        b = self.buckets.get(key) or self._capture(*key)
+        b.ids.fill_(self.pad_token_id)
+        b.ids[:num_prompts, :length].copy_(ids_PL)
+        b.lengths.fill_(1)
+        b.lengths[:num_prompts].copy_(lengths_P)
+        b.graph.replay()
+        self._scatter(b.kv, cache, slots, prompt_of_row, length)
+        return b.logits[:num_prompts]
+
+    @staticmethod
+    def _scatter(kv: Tensor, cache: KVCache, slots: Tensor, prompt_of_row: Tensor, length: int) -> None:
+        """Every row's prompt keys and values (positions [0, length)) into its slot, all layers; what
+        ``attention.write_prefill`` does per layer in the eager prefill."""
+        layers = kv.shape[0]
+        per_layer = 2 * prompt_of_row.numel() * kv[0, 0, 0, :, :length].numel() * kv.element_size()
+        step = max(1, _SCATTER_BYTES // max(per_layer, 1))
+        for start in range(0, layers, step):
+            sl = slice(start, min(start + step, layers))
+            cache.buffer[sl, :, slots, :, :length] = kv[sl, :, prompt_of_row, :, :length]
+
+    def _capture(self, num_prompts: int, length: int) -> _Bucket:
+        start = time.perf_counter()
+        r = self.runner
+        device = r.device
+        ids = torch.full((num_prompts, length), self.pad_token_id, dtype=torch.long, device=device)
+        lengths = torch.ones(num_prompts, dtype=torch.long, device=device)
+        shape = (r.num_layers, 2, num_prompts, r.num_kv_heads, length, r.head_dim)
+        kv = torch.empty(shape, dtype=r.dtype, device=device)
+
+        def write_kv(i: int, k: Tensor, v: Tensor) -> None:
+            kv[i, 0].copy_(k)
+            kv[i, 1].copy_(v)
+
+        side = warmup_stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # Triton compiles and FP8 GEMM choices at this M happen here
+            for _ in range(2):
+                r.prefill_forward(ids, lengths, write_kv, choose_gemms=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph, self.pool):
+            logits = r.prefill_forward(ids, lengths, write_kv, choose_gemms=True)
+        torch.cuda.synchronize()
+        bucket = _Bucket(graph, ids, lengths, kv, logits)
+        self.buckets[(num_prompts, length)] = bucket
+        elapsed = time.perf_counter() - start
+        self.capture_s += elapsed
+        logger.info(
+            "captured the prefill graph of %d prompts x %d tokens: %.2f s", num_prompts, length, elapsed
+        )
+        return bucket
