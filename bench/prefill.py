@@ -41,7 +41,14 @@ def profile_call(engine: Any, reqs: list[Any]) -> dict[str, Any]:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = timed_generate(engine, reqs)
-    kernels_ms = sum(us for _, _, us, _ in kernel_times(prof)) / 1e3
+    kernels = kernel_times(prof)
+    kernels_ms = sum(us for _, _, us, _ in kernels) / 1e3
+    by_name: dict[str, list[float]] = {}
+    for name, _, us, _ in kernels:
+        acc = by_name.setdefault(name[:60], [0.0, 0])
+        acc[0] += us / 1e3
+        acc[1] += 1
+    top_kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
     host: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CPU:
@@ -53,6 +60,7 @@ def profile_call(engine: Any, reqs: list[Any]) -> dict[str, Any]:
         "profiled_wall_ms": 1e3 * wall,
         "kernels_ms": kernels_ms,
         "top_host_ops": [{"op": k, "self_ms": v[0], "calls": v[1]} for k, v in top],
+        "top_kernels": [{"kernel": k, "ms": v[0], "calls": v[1]} for k, v in top_kernels],
     }
 
 
@@ -97,6 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true", help="Python profile of one call per engine")
     parser.add_argument("--launch-costs", action="store_true", help="host cost per GEMM call, eager")
+    parser.add_argument("--kernels", action="store_true", help="print each engine's top device kernels")
     parser.add_argument("--eager-too", action="store_true", help="also engines without prefill graphs")
     parser.add_argument("--trace", type=Path, default=None, help="Chrome traces of one call per engine")
     parser.add_argument("--out", type=Path, default=None)
@@ -142,6 +151,9 @@ def main() -> None:
                 f"{o['op']} {o['self_ms']:.1f}/{o['calls']}" for o in row[mode]["top_host_ops"][:6]
             )
             print(f"       {mode} host self ms/calls (profiled): {ops}")
+            if args.kernels:
+                for kern in row[mode]["top_kernels"]:
+                    print(f"         {mode} kernel {kern['ms']:6.3f} ms {kern['calls']:4d}x {kern['kernel']}")
     if args.cprofile:
         import cProfile
         import pstats

@@ -15,8 +15,9 @@ The GEMM (``FusedLinear.__call__``):
 * FP8 on a Hopper GPU (``run_fp8``), the input either BF16 or already FP8 (quantized by its producer in
   ``fused_ops``): per (M, N, K, input kind) the fastest of cuBLASLt ``scaled_mm`` blockwise and the Triton
   kernel of ``fp8_gemm`` in each candidate launch shape, timed once inside a CUDA graph by
-  ``Fp8GemmChooser``, for decode sizes (M <= ``DECODE_MAX_ROWS``); prefill GEMMs (compute-bound; the
-  runner's prefill says so with ``prefill=True``, and any M > ``DECODE_MAX_ROWS``) always take cuBLASLt.
+  ``Fp8GemmChooser``, for decode sizes (M <= ``DECODE_MAX_ROWS``) and the prefill graphs' buckets
+  (``prefill_graphs.py``: a few fixed M); the eager prefill's GEMMs (any M; the runner says so with
+  ``prefill=True``) and any M > ``DECODE_MAX_ROWS`` take cuBLASLt, so no choice is timed per new M.
 """
 
 from __future__ import annotations
