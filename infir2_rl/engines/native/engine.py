@@ -378,7 +378,8 @@ class NativeEngine:
     def release_memory(self) -> None:
         """Colocated GPU: give the GPU memory to the trainer. Graph decode path: free the KV cache, decode
         state and CUDA graphs and keep the weights resident (no copy; the next generate re-allocates and
-        re-captures). Eager path: move the weights to host memory."""
+        re-captures the decode graphs; prefills run eagerly from now on, prefill_graphs.py). Eager path:
+        move the weights to host memory."""
         if self._scheduler is not None:
             with self._lock:
                 self._scheduler.release(colocated=True)
