@@ -59,7 +59,6 @@ class PrefillGraphs:
         self.runner, self.pad_token_id, self.max_tokens = runner, pad_token_id, max_tokens
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.capture_s = 0.0
 
     def bucket(self, num_prompts: int, length: int) -> tuple[int, int] | None:
         """The (prompts, length) bucket of a prefill, or None when it runs eagerly (too large)."""
@@ -121,9 +120,8 @@ class PrefillGraphs:
         torch.cuda.synchronize()
         bucket = _Bucket(graph, ids, lengths, kv, logits)
         self.buckets[(num_prompts, length)] = bucket
-        elapsed = time.perf_counter() - start
-        self.capture_s += elapsed
         logger.info(
-            "captured the prefill graph of %d prompts x %d tokens: %.2f s", num_prompts, length, elapsed
-        )
+            "captured the prefill graph of %d prompts x %d tokens: %.2f s",
+            num_prompts, length, time.perf_counter() - start,
+        )  # fmt: skip
         return bucket
