@@ -1,7 +1,7 @@
 """The engine's FP8 W8A8 decode GEMM kernel against variants of its K loop, in the same launch shapes.
 
     python bench/gemm_variants.py [--batches 16 64 256] [--gemms qkv o gate_up down] [--unroll 1 2 4]
-                                  [--small-bm]
+                                  [--small-bm] [--streamk]
 
 "kuU": the engine's kernel (``fp8_gemm._w8a8_kernel``, producer-quantized input) with U consecutive 128-deep
 K blocks per loop iteration: U loads per row issued together, so each weight row is read in U x 128
@@ -12,6 +12,11 @@ A first variant here (pointer increments, no K/N masks, a scalar weight scale) w
 was dropped. Cold weights (a rotation over copies larger than the L2), CUDA-graph timing as the engine's
 chooser does; prints the best us per call of each kind and its launch shape. ``--small-bm`` adds launch
 shapes with BM 16 and 32 at M > 16 (several row tiles, each re-reading the weight tile from L2).
+
+"sk" (``--streamk``): a stream-K kernel, one run of equal work per program with P = 1..3 programs per SM,
+against the grid's 1.5-2.1 waves of unequal SMs at decode shapes; its FP32 partials are summed per tile in a
+fixed order (so it is deterministic, though not bit-equal to the split-K kernel: checked to 1e-2 of the
+output's scale). It measured 1.2-1.6x slower than the kernel at every decode shape (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -72,6 +77,107 @@ def _ku_kernel(
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _first_program(tile, KB, U, P):
+    """The stream-K program that computes unit ``tile * KB`` (the tile's first K block): p with
+    p * U // P <= u < (p + 1) * U // P is ((u + 1) * P - 1) // U."""
+    return ((tile * KB + 1) * P - 1) // U
+
+
+@triton.jit
+def _sk_unit(u, KB, T, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows, columns and K block of stream-K unit u (tile-major: row tile, column tile, then K)."""
+    tile = u // KB
+    mt = tile // T
+    return mt * BM + tl.arange(0, BM), (tile - mt * T) * BN + tl.arange(0, BN), u - tile * KB
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sk_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, part_ptr, M, N, K, KB, T, U, P, stride_xm, xs_rows,
+    BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Stream-K: the U = row tiles x column tiles x K blocks units of work are cut into P equal runs, one per
+    program (P a multiple of the SM count), so every SM pulls the same number of weight bytes. A run walks
+    its units in order (tile-major, K inside) and stores an FP32 partial at each tile boundary it crosses,
+    in slot (program - the tile's first program); ``_sk_sum_kernel`` adds a tile's partials in slot order.
+    Why: with one program per (tile, K split) the grid is 1.5-2.1 waves of the 132 SMs at decode shapes, so
+    some SMs pull twice the bytes of others while the rest idle."""
+    pid = tl.program_id(0)
+    u0 = pid * U // P
+    u1 = (pid + 1) * U // P
+    kk = tl.arange(0, 128)
+    acc = tl.zeros((BM, BN), tl.float32)
+    if PDL:
+        wait_then_release()
+    rows, cols, kb = _sk_unit(u0, KB, T, BM, BN)  # unit u + 1's scales load during unit u
+    s_x_next = tl.load(xs_ptr + kb * xs_rows + rows, mask=rows < M, other=0.0)
+    s_w_next = tl.load(ws_ptr + (cols // 128) * KB + kb)
+    for u in range(u0, u1):
+        rows, cols, kb = _sk_unit(u, KB, T, BM, BN)
+        row_ok = rows < M
+        s_x, s_w = s_x_next, s_w_next
+        more = u + 1 < u1
+        rows_n, cols_n, kb_n = _sk_unit(u + 1, KB, T, BM, BN)
+        s_x_next = tl.load(xs_ptr + kb_n * xs_rows + rows_n, mask=(rows_n < M) & more, other=0.0)
+        s_w_next = tl.load(ws_ptr + (cols_n // 128) * KB + kb_n, mask=more & (cols_n < N), other=0.0)
+        ks = kb * 128 + kk
+        q = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0
+        )
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None])
+        acc += tl.dot(q, w) * s_x[:, None] * s_w[None, :]
+        if (kb == KB - 1) | (u == u1 - 1):
+            slot = pid - _first_program(u // KB, KB, U, P)
+            offs = (slot * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(part_ptr + offs, acc, mask=row_ok[:, None])
+            acc = tl.zeros((BM, BN), tl.float32)
+
+
+@triton.jit
+def _sk_sum_kernel(
+    part_ptr, y_ptr, M, N, KB, T, U, P,
+    BM: tl.constexpr, BN: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """y = the sum of each tile's stream-K partials in slot order, cast to y's dtype."""
+    if PDL:
+        wait_then_release()
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    r = (offs // N).to(tl.int32)
+    c = (offs % N).to(tl.int32)
+    tile = (r // BM) * T + c // BN
+    first = _first_program(tile, KB, U, P)
+    last = (((tile + 1) * KB) * P - 1) // U
+    count = last - first + 1
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(SLOTS):
+        acc += tl.load(part_ptr + j * M * N + offs, mask=mask & (j < count), other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def streamk(q, s_t, m, w, s, bm: int, bn: int, per_sm: int, warps: int, stages: int):
+    """Launch the stream-K kernel with ``per_sm`` programs per SM (capped at one unit each) and its sum."""
+    n, k = w.shape
+    kb = k // 128
+    t = n // bn
+    u = triton.cdiv(m, bm) * t * kb
+    p = min(u, per_sm * torch.cuda.get_device_properties(q.device).multi_processor_count)
+    slots = triton.cdiv(kb, u // p) + 1  # a tile has KB units, a run at least U // P of them
+    part = torch.empty(slots, m, n, dtype=torch.float32, device=q.device)
+    launch = pdl.launch_kwargs(q.device)
+    _sk_kernel[(p,)](
+        q, s_t, w, s, part, m, n, k, kb, t, u, p, q.stride(0), s_t.shape[1],
+        BM=bm, BN=bn, num_warps=warps, num_stages=stages, **launch,
+    )  # fmt: skip
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    _sk_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        part, out, m, n, kb, t, u, p, BM=bm, BN=bn, SLOTS=triton.next_power_of_2(slots), BLOCK=1024,
+        num_warps=4, **launch,
+    )  # fmt: skip
+    return out
+
+
 def ku(
     q: torch.Tensor,
     s_t: torch.Tensor,
@@ -91,10 +197,9 @@ def ku(
     y = torch.empty((split, m, n) if split > 1 else (m, n), device=q.device,
                     dtype=torch.float32 if split > 1 else torch.bfloat16)  # fmt: skip
     launch = pdl.launch_kwargs(q.device)
-    _ku_kernel[grid](
-        q, s_t, w, s, y, m, n, k, kb, per, q.stride(0), s_t.shape[1],
-        SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, KU=unroll, num_warps=cfg.warps, num_stages=cfg.stages, **launch,
-    )  # fmt: skip
+    args = (q, s_t, w, s, y, m, n, k, kb, per, q.stride(0), s_t.shape[1])
+    _ku_kernel[grid](*args, SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, KU=unroll, num_warps=cfg.warps,
+                     num_stages=cfg.stages, **launch)  # fmt: skip
     if split == 1:
         return y
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
@@ -115,6 +220,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--gemms", nargs="+", default=[g for g, _, _ in SHAPES])
     parser.add_argument("--unroll", type=int, nargs="*", default=[1, 2, 4], help="K blocks per iteration")
+    parser.add_argument("--streamk", action="store_true", help="also the stream-K kernel (sk)")
     parser.add_argument("--small-bm", action="store_true", help="also BM 16 and 32 tiles where M > 16")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -158,6 +264,31 @@ def main() -> None:
                         best[kind] = (us, str(cfg))
                     if not same:
                         print(f"  {name} M {m} {cfg} {kind}: NOT bit-equal to v1")
+            ref = v1(qp, sp, m, wq, ws, fp8_gemm.candidates(m)[0])
+            for bn, per_sm, warps, stages in (
+                [(bn, c, 4, st) for bn in (32, 64, 128) for c in (1, 2, 3) for st in (3, 4)]
+                if args.streamk
+                else []
+            ):
+                bm = 16 if m <= 16 else 64
+                cfg = f"sk bm{bm} bn{bn} {per_sm}/SM w{warps} s{stages}"
+                try:
+                    out = streamk(qp, sp, m, wq, ws, bm, bn, per_sm, warps, stages)
+                    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    us = 1e3 * Fp8GemmChooser._time(
+                        [functools.partial(streamk, qp, sp, m, wc, sc, bm, bn, per_sm, warps, stages)
+                         for wc, sc in copies],
+                        calls=20,
+                        replays=7,
+                    )  # fmt: skip
+                except Exception as exc:
+                    print(f"  {name} M {m} {cfg}: failed ({str(exc).splitlines()[0][:80]})")
+                    continue
+                if err > 1e-2:
+                    print(f"  {name} M {m} {cfg}: WRONG, max rel err {err:.2e}")
+                    continue
+                if "sk" not in best or us < best["sk"][0]:
+                    best["sk"] = (us, cfg)
             floor = n * k / 3.35e12 * 1e6
             line = "  ".join(f"{kind} {us:6.2f} [{cfg}]" for kind, (us, cfg) in best.items())
             print(f"{name:8s} M {m:4d} floor {floor:4.1f}: {line}", flush=True)

@@ -95,15 +95,26 @@ if _HAVE_TRITON:
         acc = tl.zeros((BM, BN), tl.float32)
         kb_start = pid_k * kb_per_split
         kb_end = tl.minimum(kb_start + kb_per_split, KB)
+        ws_row = ws_ptr + (cols // 128) * KB
         if PDL:
             wait_then_release()
+        # The scales of K block kb + 1 load during block kb. Triton pipelines the FP8 tile loads (they reach
+        # the dot through shared memory) but not these register loads, so each iteration would otherwise wait
+        # for them after its tensor-core product (bench/gemm_variants.py: 6-8% at M 64).
+        s_w_next = tl.load(ws_row + kb_start, mask=cols < N, other=0.0)
+        if PREQUANT:
+            s_x_next = tl.load(xs_ptr + kb_start * xs_rows + rows, mask=rows < M, other=0.0)
         for kb in range(kb_start, kb_end):
+            more = kb + 1 < kb_end
+            s_w = s_w_next
+            s_w_next = tl.load(ws_row + kb + 1, mask=(cols < N) & more, other=0.0)
             ks = kb * 128 + kk
             x_mask = (rows[:, None] < M) & (ks[None, :] < K)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=x_mask, other=0.0)
             if PREQUANT:  # FP8 rows quantized by the producer (fused_ops), scales (Kb, rows) K-block-major
                 q = x
-                s_x = tl.load(xs_ptr + kb * xs_rows + rows, mask=rows < M, other=0.0)
+                s_x = s_x_next
+                s_x_next = tl.load(xs_ptr + (kb + 1) * xs_rows + rows, mask=(rows < M) & more, other=0.0)
             else:
                 x = x.to(tl.float32)
                 ax = tl.abs(x)
@@ -112,7 +123,6 @@ if _HAVE_TRITON:
                 q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
             w_mask = (cols[None, :] < N) & (ks[:, None] < K)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
-            s_w = tl.load(ws_ptr + (cols // 128) * KB + kb, mask=cols < N, other=0.0)
             acc += tl.dot(q, w) * s_x[:, None] * s_w[None, :]
         out_mask = (rows[:, None] < M) & (cols[None, :] < N)
         if SPLIT != 0:
