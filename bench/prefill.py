@@ -1,7 +1,7 @@
 """Prefill of the native engine, BF16 vs FP8: wall time against device kernel time, and where the host spends it.
 
     python bench/prefill.py [--prompts 2 4 16 64] [--prompt-len 128] [--repeats 5] [--cprofile] [--launch-costs]
-                            [--eager-too] [--trace DIR] [--out PATH]
+                            [--eager-too] [--trace DIR] [--replays N] [--out PATH]
 
 Why: ``bench/rollout.py`` showed the FP8 engine's prefill of 16 prompts x 128 tokens at 33.5 ms against
 BF16's 21.1 ms, while from 64 prompts on FP8 is the faster (H100, docs/performance.md), and the RL-shaped
@@ -17,7 +17,10 @@ microseconds per call, which for kernels this small is the host cost of a call. 
 Chrome trace (torch profiler, CPU and CUDA) of one call per engine at the smallest prompt count, to read
 where the host's wall goes between ops (chrome://tracing or Perfetto). Prefills of up to
 ``prefill_graphs.MAX_TOKENS`` tokens replay CUDA graphs (``engines/native/prefill_graphs.py``);
-``--eager-too`` also times two more engines with them off, in the same process.
+``--eager-too`` also times two more engines with them off, in the same process. ``--replays N`` times N
+bare replays of each engine's prefill graph per prompt count: host microseconds inside ``graph.replay()``
+(the launch), device time between events around it, and wall to a synchronize, to split a graphed prefill's
+wall into the launch, the kernels and the rest of ``generate``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,27 @@ def profile_call(engine: Any, reqs: list[Any]) -> dict[str, Any]:
     }
 
 
+def replay_costs(engine: Any, prompts: int, length: int, n: int) -> dict[str, float]:
+    """Median host us inside ``replay()``, device us between events around it, wall us to a sync."""
+    graphs = engine._scheduler.prefill_graphs
+    bucket = graphs.buckets[graphs.bucket(prompts, length)]
+    host, device, wall = [], [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        bucket.graph.replay()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        t2 = time.perf_counter()
+        host.append(1e6 * (t1 - t0))
+        device.append(1e3 * start.elapsed_time(end))
+        wall.append(1e6 * (t2 - t0))
+    return {k: statistics.median(v) for k, v in (("host_us", host), ("device_us", device), ("wall_us", wall))}
+
+
 def launch_costs(calls: int = 200) -> None:
     import torch.nn.functional as F
 
@@ -108,6 +132,7 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="print each engine's top device kernels")
     parser.add_argument("--eager-too", action="store_true", help="also engines without prefill graphs")
     parser.add_argument("--trace", type=Path, default=None, help="Chrome traces of one call per engine")
+    parser.add_argument("--replays", type=int, default=0, help="time N bare replays of each prefill graph")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -154,6 +179,13 @@ def main() -> None:
             if args.kernels:
                 for kern in row[mode]["top_kernels"]:
                     print(f"         {mode} kernel {kern['ms']:6.3f} ms {kern['calls']:4d}x {kern['kernel']}")
+            graphs = engines[mode]._scheduler.prefill_graphs
+            if args.replays and graphs is not None and graphs.bucket(p, args.prompt_len) is not None:
+                r = row[mode]["replay"] = replay_costs(engines[mode], p, args.prompt_len, args.replays)
+                print(
+                    f"       {mode} graph replay alone (median of {args.replays}): launch {r['host_us']:.0f} us "
+                    f"on the host, {r['device_us']:.0f} us between events, {r['wall_us']:.0f} us to a sync"
+                )
     if args.cprofile:
         import cProfile
         import pstats
