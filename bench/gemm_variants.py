@@ -3,8 +3,8 @@
     python bench/gemm_variants.py [--batches 16 64 256] [--gemms qkv o gate_up down] [--unroll 1 2 4]
                                   [--small-bm] [--streamk]
 
-"kuU": the engine's kernel (``fp8_gemm._w8a8_kernel``, producer-quantized input) with U consecutive 128-deep
-K blocks per loop iteration: U loads per row issued together, so each weight row is read in U x 128
+"kuU": the engine's kernel (``fp8_gemm._w8a8_kernel``, producer-quantized input) as it was before its scale
+loads were issued a K block ahead (session 19), with U consecutive 128-deep K blocks per loop iteration: U loads per row issued together, so each weight row is read in U x 128
 contiguous bytes, still promoted to FP32 one block at a time in K order, so the output must equal the
 engine's bit for bit (checked). Why: at M = 64 the kernel pulls the down projection's weights at 38% of
 DRAM bandwidth (Nsight Compute, ``bench/gemm_ncu.py``) with 128-byte reads from 64 rows 8,960 bytes apart.
