@@ -239,6 +239,62 @@ def test_fused_fp8_gemm_equals_the_emulated_w8a8_linear(m: int) -> None:
         assert float((out.double() - ref).norm() / ref.norm()) < 5e-4, ("prequantized", cfg)
 
 
+def test_split_partials_are_summed_as_the_sum_kernel_sums_them() -> None:
+    from infir2_rl.engines.native import fused_ops
+
+    gen = torch.Generator().manual_seed(0)
+    part = torch.randn(3, 4, 256, generator=gen)
+    partials = fused_ops.SplitPartials(part, torch.bfloat16)
+    assert torch.equal(partials.total(), ((0.0 + part[0]) + part[1] + part[2]).to(torch.bfloat16))
+    h0 = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    weight = torch.rand(256, generator=gen).to(torch.bfloat16)
+    h1, h2 = h0.clone(), h0.clone()
+    out1 = fused_ops.add_rms_norm(h1, partials.total(), weight, 1e-6)
+    out2 = fused_ops.add_rms_norm(h2, partials, weight, 1e-6)
+    assert torch.equal(h1, h2) and isinstance(out1, torch.Tensor) and isinstance(out2, torch.Tensor)
+    assert torch.equal(out1, out2)
+    with pytest.raises(ValueError, match="cannot be added"):
+        fused_ops.add_rms_norm(h0.float(), partials, weight.float(), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("m", [5, 64])
+def test_norm_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: int, quant: bool) -> None:
+    """o_proj's and down_proj's split-K partials go unsummed to the add+RMSNorm after them (decode): its
+    residual and output (BF16 or FP8 codes and scales) must equal those after the GEMM's own sum kernel."""
+    from infir2_rl.engines.native import fp8_gemm, fused_ops
+    from infir2_rl.fp8.quant import quantize_activation, quantize_weight_blockwise
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    e, k = 1536, 8960  # down_proj of the 1.5B shape
+    w_fp8, scale = quantize_weight_blockwise(torch.randn(e, k, device="cuda", generator=gen) * 0.02)
+    x_fp8, x_scale = quantize_activation(torch.randn(m, k, device="cuda", generator=gen))
+    rows = -(-m // 16) * 16
+    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
+    q_pad[:m] = x_fp8
+    s_pad = torch.ones(x_scale.shape[1], rows, device="cuda")
+    s_pad[:, :m] = x_scale.t()
+    h0 = torch.randn(m, e, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.rand(e, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    for cfg in (fp8_gemm.GemmConfig(64, 64, 8), fp8_gemm.GemmConfig(64, 32, 4)):
+        args = (q_pad, w_fp8, scale, None, cfg, False, s_pad, m, torch.bfloat16)
+        summed = fp8_gemm.w8a8_fused(*args)
+        partials = fp8_gemm.w8a8_fused(*args, defer_sum=True)
+        assert isinstance(partials, fused_ops.SplitPartials) and partials.part.shape[0] == cfg.split_k
+        h1, h2 = h0.clone(), h0.clone()
+        out1 = fused_ops.add_rms_norm(h1, summed, weight, 1e-6, quant)
+        out2 = fused_ops.add_rms_norm(h2, partials, weight, 1e-6, quant)
+        assert torch.equal(h1, h2), cfg
+        if quant:
+            assert isinstance(out1, fused_ops.QuantizedRows) and isinstance(out2, fused_ops.QuantizedRows)
+            assert torch.equal(out1.q.view(torch.uint8), out2.q.view(torch.uint8)), cfg
+            assert torch.equal(out1.s_t, out2.s_t), cfg
+        else:
+            assert isinstance(out1, torch.Tensor) and isinstance(out2, torch.Tensor)
+            assert torch.equal(out1, out2), cfg
+
+
 @pytest.mark.gpu
 def test_fp8_gemm_pipelines_its_tile_loads() -> None:
     """The decode GEMM is bound by how many weight bytes are in flight, and Triton turns its FP8 tile loads

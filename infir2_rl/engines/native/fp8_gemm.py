@@ -24,9 +24,12 @@ Which config (or cuBLASLt) runs at a given (M, N, K) is chosen by timing them (`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
+
+from infir2_rl.engines.native.fused_ops import SplitPartials
 
 try:
     import triton
@@ -152,6 +155,36 @@ if _HAVE_TRITON:
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@overload
+def w8a8_fused(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale_inv: Tensor,
+    bias: Tensor | None,
+    cfg: GemmConfig,
+    pow2_scales: bool = ...,
+    x_scale_t: Tensor | None = ...,
+    rows: int | None = ...,
+    out_dtype: torch.dtype | None = ...,
+    defer_sum: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def w8a8_fused(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale_inv: Tensor,
+    bias: Tensor | None,
+    cfg: GemmConfig,
+    pow2_scales: bool = ...,
+    x_scale_t: Tensor | None = ...,
+    rows: int | None = ...,
+    out_dtype: torch.dtype | None = ...,
+    defer_sum: bool = ...,
+) -> Tensor | SplitPartials: ...
+
+
 def w8a8_fused(
     x: Tensor,
     w_fp8: Tensor,
@@ -162,11 +195,14 @@ def w8a8_fused(
     x_scale_t: Tensor | None = None,
     rows: int | None = None,
     out_dtype: torch.dtype | None = None,
-) -> Tensor:
+    defer_sum: bool = False,
+) -> Tensor | SplitPartials:
     """``quant(x) @ W^T (+ bias)`` for x (M, K) BF16 with unit last stride -> (M, N) in x's dtype.
 
     With ``x_scale_t`` x is already FP8 (M_pad, K) with scales (Kb, M_pad) (``fused_ops.QuantizedRows``);
-    then ``rows`` is the real row count M and ``out_dtype`` the output dtype."""
+    then ``rows`` is the real row count M and ``out_dtype`` the output dtype. ``defer_sum``: a split-K
+    launch without bias returns its partials unsummed (``SplitPartials``) for a consumer that sums them
+    (``fused_ops.add_rms_norm``), which saves the sum kernel's launch."""
     prequant = x_scale_t is not None
     m, k = (rows if rows is not None else x.shape[0]), x.shape[1]
     dtype = out_dtype if out_dtype is not None else x.dtype
@@ -190,6 +226,8 @@ def w8a8_fused(
     )  # fmt: skip
     if split == 1:
         return y
+    if defer_sum and bias is None:
+        return SplitPartials(y, dtype)
     out = torch.empty(m, n, dtype=dtype, device=x.device)
     block = 1024
     _split_sum_kernel[(triton.cdiv(m * n, block),)](

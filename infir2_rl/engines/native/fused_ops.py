@@ -52,6 +52,23 @@ class QuantizedRows:
     m: int
 
 
+@dataclass
+class SplitPartials:
+    """A split-K GEMM's FP32 partial products ``part`` (split, M, N), not yet summed (``fp8_gemm.w8a8_fused``
+    with ``defer_sum``): ``add_rms_norm`` sums them as the GEMM's sum kernel would (in split order, from
+    zero, rounded to ``dtype``), so the result has the same bits and the decode step one launch fewer."""
+
+    part: Tensor
+    dtype: torch.dtype
+
+    def total(self) -> Tensor:
+        """The sum kernel's result, in torch."""
+        acc = torch.zeros_like(self.part[0])
+        for p in self.part:
+            acc += p
+        return acc.to(self.dtype)
+
+
 def use_triton(x: Tensor) -> bool:
     return _HAVE_TRITON and x.is_cuda
 
@@ -95,8 +112,8 @@ if _HAVE_TRITON:
     @triton.jit
     def _add_rms_norm_kernel(
         h_ptr, d_ptr, w_ptr, out_ptr, q_ptr, s_ptr, M, E, rows_pad, eps,
-        HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr,
-        PDL: tl.constexpr,
+        HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+        TILES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:
             wait_then_release()
@@ -109,7 +126,14 @@ if _HAVE_TRITON:
         offs = row.to(tl.int64) * E + cols
         x = tl.load(h_ptr + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            if SPLIT > 0:  # SplitPartials: fp8_gemm._split_sum_kernel's sum and rounding, here
+                d = tl.zeros((TILES, 128), tl.float32)
+                for sp in tl.static_range(SPLIT):
+                    d += tl.load(d_ptr + sp * M * E + offs, mask=mask, other=0.0)
+                d = d.to(x.dtype).to(tl.float32)
+            else:
+                d = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + d).to(x.dtype)
             tl.store(h_ptr + offs, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / E
@@ -190,7 +214,7 @@ def quant_buffers(m: int, k: int, device: torch.device) -> QuantizedRows:
 
 def add_rms_norm(
     h: Tensor,
-    delta: Tensor | None,
+    delta: Tensor | SplitPartials | None,
     weight: Tensor,
     eps: float,
     quant: bool = False,
@@ -200,11 +224,17 @@ def add_rms_norm(
     """``h += delta`` (in place, if given), then RMSNorm(h) * weight; FP8 rows when ``quant``. h (M, E).
     One program per row of ``num_warps`` warps, by default 16 when quantizing and 8 otherwise: against 4,
     3.73 -> 2.13 and 1.41 -> 1.37 us per call at the 1.5B shape and batch 64 (H100,
-    bench/decode_elementwise.py). The warps set the order of the FP32 mean, so one setting per mode."""
+    bench/decode_elementwise.py). The warps set the order of the FP32 mean, so one setting per mode.
+    ``delta`` may be a split-K GEMM's unsummed partials (``SplitPartials``), summed here."""
+    if isinstance(delta, SplitPartials) and delta.dtype != h.dtype:
+        raise ValueError(f"partials rounded to {delta.dtype} cannot be added to {h.dtype} rows")
     if not use_triton(h):
         if delta is not None:
-            h.copy_(h + delta)
+            h.copy_(h + (delta.total() if isinstance(delta, SplitPartials) else delta))
         return rms_norm_torch(h, weight, eps)
+    split = 0
+    if isinstance(delta, SplitPartials):
+        split, delta = delta.part.shape[0], delta.part
     m, e = h.shape
     num_warps = num_warps if num_warps is not None else 16 if quant else 8
     out = torch.empty_like(h) if not quant else h
@@ -212,8 +242,8 @@ def add_rms_norm(
     _add_rms_norm_kernel[(qr.q.shape[0] if qr else m,)](
         h, delta if delta is not None else h, weight, out,
         qr.q if qr else h, qr.s_t if qr else h, m, e, qr.q.shape[0] if qr else 0, eps,
-        HAS_DELTA=delta is not None, QUANT=quant, POW2=pow2, TILES=triton.next_power_of_2(-(-e // 128)),
-        num_warps=num_warps, **pdl.launch_kwargs(h.device),
+        HAS_DELTA=delta is not None, SPLIT=split, QUANT=quant, POW2=pow2,
+        TILES=triton.next_power_of_2(-(-e // 128)), num_warps=num_warps, **pdl.launch_kwargs(h.device),
     )  # fmt: skip
     return qr if qr is not None else out
 

@@ -26,13 +26,14 @@ import functools
 import logging
 import statistics
 from collections.abc import Callable
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infir2_rl.engines.native import fp8_gemm
-from infir2_rl.engines.native.fused_ops import QuantizedRows
+from infir2_rl.engines.native.fused_ops import QuantizedRows, SplitPartials
 from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.linear import Fp8InferenceLinear
@@ -53,11 +54,45 @@ Choice = str | fp8_gemm.GemmConfig
 Activation = Tensor | QuantizedRows
 
 
+@overload
 def run_fp8(
-    choice: Choice, x: Activation, w: Tensor, s: Tensor, bias: Tensor | None, pow2: bool, dtype: torch.dtype
-) -> Tensor:
+    choice: Choice,
+    x: Activation,
+    w: Tensor,
+    s: Tensor,
+    bias: Tensor | None,
+    pow2: bool,
+    dtype: torch.dtype,
+    defer_sum: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def run_fp8(
+    choice: Choice,
+    x: Activation,
+    w: Tensor,
+    s: Tensor,
+    bias: Tensor | None,
+    pow2: bool,
+    dtype: torch.dtype,
+    defer_sum: bool = ...,
+) -> Tensor | SplitPartials: ...
+
+
+def run_fp8(
+    choice: Choice,
+    x: Activation,
+    w: Tensor,
+    s: Tensor,
+    bias: Tensor | None,
+    pow2: bool,
+    dtype: torch.dtype,
+    defer_sum: bool = False,
+) -> Tensor | SplitPartials:
     """One W8A8 GEMM by ``choice``: cuBLASLt ``scaled_mm`` (after the quantize kernel unless x is already
-    FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8)."""
+    FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8). ``defer_sum``:
+    a split-K Triton launch may return its partials (``fp8_gemm.w8a8_fused``)."""
     if choice == _CUBLAS:
         if isinstance(x, QuantizedRows):
             q, s_t, m = x.q, x.s_t, x.m
@@ -67,8 +102,8 @@ def run_fp8(
         return y if bias is None else y + bias
     assert isinstance(choice, fp8_gemm.GemmConfig)
     if isinstance(x, QuantizedRows):
-        return fp8_gemm.w8a8_fused(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype)
-    return fp8_gemm.w8a8_fused(x, w, s, bias, choice, pow2)
+        return fp8_gemm.w8a8_fused(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype, defer_sum)
+    return fp8_gemm.w8a8_fused(x, w, s, bias, choice, pow2, defer_sum=defer_sum)
 
 
 class Fp8GemmChooser:
@@ -232,6 +267,17 @@ class FusedLinear:
         arrive already quantized by its producer, ``fused_ops.QuantizedRows``). ``prefill``: an FP8 GEMM
         on the fast path takes cuBLASLt whatever M (prompt sizes vary, and cuBLASLt won every prefill shape
         timed, M 96..16,384), so no choice is timed per new M."""
+        out = self._forward(x, prefill, False)
+        assert isinstance(out, Tensor)
+        return out
+
+    def deferred(self, x: Activation) -> Tensor | SplitPartials:
+        """``self(x)`` for a caller that hands the output to ``fused_ops.add_rms_norm``, which sums a
+        split-K launch's partials itself (``fused_ops.SplitPartials``): the decode step's o_proj and
+        down_proj save the sum kernel's launch."""
+        return self._forward(x, False, True)
+
+    def _forward(self, x: Activation, prefill: bool, defer_sum: bool) -> Tensor | SplitPartials:
         if self.invariant:
             return self._invariant(x)
         if not self.fp8:
@@ -245,7 +291,7 @@ class FusedLinear:
         if prefill or rows > DECODE_MAX_ROWS or self.chooser is None:  # compute-bound: cuBLASLt's large tiles
             return run_fp8(_CUBLAS, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
         choice = self.chooser.pick(x, self.weight, self.scale, self.bias, self.out_dtype)
-        return run_fp8(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
+        return run_fp8(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype, defer_sum)
 
     def _invariant(self, x: Activation) -> Tensor:
         from infir2_rl.models import invariant_ops

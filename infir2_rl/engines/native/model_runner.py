@@ -198,7 +198,8 @@ class Qwen2Runner:
         quant_attn = quant and self.quant_attention
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
-        delta: Tensor | None = None
+        # o_proj's and down_proj's split-K partials are summed by the add+RMSNorm after them
+        delta: Tensor | fused_ops.SplitPartials | None = None
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2)
             q = fused_ops.rope_write_kv(
@@ -213,8 +214,8 @@ class Qwen2Runner:
                 a = attention.decode(
                     q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
                 )
-            x = fused_ops.add_rms_norm(h, layer.o(a), layer.post_norm, eps, quant, pow2)
-            delta = layer.down(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
+            x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2)
+            delta = layer.down.deferred(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
         return inv_ops.mm(x, self.lm_head) if invariant_ else F.linear(x, self.lm_head)
