@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infir2_rl.engines.native import fp8_gemm  # noqa: E402
 from infir2_rl.engines.native.fused_ops import QuantizedRows  # noqa: E402
-from infir2_rl.engines.native.linears import Fp8GemmChooser, run_fp8  # noqa: E402
+from infir2_rl.engines.native.linears import Choice, Fp8GemmChooser, run_fp8  # noqa: E402
 from infir2_rl.fp8 import quant_triton  # noqa: E402
 from infir2_rl.fp8.quant import quantize_weight_blockwise  # noqa: E402
 
@@ -46,13 +46,13 @@ def main() -> None:
     sp[:, : args.m] = s_t
     rows = QuantizedRows(qp, sp, args.m)
     if args.config:
-        choice: object = fp8_gemm.GemmConfig(*map(int, args.config.split(",")))
+        choice: Choice = fp8_gemm.GemmConfig(*map(int, args.config.split(",")))
     else:
         choice = Fp8GemmChooser(False).pick(rows, wq, ws, None, torch.bfloat16)
     print(f"{args.gemm} M {args.m} N {n} K {k}: {choice}")
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
     for name, fn in (
-        ("fp8", lambda: run_fp8(choice, rows, wq, ws, None, False, torch.bfloat16)),  # type: ignore[arg-type]
+        ("fp8", lambda: run_fp8(choice, rows, wq, ws, None, False, torch.bfloat16)),
         ("bf16", lambda: F.linear(x, w)),
     ):
         fn()

@@ -271,7 +271,7 @@ def main() -> None:
                 else []
             ):
                 bm = 16 if m <= 16 else 64
-                cfg = f"sk bm{bm} bn{bn} {per_sm}/SM w{warps} s{stages}"
+                label = f"sk bm{bm} bn{bn} {per_sm}/SM w{warps} s{stages}"
                 try:
                     out = streamk(qp, sp, m, wq, ws, bm, bn, per_sm, warps, stages)
                     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -282,15 +282,15 @@ def main() -> None:
                         replays=7,
                     )  # fmt: skip
                 except Exception as exc:
-                    print(f"  {name} M {m} {cfg}: failed ({str(exc).splitlines()[0][:80]})")
+                    print(f"  {name} M {m} {label}: failed ({str(exc).splitlines()[0][:80]})")
                     continue
                 if err > 1e-2:
-                    print(f"  {name} M {m} {cfg}: WRONG, max rel err {err:.2e}")
+                    print(f"  {name} M {m} {label}: WRONG, max rel err {err:.2e}")
                     continue
                 if "sk" not in best or us < best["sk"][0]:
-                    best["sk"] = (us, cfg)
+                    best["sk"] = (us, label)
             floor = n * k / 3.35e12 * 1e6
-            line = "  ".join(f"{kind} {us:6.2f} [{cfg}]" for kind, (us, cfg) in best.items())
+            line = "  ".join(f"{kind} {us:6.2f} [{shape}]" for kind, (us, shape) in best.items())
             print(f"{name:8s} M {m:4d} floor {floor:4.1f}: {line}", flush=True)
 
 
