@@ -16,8 +16,10 @@ block on the tensor cores, and adds ``dot * s_x[row] * s_w[block]`` to an FP32 a
 quantizes the activations of its rows again; they are tiny and come from L2.
 
 Split-K (``split_k > 1``): the K blocks are divided among ``split_k`` programs per tile, which write FP32
-partials summed afterwards (``_split_sum_kernel``: sum, bias and cast in one launch): needed when N / BN tiles alone are too few programs to
-pull the weights at full bandwidth (o_proj and down_proj of a 1.5B model have only 24 tiles of 64 rows).
+partials summed afterwards (``_split_sum_kernel``: sum, bias and cast in one launch): needed when N / BN tiles
+alone are too few programs to pull the weights at full bandwidth (o_proj and down_proj of a 1.5B model have
+only 24 tiles of 64 rows). In decode, o_proj's and down_proj's partials skip that kernel: the add+RMSNorm
+after them sums them in the same order (``defer_sum``, ``fused_ops.SplitPartials``).
 Which config (or cuBLASLt) runs at a given (M, N, K) is chosen by timing them (``linears.Fp8GemmChooser``).
 """
 
