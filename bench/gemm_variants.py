@@ -1,7 +1,7 @@
 """The engine's FP8 W8A8 decode GEMM kernel against variants of its K loop, in the same launch shapes.
 
     python bench/gemm_variants.py [--batches 16 64 256] [--gemms qkv o gate_up down] [--unroll 1 2 4]
-                                  [--small-bm] [--streamk]
+                                  [--small-bm] [--streamk] [--ws]
 
 "kuU": the engine's kernel (``fp8_gemm._w8a8_kernel``, producer-quantized input) as it was before its scale
 loads were issued a K block ahead (session 19), with U consecutive 128-deep K blocks per loop iteration: U loads per row issued together, so each weight row is read in U x 128
@@ -17,6 +17,10 @@ shapes with BM 16 and 32 at M > 16 (several row tiles, each re-reading the weigh
 against the grid's 1.5-2.1 waves of unequal SMs at decode shapes; its FP32 partials are summed per tile in a
 fixed order (so it is deterministic, though not bit-equal to the split-K kernel: checked to 1e-2 of the
 output's scale). It measured 1.2-1.6x slower than the kernel at every decode shape (docs/performance.md).
+
+"ws" (``--ws``): the kernel with TMA tile loads and ``tl.range(..., warp_specialize=True)``, so a producer
+warp group keeps tiles in flight while the consumers promote. It compiles for sm_90 (Triton 3.6: a TMA
+producer and two consumer warp groups, 12 warps); it had not run on a GPU when it was written (session 19).
 """
 
 from __future__ import annotations
@@ -156,6 +160,63 @@ def _sk_sum_kernel(
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _ws_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, kb_per_split, xs_rows,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The engine's kernel with TMA tile loads and Triton's warp specialization: a producer warp group keeps
+    ``STAGES`` tiles in flight whatever the consumers' FP32 promotion is doing (in the kernel, each warp both
+    loads and promotes)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, 128])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, 128])
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    acc = tl.zeros((BM, BN), tl.float32)
+    kb_start = pid_k * kb_per_split
+    kb_end = tl.minimum(kb_start + kb_per_split, KB)
+    if PDL:
+        wait_then_release()
+    for kb in tl.range(kb_start, kb_end, num_stages=STAGES, warp_specialize=True):
+        q = x_desc.load([pid_m * BM, kb * 128])
+        w = w_desc.load([pid_n * BN, kb * 128])
+        s_x = tl.load(xs_ptr + kb * xs_rows + rows, mask=row_ok, other=0.0)
+        s_w = tl.load(ws_ptr + (cols // 128) * KB + kb)
+        acc += tl.dot(q, w.T) * s_x[:, None] * s_w[None, :]
+    if SPLIT:
+        offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(y_ptr + offs, acc, mask=row_ok[:, None])
+    else:
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def ws(q, s_t, m, w, s, cfg: fp8_gemm.GemmConfig):
+    """Launch the warp-specialized TMA kernel (``--ws``) in ``cfg``'s tile, split-K and stages."""
+    n, k = w.shape
+    kb = k // 128
+    split = min(cfg.split_k, kb)
+    per = triton.cdiv(kb, split)
+    split = triton.cdiv(kb, per)
+    y = torch.empty((split, m, n) if split > 1 else (m, n), device=q.device,
+                    dtype=torch.float32 if split > 1 else torch.bfloat16)  # fmt: skip
+    launch = pdl.launch_kwargs(q.device)
+    grid = (triton.cdiv(m, cfg.bm), n // cfg.bn, split)
+    _ws_kernel[grid](
+        q, s_t, w, s, y, m, n, k, kb, per, s_t.shape[1],
+        SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, STAGES=cfg.stages, num_warps=4, **launch,
+    )  # fmt: skip
+    if split == 1:
+        return y
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    fp8_gemm._split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+        y, y, out, m * n, n, SPLIT=split, HAS_BIAS=False, BLOCK=1024, num_warps=4, **launch
+    )
+    return out
+
+
 def streamk(q, s_t, m, w, s, bm: int, bn: int, per_sm: int, warps: int, stages: int):
     """Launch the stream-K kernel with ``per_sm`` programs per SM (capped at one unit each) and its sum."""
     n, k = w.shape
@@ -221,11 +282,14 @@ def main() -> None:
     parser.add_argument("--gemms", nargs="+", default=[g for g, _, _ in SHAPES])
     parser.add_argument("--unroll", type=int, nargs="*", default=[1, 2, 4], help="K blocks per iteration")
     parser.add_argument("--streamk", action="store_true", help="also the stream-K kernel (sk)")
+    parser.add_argument("--ws", action="store_true", help="also the warp-specialized TMA kernel (ws)")
     parser.add_argument("--small-bm", action="store_true", help="also BM 16 and 32 tiles where M > 16")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    # tensor descriptors made inside a kernel (--ws) need global scratch memory from this allocator
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=dev))
     for name, n, k in SHAPES:
         if name not in args.gemms:
             continue
@@ -249,6 +313,8 @@ def main() -> None:
             ]
             for cfg in dict.fromkeys(fp8_gemm.candidates(m) + extra):
                 kinds = [("v1", v1)] + [(f"ku{u}", functools.partial(ku, unroll=u)) for u in args.unroll]
+                if args.ws:
+                    kinds.append(("ws", ws))
                 for kind, fn in kinds:
                     try:
                         same = torch.equal(fn(qp, sp, m, wq, ws, cfg), v1(qp, sp, m, wq, ws, cfg))
