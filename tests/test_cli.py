@@ -125,6 +125,27 @@ def test_sigterm_ends_a_stage_with_one_line_and_exit_143(tmp_path: Path) -> None
     assert "stage failed: terminated (SIGTERM)" in (run_dir / "logs" / "stage.log").read_text()
 
 
+def test_an_interrupted_command_exits_even_when_its_shutdown_hangs() -> None:
+    """After SIGTERM or Ctrl-C, a shutdown that hangs (here a non-daemon thread that never ends) must not keep
+    the process alive: ``cli.exit_within`` ends it with the same code and one line."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import threading, time\n"
+        "from infir2_rl.cli import exit_within\n"
+        "threading.Thread(target=time.sleep, args=(600,)).start()\n"
+        "exit_within(143, 1.0)\n"
+        "raise SystemExit(143)\n"
+    )
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert time.monotonic() - start < 60
+    assert "infir2-rl: shutdown did not finish within 1 s; exiting without it" in proc.stderr
+
+
 def test_a_sigterm_that_ray_turned_into_a_plain_keyboard_interrupt_still_exits_143(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
