@@ -195,26 +195,14 @@ def _ws_kernel(
 
 def ws(q, s_t, m, w, s, cfg: fp8_gemm.GemmConfig):
     """Launch the warp-specialized TMA kernel (``--ws``) in ``cfg``'s tile, split-K and stages."""
-    n, k = w.shape
-    kb = k // 128
-    split = min(cfg.split_k, kb)
-    per = triton.cdiv(kb, split)
-    split = triton.cdiv(kb, per)
-    y = torch.empty((split, m, n) if split > 1 else (m, n), device=q.device,
-                    dtype=torch.float32 if split > 1 else torch.bfloat16)  # fmt: skip
-    launch = pdl.launch_kwargs(q.device)
-    grid = (triton.cdiv(m, cfg.bm), n // cfg.bn, split)
-    _ws_kernel[grid](
-        q, s_t, w, s, y, m, n, k, kb, per, s_t.shape[1],
-        SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, STAGES=cfg.stages, num_warps=4, **launch,
-    )  # fmt: skip
-    if split == 1:
-        return y
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
-    fp8_gemm._split_sum_kernel[(triton.cdiv(m * n, 1024),)](
-        y, y, out, m * n, n, SPLIT=split, HAS_BIAS=False, BLOCK=1024, num_warps=4, **launch
-    )
-    return out
+
+    def run(y, kb, per, split, grid, launch):
+        _ws_kernel[grid](
+            q, s_t, w, s, y, m, w.shape[0], w.shape[1], kb, per, s_t.shape[1],
+            SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, STAGES=cfg.stages, num_warps=4, **launch,
+        )  # fmt: skip
+
+    return _split_k(q, m, w, cfg, run)
 
 
 def streamk(q, s_t, m, w, s, bm: int, bn: int, per_sm: int, warps: int, stages: int):
@@ -250,17 +238,27 @@ def ku(
 ):
     n, k = w.shape
     assert n % cfg.bn == 0 and k % 128 == 0
+
+    def run(y, kb, per, split, grid, launch):
+        _ku_kernel[grid](q, s_t, w, s, y, m, n, k, kb, per, q.stride(0), s_t.shape[1], SPLIT=split > 1,
+                         BM=cfg.bm, BN=cfg.bn, KU=unroll, num_warps=cfg.warps, num_stages=cfg.stages,
+                         **launch)  # fmt: skip
+
+    return _split_k(q, m, w, cfg, run)
+
+
+def _split_k(q: torch.Tensor, m: int, w: torch.Tensor, cfg: fp8_gemm.GemmConfig, run) -> torch.Tensor:
+    """A variant's launch around ``run(y, kb, per, split, grid, launch)``: the engine's split-K plan
+    (``fp8_gemm.w8a8_fused``), the output or FP32 partials buffer, and the engine's sum kernel."""
+    n, k = w.shape
     kb = k // 128
     split = min(cfg.split_k, kb)
     per = triton.cdiv(kb, split)
     split = triton.cdiv(kb, per)
-    grid = (triton.cdiv(m, cfg.bm), n // cfg.bn, split)
     y = torch.empty((split, m, n) if split > 1 else (m, n), device=q.device,
                     dtype=torch.float32 if split > 1 else torch.bfloat16)  # fmt: skip
     launch = pdl.launch_kwargs(q.device)
-    args = (q, s_t, w, s, y, m, n, k, kb, per, q.stride(0), s_t.shape[1])
-    _ku_kernel[grid](*args, SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, KU=unroll, num_warps=cfg.warps,
-                     num_stages=cfg.stages, **launch)  # fmt: skip
+    run(y, kb, per, split, (triton.cdiv(m, cfg.bm), n // cfg.bn, split), launch)
     if split == 1:
         return y
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
