@@ -292,8 +292,8 @@ def main() -> None:
         if name not in args.gemms:
             continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        wq, ws = quantize_weight_blockwise(w)
-        copies = [(wq.clone(), ws.clone()) for _ in range(Fp8GemmChooser.cold_copies(wq, ws))]
+        wq, wsc = quantize_weight_blockwise(w)
+        copies = [(wq.clone(), wsc.clone()) for _ in range(Fp8GemmChooser.cold_copies(wq, wsc))]
         for m in args.batches:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             q, s_t = quant_triton.quantize_rows(x)
@@ -315,7 +315,7 @@ def main() -> None:
                     kinds.append(("ws", ws))
                 for kind, fn in kinds:
                     try:
-                        same = torch.equal(fn(qp, sp, m, wq, ws, cfg), v1(qp, sp, m, wq, ws, cfg))
+                        same = torch.equal(fn(qp, sp, m, wq, wsc, cfg), v1(qp, sp, m, wq, wsc, cfg))
                         us = 1e3 * Fp8GemmChooser._time(
                             [functools.partial(fn, qp, sp, m, wc, sc, cfg) for wc, sc in copies],
                             calls=20,
@@ -328,7 +328,7 @@ def main() -> None:
                         best[kind] = (us, str(cfg))
                     if not same:
                         print(f"  {name} M {m} {cfg} {kind}: NOT bit-equal to v1")
-            ref = v1(qp, sp, m, wq, ws, fp8_gemm.candidates(m)[0])
+            ref = v1(qp, sp, m, wq, wsc, fp8_gemm.candidates(m)[0])
             for bn, per_sm, warps, stages in (
                 [(bn, c, 4, st) for bn in (32, 64, 128) for c in (1, 2, 3) for st in (3, 4)]
                 if args.streamk
@@ -337,7 +337,7 @@ def main() -> None:
                 bm = 16 if m <= 16 else 64
                 label = f"sk bm{bm} bn{bn} {per_sm}/SM w{warps} s{stages}"
                 try:
-                    out = streamk(qp, sp, m, wq, ws, bm, bn, per_sm, warps, stages)
+                    out = streamk(qp, sp, m, wq, wsc, bm, bn, per_sm, warps, stages)
                     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                     us = 1e3 * Fp8GemmChooser._time(
                         [functools.partial(streamk, qp, sp, m, wc, sc, bm, bn, per_sm, warps, stages)

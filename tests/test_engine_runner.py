@@ -255,6 +255,19 @@ def test_split_partials_are_summed_as_the_sum_kernel_sums_them() -> None:
     assert torch.equal(out1, out2)
     with pytest.raises(ValueError, match="cannot be added"):
         fused_ops.add_rms_norm(h0.float(), partials, weight.float(), 1e-6)
+    bias = torch.randn(256, generator=gen).to(torch.bfloat16)
+    with_bias = fused_ops.SplitPartials(part, torch.bfloat16, bias)
+    expected = ((0.0 + part[0]) + part[1] + part[2] + bias.float()).to(torch.bfloat16)
+    assert torch.equal(with_bias.total(), expected)
+    # q|k|v's partials (and bias) go to the rotary + KV-cache kernel: the same q, k and v as the sum
+    heads, kv_heads, dim, length = 1, 1, 128, 8
+    cos, sin = (torch.rand(length, dim, generator=gen).to(torch.bfloat16) for _ in "cs")
+    positions, slots = torch.tensor([3, 0, 7, 1]), torch.tensor([0, 2, 1, 3])
+    caches = [torch.zeros(5, kv_heads, length, dim, dtype=torch.bfloat16) for _ in range(4)]
+    q1 = fused_ops.rope_write_kv(expected, positions, slots, cos, sin, *caches[:2], heads, kv_heads, 128, 0)
+    q2 = fused_ops.rope_write_kv(with_bias, positions, slots, cos, sin, *caches[2:], heads, kv_heads, 128, 0)
+    assert torch.equal(q1, q2) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
 
 
 @pytest.mark.gpu
@@ -262,7 +275,8 @@ def test_split_partials_are_summed_as_the_sum_kernel_sums_them() -> None:
 @pytest.mark.parametrize("m", [5, 64])
 def test_norm_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: int, quant: bool) -> None:
     """o_proj's and down_proj's split-K partials go unsummed to the add+RMSNorm after them (decode): its
-    residual and output (BF16 or FP8 codes and scales) must equal those after the GEMM's own sum kernel."""
+    residual and output (BF16 or FP8 codes and scales) must equal those after the GEMM's own sum kernel,
+    with and without a bias (Qwen2's have none; the kernel takes one)."""
     from infir2_rl.engines.native import fp8_gemm, fused_ops
     from infir2_rl.fp8.quant import quantize_activation, quantize_weight_blockwise
 
@@ -277,10 +291,11 @@ def test_norm_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: int, quant: 
     s_pad[:, :m] = x_scale.t()
     h0 = torch.randn(m, e, device="cuda", generator=gen).to(torch.bfloat16)
     weight = (torch.rand(e, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
-    for cfg in (fp8_gemm.GemmConfig(64, 64, 8), fp8_gemm.GemmConfig(64, 32, 4)):
-        args = (q_pad, w_fp8, scale, None, cfg, False, s_pad, m, torch.bfloat16)
+    bias = torch.randn(e, device="cuda", generator=gen).to(torch.bfloat16)
+    for cfg, b in ((fp8_gemm.GemmConfig(64, 64, 8), None), (fp8_gemm.GemmConfig(64, 32, 4), bias)):
+        args = (q_pad, w_fp8, scale, b, cfg, False, s_pad, m, torch.bfloat16)
         summed = fp8_gemm.w8a8_fused(*args)
-        partials = fp8_gemm.w8a8_fused(*args, defer_sum=True)
+        partials = fp8_gemm.w8a8_partials(*args)
         assert isinstance(partials, fused_ops.SplitPartials) and partials.part.shape[0] == cfg.split_k
         h1, h2 = h0.clone(), h0.clone()
         out1 = fused_ops.add_rms_norm(h1, summed, weight, 1e-6, quant)
@@ -293,6 +308,54 @@ def test_norm_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: int, quant: 
         else:
             assert isinstance(out1, torch.Tensor) and isinstance(out2, torch.Tensor)
             assert torch.equal(out1, out2), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 64])
+def test_rotary_kv_write_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: int) -> None:
+    """q|k|v's split-K partials and bias go unsummed to the rotary + KV-cache kernel (decode): q and the
+    cache must equal those written from the GEMM's own sum kernel's output (1.5B shape: 12 q, 2 kv heads)."""
+    from infir2_rl.engines.native import fp8_gemm, fused_ops
+    from infir2_rl.fp8.quant import quantize_activation, quantize_weight_blockwise
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    heads, kv_heads, dim, k, length = 12, 2, 128, 1536, 64
+    n = (heads + 2 * kv_heads) * dim
+    w_fp8, scale = quantize_weight_blockwise(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    x_fp8, x_scale = quantize_activation(torch.randn(m, k, device="cuda", generator=gen))
+    rows = -(-m // 16) * 16
+    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
+    q_pad[:m] = x_fp8
+    s_pad = torch.ones(x_scale.shape[1], rows, device="cuda")
+    s_pad[:, :m] = x_scale.t()
+    cos = torch.rand(length, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    sin = torch.rand(length, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, length, (m,), device="cuda", generator=gen)
+    slots = torch.randperm(m, device="cuda", generator=gen)
+    for cfg in (fp8_gemm.GemmConfig(64, 32, 4), fp8_gemm.GemmConfig(16, 64, 8)):
+        args = (q_pad, w_fp8, scale, bias, cfg, False, s_pad, m, torch.bfloat16)
+        partials = fp8_gemm.w8a8_partials(*args)
+        assert isinstance(partials, fused_ops.SplitPartials) and partials.bias is bias
+        summed = fp8_gemm.w8a8_fused(*args)
+        outs = []
+        for qkv in (summed, partials):
+            kc, vc = (
+                torch.zeros(m + 1, kv_heads, length, dim, dtype=torch.bfloat16, device="cuda") for _ in "kv"
+            )
+            offsets = (heads * dim, (heads + kv_heads) * dim)
+            q = fused_ops.rope_write_kv(qkv, positions, slots, cos, sin, kc, vc, heads, kv_heads, *offsets)
+            outs.append((q, kc[slots, :, positions], vc[slots, :, positions]))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), cfg
+        # and both are the rotation rounded as torch rounds it: each product to BF16, their FP32 sum to BF16
+        heads_of = summed.view(m, heads + 2 * kv_heads, dim).float()
+        c, s = cos[positions][:, None].float(), sin[positions][:, None].float()
+        turned = torch.cat((-heads_of[..., dim // 2 :], heads_of[..., : dim // 2]), dim=-1)
+        rotated = ((heads_of * c).bfloat16().float() + (turned * s).bfloat16().float()).bfloat16()
+        assert torch.equal(outs[0][0], rotated[:, :heads]), cfg
+        assert torch.equal(outs[0][1], rotated[:, heads : heads + kv_heads]), cfg
+        assert torch.equal(outs[0][2], summed.view(m, -1, dim)[:, heads + kv_heads :]), cfg
 
 
 @pytest.mark.gpu

@@ -18,15 +18,15 @@ quantizes the activations of its rows again; they are tiny and come from L2.
 Split-K (``split_k > 1``): the K blocks are divided among ``split_k`` programs per tile, which write FP32
 partials summed afterwards (``_split_sum_kernel``: sum, bias and cast in one launch): needed when N / BN tiles
 alone are too few programs to pull the weights at full bandwidth (o_proj and down_proj of a 1.5B model have
-only 24 tiles of 64 rows). In decode, o_proj's and down_proj's partials skip that kernel: the add+RMSNorm
-after them sums them in the same order (``defer_sum``, ``fused_ops.SplitPartials``).
+only 24 tiles of 64 rows). In decode every split-K layer's partials skip that kernel: the kernel after the
+GEMM (add+RMSNorm after o_proj and down_proj, rotary+KV write after q|k|v) sums them in the same order
+(``w8a8_partials``, ``fused_ops.SplitPartials``).
 Which config (or cuBLASLt) runs at a given (M, N, K) is chosen by timing them (``linears.Fp8GemmChooser``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -157,37 +157,7 @@ if _HAVE_TRITON:
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@overload
-def w8a8_fused(
-    x: Tensor,
-    w_fp8: Tensor,
-    w_scale_inv: Tensor,
-    bias: Tensor | None,
-    cfg: GemmConfig,
-    pow2_scales: bool = ...,
-    x_scale_t: Tensor | None = ...,
-    rows: int | None = ...,
-    out_dtype: torch.dtype | None = ...,
-    defer_sum: Literal[False] = ...,
-) -> Tensor: ...
-
-
-@overload
-def w8a8_fused(
-    x: Tensor,
-    w_fp8: Tensor,
-    w_scale_inv: Tensor,
-    bias: Tensor | None,
-    cfg: GemmConfig,
-    pow2_scales: bool = ...,
-    x_scale_t: Tensor | None = ...,
-    rows: int | None = ...,
-    out_dtype: torch.dtype | None = ...,
-    defer_sum: bool = ...,
-) -> Tensor | SplitPartials: ...
-
-
-def w8a8_fused(
+def w8a8_partials(
     x: Tensor,
     w_fp8: Tensor,
     w_scale_inv: Tensor,
@@ -197,14 +167,10 @@ def w8a8_fused(
     x_scale_t: Tensor | None = None,
     rows: int | None = None,
     out_dtype: torch.dtype | None = None,
-    defer_sum: bool = False,
 ) -> Tensor | SplitPartials:
-    """``quant(x) @ W^T (+ bias)`` for x (M, K) BF16 with unit last stride -> (M, N) in x's dtype.
-
-    With ``x_scale_t`` x is already FP8 (M_pad, K) with scales (Kb, M_pad) (``fused_ops.QuantizedRows``);
-    then ``rows`` is the real row count M and ``out_dtype`` the output dtype. ``defer_sum``: a split-K
-    launch without bias returns its partials unsummed (``SplitPartials``) for a consumer that sums them
-    (``fused_ops.add_rms_norm``), which saves the sum kernel's launch."""
+    """``w8a8_fused`` for a consumer that sums a split-K launch's partials itself (``fused_ops``'
+    add+RMSNorm and rotary+KV kernels): the output (M, N) when ``cfg`` runs one program along K, else the
+    FP32 partials and the bias, unsummed (``SplitPartials``), which saves the sum kernel's launch."""
     prequant = x_scale_t is not None
     m, k = (rows if rows is not None else x.shape[0]), x.shape[1]
     dtype = out_dtype if out_dtype is not None else x.dtype
@@ -218,25 +184,45 @@ def w8a8_fused(
         y = torch.empty(m, n, dtype=dtype, device=x.device)
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    launch = pdl.launch_kwargs(x.device)
     _w8a8_kernel[grid](
         x, x_scale_t if x_scale_t is not None else w_scale_inv, w_fp8, w_scale_inv,
         bias if bias is not None else w_scale_inv, y,
         m, n, k, kb, kb_per_split, x.stride(0), x_scale_t.shape[1] if x_scale_t is not None else 0,
         int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales,
-        BM=cfg.bm, BN=cfg.bn, num_warps=cfg.warps, num_stages=cfg.stages, **launch,
+        BM=cfg.bm, BN=cfg.bn, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_kwargs(x.device),
     )  # fmt: skip
-    if split == 1:
-        return y
-    if defer_sum and bias is None:
-        return SplitPartials(y, dtype)
-    out = torch.empty(m, n, dtype=dtype, device=x.device)
+    return y if split == 1 else SplitPartials(y, dtype, bias)
+
+
+def sum_partials(p: SplitPartials) -> Tensor:
+    """The partials' sum plus the bias, rounded once to their dtype (M, N): one launch."""
+    split, m, n = p.part.shape
+    out = torch.empty(m, n, dtype=p.dtype, device=p.part.device)
     block = 1024
     _split_sum_kernel[(triton.cdiv(m * n, block),)](
-        y, bias if bias is not None else y, out, m * n, n,
-        SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **launch,
+        p.part, p.bias if p.bias is not None else p.part, out, m * n, n,
+        SPLIT=split, HAS_BIAS=p.bias is not None, BLOCK=block, num_warps=4, **pdl.launch_kwargs(out.device),
     )  # fmt: skip
     return out
+
+
+def w8a8_fused(
+    x: Tensor,
+    w_fp8: Tensor,
+    w_scale_inv: Tensor,
+    bias: Tensor | None,
+    cfg: GemmConfig,
+    pow2_scales: bool = False,
+    x_scale_t: Tensor | None = None,
+    rows: int | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``quant(x) @ W^T (+ bias)`` for x (M, K) BF16 with unit last stride -> (M, N) in x's dtype.
+
+    With ``x_scale_t`` x is already FP8 (M_pad, K) with scales (Kb, M_pad) (``fused_ops.QuantizedRows``);
+    then ``rows`` is the real row count M and ``out_dtype`` the output dtype."""
+    y = w8a8_partials(x, w_fp8, w_scale_inv, bias, cfg, pow2_scales, x_scale_t, rows, out_dtype)
+    return y if isinstance(y, Tensor) else sum_partials(y)
 
 
 def available(device: torch.device) -> bool:

@@ -54,18 +54,22 @@ class QuantizedRows:
 
 @dataclass
 class SplitPartials:
-    """A split-K GEMM's FP32 partial products ``part`` (split, M, N), not yet summed (``fp8_gemm.w8a8_fused``
-    with ``defer_sum``): ``add_rms_norm`` sums them as the GEMM's sum kernel would (in split order, from
-    zero, rounded to ``dtype``), so the result has the same bits and the decode step one launch fewer."""
+    """A split-K GEMM's FP32 partial products ``part`` (split, M, N) and its ``bias``, not yet summed
+    (``fp8_gemm.w8a8_partials``): the kernel that consumes the output (``add_rms_norm``, ``rope_write_kv``)
+    sums them as the GEMM's sum kernel would (in split order from zero, then the bias, rounded once to
+    ``dtype``), so the result has the same bits and the decode step one launch fewer."""
 
     part: Tensor
     dtype: torch.dtype
+    bias: Tensor | None = None
 
     def total(self) -> Tensor:
         """The sum kernel's result, in torch."""
         acc = torch.zeros_like(self.part[0])
         for p in self.part:
             acc += p
+        if self.bias is not None:
+            acc += self.bias.float()
         return acc.to(self.dtype)
 
 
@@ -111,8 +115,9 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        h_ptr, d_ptr, w_ptr, out_ptr, q_ptr, s_ptr, M, E, rows_pad, eps,
-        HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+        h_ptr, d_ptr, bias_ptr, w_ptr, out_ptr, q_ptr, s_ptr, M, E, rows_pad, eps,
+        HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
+        POW2: tl.constexpr,
         TILES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:
@@ -126,10 +131,12 @@ if _HAVE_TRITON:
         offs = row.to(tl.int64) * E + cols
         x = tl.load(h_ptr + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            if SPLIT > 0:  # SplitPartials: fp8_gemm._split_sum_kernel's sum and rounding, here
+            if SPLIT > 0:  # SplitPartials: fp8_gemm._split_sum_kernel's sum, bias and rounding, here
                 d = tl.zeros((TILES, 128), tl.float32)
                 for sp in tl.static_range(SPLIT):
                     d += tl.load(d_ptr + sp * M * E + offs, mask=mask, other=0.0)
+                if HAS_BIAS:
+                    d += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 d = d.to(x.dtype).to(tl.float32)
             else:
                 d = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -168,40 +175,70 @@ if _HAVE_TRITON:
             tl.store(out_ptr + row.to(tl.int64) * inter + cols, out, mask=mask)
 
     @triton.jit
+    def _qkv_load(
+        row, cols, bias_ptr, part_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr
+    ):
+        """Columns ``cols`` of one qkv row, in ``DTYPE``: loaded, or (SPLIT > 0) summed from the partials
+        (then the bias) in ``fp8_gemm._split_sum_kernel``'s order and rounding."""
+        if SPLIT == 0:
+            out = tl.load(row + cols)
+        else:
+            acc = tl.zeros(cols.shape, tl.float32)
+            for sp in tl.static_range(SPLIT):
+                acc += tl.load(row + sp * part_stride + cols)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols).to(tl.float32)
+            out = acc.to(DTYPE)
+        return out
+
+    @triton.jit
+    def _rotated(x, partner, cos, sin):
+        """One half of rotate-half RoPE, rounded as torch's ``x * cos + rotated * sin`` in x's dtype: each
+        product, then their sum. Launched with ``enable_fp_fusion=False``: with Triton's default, LLVM
+        narrows the BF16 round trips to BF16 arithmetic and contracts one product and the sum into an FMA,
+        which skips that product's rounding (1 ulp in a quarter of the outputs, H100, session 20)."""
+        a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        r = (partner.to(tl.float32) * sin).to(x.dtype).to(tl.float32)
+        return (a + r).to(x.dtype)
+
+    @triton.jit
     def _rope_kv_kernel(
-        qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
-        stride_qkv, k_offset, v_offset, stride_cs, stride_ch, stride_ct,
-        H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+        qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+        stride_qkv, part_stride, k_offset, v_offset, stride_cs, stride_ch, stride_ct,
+        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        """Program (b, h): query head h of row b when h < H, else kv head h - H (k rotated, both cached).
+        Each half of a head is loaded once; the other half is its rotation partner."""
         if PDL:
             wait_then_release()
-        b = tl.program_id(0)
+        b, h = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr + b).to(tl.int64)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        d = tl.arange(0, D)[None, :]
         half: tl.constexpr = D // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        heads = tl.arange(0, HP)[:, None]
+        dh = tl.arange(0, half)
+        cos_lo = tl.load(cos_ptr + pos * D + dh).to(tl.float32)
+        cos_hi = tl.load(cos_ptr + pos * D + half + dh).to(tl.float32)
+        sin_lo = tl.load(sin_ptr + pos * D + dh).to(tl.float32)
+        sin_hi = tl.load(sin_ptr + pos * D + half + dh).to(tl.float32)
         row = qkv_ptr + b.to(tl.int64) * stride_qkv
+        dt = q_ptr.dtype.element_ty
         # q: heads 0..H-1 at column h*D; k at k_offset; v at v_offset.
-        qm = heads < H
-        x = tl.load(row + heads * D + d, mask=qm, other=0.0)
-        xr = tl.load(row + heads * D + partner, mask=qm, other=0.0).to(tl.float32) * sign
-        a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-        r = (xr.to(x.dtype).to(tl.float32) * sin).to(x.dtype).to(tl.float32)
-        tl.store(q_ptr + (b * H + heads).to(tl.int64) * D + d, (a + r).to(x.dtype), mask=qm)
-        km = heads < KVH
-        k = tl.load(row + k_offset + heads * D + d, mask=km, other=0.0)
-        kr = tl.load(row + k_offset + heads * D + partner, mask=km, other=0.0).to(tl.float32) * sign
-        a = (k.to(tl.float32) * cos).to(k.dtype).to(tl.float32)
-        r = (kr.to(k.dtype).to(tl.float32) * sin).to(k.dtype).to(tl.float32)
-        dst = slot * stride_cs + heads * stride_ch + pos * stride_ct + d
-        tl.store(k_ptr + dst, (a + r).to(k.dtype), mask=km)
-        v = tl.load(row + v_offset + heads * D + d, mask=km, other=0.0)
-        tl.store(v_ptr + dst, v, mask=km)
+        col = tl.where(h < H, h * D, k_offset + (h - H) * D)
+        lo = _qkv_load(row, col + dh, bias_ptr, part_stride, SPLIT, HAS_BIAS, dt)
+        hi = _qkv_load(row, col + half + dh, bias_ptr, part_stride, SPLIT, HAS_BIAS, dt)
+        out_lo = _rotated(lo, -hi.to(tl.float32), cos_lo, sin_lo)  # negation: exact
+        out_hi = _rotated(hi, lo, cos_hi, sin_hi)
+        if h < H:
+            q_at = (b * H + h).to(tl.int64) * D
+            tl.store(q_ptr + q_at + dh, out_lo)
+            tl.store(q_ptr + q_at + half + dh, out_hi)
+        else:
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            kv_at = slot * stride_cs + (h - H) * stride_ch + pos * stride_ct
+            tl.store(k_ptr + kv_at + dh, out_lo)
+            tl.store(k_ptr + kv_at + half + dh, out_hi)
+            d = tl.arange(0, D)
+            v = _qkv_load(row, v_offset + (h - H) * D + d, bias_ptr, part_stride, SPLIT, HAS_BIAS, dt)
+            tl.store(v_ptr + kv_at + d, v)
 
 
 def quant_buffers(m: int, k: int, device: torch.device) -> QuantizedRows:
@@ -232,17 +269,17 @@ def add_rms_norm(
         if delta is not None:
             h.copy_(h + (delta.total() if isinstance(delta, SplitPartials) else delta))
         return rms_norm_torch(h, weight, eps)
-    split = 0
+    split, bias = 0, None
     if isinstance(delta, SplitPartials):
-        split, delta = delta.part.shape[0], delta.part
+        split, bias, delta = delta.part.shape[0], delta.bias, delta.part
     m, e = h.shape
     num_warps = num_warps if num_warps is not None else 16 if quant else 8
     out = torch.empty_like(h) if not quant else h
     qr = quant_buffers(m, e, h.device) if quant else None
     _add_rms_norm_kernel[(qr.q.shape[0] if qr else m,)](
-        h, delta if delta is not None else h, weight, out,
+        h, delta if delta is not None else h, bias if bias is not None else h, weight, out,
         qr.q if qr else h, qr.s_t if qr else h, m, e, qr.q.shape[0] if qr else 0, eps,
-        HAS_DELTA=delta is not None, SPLIT=split, QUANT=quant, POW2=pow2,
+        HAS_DELTA=delta is not None, SPLIT=split, HAS_BIAS=bias is not None, QUANT=quant, POW2=pow2,
         TILES=triton.next_power_of_2(-(-e // 128)), num_warps=num_warps, **pdl.launch_kwargs(h.device),
     )  # fmt: skip
     return qr if qr is not None else out
@@ -286,7 +323,7 @@ def silu_mul(
 
 
 def rope_write_kv(
-    qkv: Tensor,
+    qkv: Tensor | SplitPartials,
     positions: Tensor,
     slots: Tensor,
     cos: Tensor,
@@ -299,9 +336,18 @@ def rope_write_kv(
     v_offset: int,
 ) -> Tensor:
     """Rotate q, k of a fused qkv output (B, N) at each row's position, write k, v into the cache slots;
-    returns q (B, H, D). ``k_offset`` / ``v_offset``: first column of k / v in qkv."""
-    num_rows, dim = qkv.shape[0], k_cache.shape[-1]
-    if not use_triton(qkv):
+    returns q (B, H, D). ``k_offset`` / ``v_offset``: first column of k / v in qkv. ``qkv`` may be a
+    split-K GEMM's unsummed partials (``SplitPartials``), summed here."""
+    if isinstance(qkv, SplitPartials) and not use_triton(qkv.part):
+        qkv = qkv.total()
+    if isinstance(qkv, SplitPartials):  # the kernel reads partial p of a row at rows_t[row] + p * stride
+        split, part_stride, rows_t = len(qkv.part), qkv.part.stride(0), qkv.part[0]
+        bias, dtype = qkv.bias, qkv.dtype
+    else:
+        split, part_stride, rows_t, bias, dtype = 0, 0, qkv, None, qkv.dtype
+    num_rows, dim = rows_t.shape[0], k_cache.shape[-1]
+    if not use_triton(rows_t):
+        assert isinstance(qkv, Tensor)
         q = qkv[:, : heads * dim].reshape(num_rows, heads, dim)
         k = qkv[:, k_offset : k_offset + kv_heads * dim].reshape(num_rows, kv_heads, dim)
         v = qkv[:, v_offset : v_offset + kv_heads * dim].reshape(num_rows, kv_heads, dim)
@@ -309,11 +355,13 @@ def rope_write_kv(
         k_cache[slots, :, positions] = rotate_torch(k, c, s)
         v_cache[slots, :, positions] = v
         return rotate_torch(q, c, s)
-    q_out = torch.empty(num_rows, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_kv_kernel[(num_rows,)](
-        qkv, positions, slots, cos, sin, q_out, k_cache, v_cache,
-        qkv.stride(0), k_offset, v_offset, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H=heads, KVH=kv_heads, HP=max(triton.next_power_of_2(heads), 1), D=dim, num_warps=4,
-        **pdl.launch_kwargs(qkv.device),
+    if dtype != k_cache.dtype:
+        raise ValueError(f"qkv in {dtype} cannot be written to a {k_cache.dtype} KV cache")
+    q_out = torch.empty(num_rows, heads, dim, dtype=dtype, device=rows_t.device)
+    _rope_kv_kernel[(num_rows, heads + kv_heads)](
+        rows_t, bias if bias is not None else rows_t, positions, slots, cos, sin, q_out, k_cache, v_cache,
+        rows_t.stride(0), part_stride, k_offset, v_offset,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), SPLIT=split, HAS_BIAS=bias is not None,
+        H=heads, D=dim, num_warps=1, enable_fp_fusion=False, **pdl.launch_kwargs(rows_t.device),
     )  # fmt: skip
     return q_out

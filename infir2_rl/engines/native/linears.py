@@ -92,7 +92,7 @@ def run_fp8(
 ) -> Tensor | SplitPartials:
     """One W8A8 GEMM by ``choice``: cuBLASLt ``scaled_mm`` (after the quantize kernel unless x is already
     FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8). ``defer_sum``:
-    a split-K Triton launch may return its partials (``fp8_gemm.w8a8_fused``)."""
+    a split-K Triton launch may return its partials (``fp8_gemm.w8a8_partials``)."""
     if choice == _CUBLAS:
         if isinstance(x, QuantizedRows):
             q, s_t, m = x.q, x.s_t, x.m
@@ -101,9 +101,10 @@ def run_fp8(
         y = cublas_gemm.mm_1x128_128x128(q, s_t, w, s, dtype)[:m]
         return y if bias is None else y + bias
     assert isinstance(choice, fp8_gemm.GemmConfig)
+    gemm = fp8_gemm.w8a8_partials if defer_sum else fp8_gemm.w8a8_fused
     if isinstance(x, QuantizedRows):
-        return fp8_gemm.w8a8_fused(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype, defer_sum)
-    return fp8_gemm.w8a8_fused(x, w, s, bias, choice, pow2, defer_sum=defer_sum)
+        return gemm(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype)
+    return gemm(x, w, s, bias, choice, pow2)
 
 
 class Fp8GemmChooser:
@@ -272,9 +273,9 @@ class FusedLinear:
         return out
 
     def deferred(self, x: Activation) -> Tensor | SplitPartials:
-        """``self(x)`` for a caller that hands the output to ``fused_ops.add_rms_norm``, which sums a
-        split-K launch's partials itself (``fused_ops.SplitPartials``): the decode step's o_proj and
-        down_proj save the sum kernel's launch."""
+        """``self(x)`` for a caller that hands the output to a kernel that sums a split-K launch's partials
+        (and the bias) itself (``fused_ops.SplitPartials``: ``add_rms_norm``, ``rope_write_kv``): each
+        split-K GEMM of the decode step saves the sum kernel's launch."""
         return self._forward(x, False, True)
 
     def _forward(self, x: Activation, prefill: bool, defer_sum: bool) -> Tensor | SplitPartials:

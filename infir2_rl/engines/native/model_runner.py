@@ -198,12 +198,12 @@ class Qwen2Runner:
         quant_attn = quant and self.quant_attention
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
-        # o_proj's and down_proj's split-K partials are summed by the add+RMSNorm after them
+        # split-K GEMMs hand their partials to the kernel after them, which sums them (``deferred``)
         delta: Tensor | fused_ops.SplitPartials | None = None
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2)
             q = fused_ops.rope_write_kv(
-                layer.qkv(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
+                layer.qkv.deferred(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
                 self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
             )  # fmt: skip
             if invariant_:
