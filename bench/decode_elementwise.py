@@ -50,24 +50,28 @@ def main() -> None:
         delta = torch.randn_like(h) * 1e-3
         weight = torch.rand(HIDDEN, device=dev, dtype=torch.bfloat16) + 0.5
         gate_up = torch.randn(m, 2 * INTER, device=dev, dtype=torch.bfloat16)
-        shapes = {
+        shapes: dict[str, list[dict[str, int]]] = {
             "norm": [dict(num_warps=w) for w in (2, 4, 8, 16)],
             "silu": [dict(tiles=t, num_warps=w) for t in (1, 2, 4, 8) for w in (2, 4, 8)],
         }
         for kernel, launch_shapes in shapes.items():
             for quant in (False, True):
                 for on in (True, False):
-                    res = {}
+                    res: dict[str, float] = {}
                     with pdl.forced(on):
                         for shape in launch_shapes:
                             if kernel == "norm":
                                 fn = functools.partial(
-                                    fused_ops.add_rms_norm, h, delta, weight, 1e-6, quant, **shape
-                                )
+                                    fused_ops.add_rms_norm, h, delta, weight, 1e-6, quant,
+                                    num_warps=shape["num_warps"],
+                                )  # fmt: skip
                             else:
-                                fn = functools.partial(fused_ops.silu_mul, gate_up, quant, **shape)
+                                fn = functools.partial(
+                                    fused_ops.silu_mul, gate_up, quant,
+                                    tiles=shape["tiles"], num_warps=shape["num_warps"],
+                                )  # fmt: skip
                             res[" ".join(f"{k}={v}" for k, v in shape.items())] = time_us(fn)
-                    best = min(res, key=res.get)
+                    best = min(res, key=lambda name: res[name])
                     rows.append(dict(kernel=kernel, m=m, quant=quant, pdl=on, us=res, best=best))
                     listing = "  ".join(f"[{k}] {v:5.2f}" for k, v in res.items())
                     print(

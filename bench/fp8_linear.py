@@ -18,6 +18,7 @@ TFLOP/s counts 2MNK per GEMM (forward 1 GEMM, forward+backward 3).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Callable
@@ -147,7 +148,7 @@ def sweep(m: int, reps: int) -> None:
             return same(wq2, wq) and torch.equal(ws2, ws) and same(wqt2, wq.t().contiguous())
         return True
 
-    ops = {
+    ops: dict[str, Callable[[torch.Tensor], object]] = {
         "rows": qt.quantize_rows,
         "cols": qt.quantize_cols,
         "dual": qt.quantize_rows_and_cols,
@@ -163,7 +164,7 @@ def sweep(m: int, reps: int) -> None:
                     print(f"  {kind:<6} {cand}: WRONG RESULT, excluded")
                     continue
                 op = ops[kind]
-                times = [cuda_time_ms(lambda x=x, op=op: op(x), reps) for x in xs]
+                times = [cuda_time_ms(functools.partial(op, x), reps) for x in xs]
             except Exception as exc:  # a variant that does not compile is reported and skipped
                 print(f"  {kind:<6} {cand}: failed ({type(exc).__name__}: {str(exc)[:120]})")
                 continue

@@ -97,9 +97,8 @@ def run(device: str, dtype: torch.dtype, shape: str, rows: int, seq: int) -> dic
         d = diff(causal[1:, :, t].reshape(rows - 1, -1), masked)
         worst_masked = {k2: max(worst_masked[k2], d[k2]) for k2 in d}
     out["attention_cache_vs_causal"] = {"keys 0..t": worst_exact, "masked longer cache": worst_masked}
-    config = Qwen2Config(
-        hidden_size=hidden, num_attention_heads=heads, head_dim=dim, max_position_embeddings=4 * seq
-    )
+    config = Qwen2Config(hidden_size=hidden, num_attention_heads=heads, max_position_embeddings=4 * seq)
+    config.head_dim = dim  # not in Qwen2Config's typed signature; read by the rotary embedding
     rope = Qwen2RotaryEmbedding(config).to(device)
     probe = torch.empty(1, dtype=dtype, device=device)
     pos = torch.arange(seq, device=device)[None]

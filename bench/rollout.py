@@ -115,9 +115,9 @@ def time_batch(engines: dict[str, Any], batch: int, args: argparse.Namespace) ->
         }
     row["ratio_fp8_over_bf16"] = row["fp8"]["tokens_per_s"]["median"] / row["bf16"]["tokens_per_s"]["median"]
     if "fp8 no-pdl" in row:
-        tps = {m: row[m]["tokens_per_s"]["median"] for m in engines}
-        row["no_pdl_ratio_fp8_over_bf16"] = tps["fp8 no-pdl"] / tps["bf16 no-pdl"]
-        row["pdl_speedup"] = {m: tps[m] / tps[f"{m} no-pdl"] for m in ("bf16", "fp8")}
+        median = {m: row[m]["tokens_per_s"]["median"] for m in engines}
+        row["no_pdl_ratio_fp8_over_bf16"] = median["fp8 no-pdl"] / median["bf16 no-pdl"]
+        row["pdl_speedup"] = {m: median[m] / median[f"{m} no-pdl"] for m in ("bf16", "fp8")}
     return row
 
 
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines.values():  # Triton compiles, cuBLAS handles, allocator blocks for the largest batch
         for b in (min(args.batch_sizes), max_batch):
             timed_generate(engine, requests(b, args.prompt_len, 4, engine.vocab_size))
-    swept = dict(engines)
+    swept: dict[str, Any] = dict(engines)
     if args.pdl == "both" and device.type == "cuda":
         for mode in ("bf16", "fp8"):
             swept[f"{mode} no-pdl"] = NoPdlEngine(

@@ -58,7 +58,8 @@ def hf_step_ms(
     """ms per decode step of transformers generate (module docstring) per batch size; errors are recorded."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.cuda().eval()  # type: ignore[call-arg]  # transformers 5.23 types .cuda() as a wrapper
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
     model.generation_config.eos_token_id = None
     if static:  # generate compiles the decoding forward itself (module docstring); say so if it would not

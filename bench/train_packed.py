@@ -92,7 +92,9 @@ def run(
         "fp8": fp8,
         "packed": packed,
         "graphs": graphed,
-        "graph_shapes": trainer.layer_graphs.num_shapes if graphed else 0,
+        "graph_shapes": trainer.layer_graphs.num_shapes
+        if graphed and trainer.layer_graphs is not None
+        else 0,
         "micro_batches": len(parts),
         "real_tokens": real,
         "computed_tokens": computed,
@@ -144,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         f"# {torch.cuda.get_device_name()} | {args.seqs} sequences, lengths {int(lengths.min())}..{int(lengths.max())} "
         f"(median {int(lengths.median())}, mean {float(lengths.float().mean()):.0f}) | budget {args.budget} tokens"
     )
-    graph_settings: list[bool | str] = {
+    graph_choices: dict[str, list[bool | str]] = {
         "auto": ["auto"],
         "on": [True],
         "off": [False],
         "both": [False, True],
-    }[args.cuda_graphs]
+    }
+    graph_settings = graph_choices[args.cuda_graphs]
     results = [
         run(path, mode == "fp8", packed, graphs, batch, args)
         for mode in args.modes

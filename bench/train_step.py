@@ -377,9 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     graph_settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graphs]
-    fused_settings: tuple[bool | str, ...] = {"auto": ("auto",), "off": (False,), "both": (False, True)}[
-        args.fused_kernels
-    ]
+    fused_choices: dict[str, tuple[bool | str, ...]] = {
+        "auto": ("auto",),
+        "off": (False,),
+        "both": (False, True),
+    }
+    fused_settings = fused_choices[args.fused_kernels]
     results = {
         f"{precision}{'+graphs' if graphs else ''}{'+fused' if fused is True else ''}": run_mode(
             path, precision == "fp8", graphs, args, device, fused
