@@ -50,6 +50,18 @@ def _assert_same(expected: list[Sample], got: list[Sample]) -> None:
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
 
 
+def _padded_rows(x_fp8: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantized rows as a producer kernel leaves them (``fused_ops.QuantizedRows``): M padded to 16 with
+    codes 0 and scales 1, scales K-block-major."""
+    m, k = x_fp8.shape
+    rows = -(-m // 16) * 16
+    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device=x_fp8.device)
+    q_pad[:m] = x_fp8
+    s_pad = torch.ones(x_scale.shape[1], rows, device=x_fp8.device)
+    s_pad[:, :m] = x_scale.t()
+    return q_pad, s_pad
+
+
 STOP = (11, 40, 77, 123, 200)  # some rows stop early, so later rows join a running batch
 
 
@@ -222,11 +234,7 @@ def test_fused_fp8_gemm_equals_the_emulated_w8a8_linear(m: int) -> None:
         + bias.double()
     )
     x_fp8, x_scale = quantize_activation(x)
-    rows = -(-m // 16) * 16
-    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
-    q_pad[:m] = x_fp8
-    s_pad = torch.ones(x_scale.shape[1], rows, device="cuda")
-    s_pad[:, :m] = x_scale.t()
+    q_pad, s_pad = _padded_rows(x_fp8, x_scale)
     # Hopper's FP8 tensor-core MMA (wgmma, the BM 64 configs) accumulates each 128-long block with fewer
     # bits than FP32 (DeepSeek-V3 report: ~14), ~1e-4 here; cuBLASLt's blockwise kernels do the same.
     for cfg in fp8_gemm.candidates(m, prequant=False):
@@ -284,11 +292,7 @@ def test_norm_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: int, quant: 
     e, k = 1536, 8960  # down_proj of the 1.5B shape
     w_fp8, scale = quantize_weight_blockwise(torch.randn(e, k, device="cuda", generator=gen) * 0.02)
     x_fp8, x_scale = quantize_activation(torch.randn(m, k, device="cuda", generator=gen))
-    rows = -(-m // 16) * 16
-    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
-    q_pad[:m] = x_fp8
-    s_pad = torch.ones(x_scale.shape[1], rows, device="cuda")
-    s_pad[:, :m] = x_scale.t()
+    q_pad, s_pad = _padded_rows(x_fp8, x_scale)
     h0 = torch.randn(m, e, device="cuda", generator=gen).to(torch.bfloat16)
     weight = (torch.rand(e, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
     bias = torch.randn(e, device="cuda", generator=gen).to(torch.bfloat16)
@@ -324,11 +328,7 @@ def test_rotary_kv_write_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: i
     w_fp8, scale = quantize_weight_blockwise(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
     bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     x_fp8, x_scale = quantize_activation(torch.randn(m, k, device="cuda", generator=gen))
-    rows = -(-m // 16) * 16
-    q_pad = torch.zeros(rows, k, dtype=torch.float8_e4m3fn, device="cuda")
-    q_pad[:m] = x_fp8
-    s_pad = torch.ones(x_scale.shape[1], rows, device="cuda")
-    s_pad[:, :m] = x_scale.t()
+    q_pad, s_pad = _padded_rows(x_fp8, x_scale)
     cos = torch.rand(length, dim, device="cuda", generator=gen).to(torch.bfloat16)
     sin = torch.rand(length, dim, device="cuda", generator=gen).to(torch.bfloat16)
     positions = torch.randint(0, length, (m,), device="cuda", generator=gen)
