@@ -12,6 +12,9 @@ All times come from CUDA events, median of --reps after warm-up, BF16 and FP8 me
   this recipe) and each quantizer alone (weight with its transpose, X rows+tokens, dY rows+tokens).
 * Per decoder layer: the seven linears run as in the model (q, k, v read the same input, so do gate and
   up), forward then one backward through all of them: launch overheads overlap GPU work as in training.
+  Also with q, k and v as one linear: FP8 as the trainer groups them on a GPU (``fp8/grouped.py``), and
+  BF16 as one ``nn.Linear`` of N = q + k + v (what a BF16 trainer would fuse); "best" ratios divide the
+  faster BF16 layer by the FP8 one.
 TFLOP/s counts 2MNK per GEMM (forward 1 GEMM, forward+backward 3).
 """
 
@@ -90,13 +93,33 @@ def time_linears(specs: list[tuple[str, int, int, str]], m: int, reps: int) -> d
     inputs = [srcs[src] for *_, src in specs]
     dys = [torch.randn(m, n, device="cuda", dtype=bf16) for _, n, _, _ in specs]
     plain, fp8 = _layers(specs, False), _layers(specs, True)
-    return {
+    out = {
         "bf16_fwd": cuda_time_ms(_runner(plain, inputs, None, False), reps),
         "fp8_fwd": cuda_time_ms(_runner(fp8, inputs, None, True), reps),
         "bf16_fb": cuda_time_ms(_runner(plain, inputs, dys, False), reps),
         "fp8_fb": cuda_time_ms(_runner(fp8, inputs, dys, True), reps),
         "fp8_fb_cached": cuda_time_ms(_runner(fp8, inputs, dys, False), reps),
     }
+    names = [name for name, *_ in specs]
+    if names[:3] != ["q_proj", "k_proj", "v_proj"]:
+        return out
+    from infir2_rl.fp8.grouped import ProjectionGroup
+
+    group = ProjectionGroup(fp8[:3])  # type: ignore[arg-type]
+    for layer in fp8[:3]:
+        layer._group = group  # type: ignore[assignment]
+    (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
+    fused_specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
+    fused_inputs = [srcs[s] for *_, s in fused_specs]
+    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
+    fused_bf16 = _layers(fused_specs, False)
+    out |= {
+        "bf16_fused_fwd": cuda_time_ms(_runner(fused_bf16, fused_inputs, None, False), reps),
+        "fp8_grouped_fwd": cuda_time_ms(_runner(fp8, inputs, None, True), reps),
+        "bf16_fused_fb": cuda_time_ms(_runner(fused_bf16, fused_inputs, fused_dys, False), reps),
+        "fp8_grouped_fb": cuda_time_ms(_runner(fp8, inputs, dys, True), reps),
+    }
+    return out
 
 
 def time_parts(m: int, n: int, k: int, reps: int) -> dict[str, float]:
@@ -229,6 +252,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{model:<13} | {t['bf16_fwd']:8.3f} {t['fp8_fwd']:8.3f} {t['bf16_fwd'] / t['fp8_fwd']:5.2f} | "
             f"{t['bf16_fb']:8.3f} {t['fp8_fb']:8.3f} {t['bf16_fb'] / t['fp8_fb']:5.2f} | "
             f"{t['fp8_fb_cached']:8.3f} {t['bf16_fb'] / t['fp8_fb_cached']:5.2f}"
+        )
+    print("\n# the same with q, k and v as one linear (BF16: one nn.Linear; FP8: fp8/grouped.py); best = the")
+    print("# faster BF16 layer (three or one q|k|v) / FP8 grouped")
+    print(
+        f"{'model':<13} | {'bf16 fwd':>8} {'fp8 fwd':>8} {'best x':>6} | {'bf16 f+b':>8} {'fp8 f+b':>8} {'best x':>6}"
+    )
+    for model, t in layer_rows:
+        best_fwd, best_fb = min(t["bf16_fwd"], t["bf16_fused_fwd"]), min(t["bf16_fb"], t["bf16_fused_fb"])
+        print(
+            f"{model:<13} | {t['bf16_fused_fwd']:8.3f} {t['fp8_grouped_fwd']:8.3f} "
+            f"{best_fwd / t['fp8_grouped_fwd']:6.2f} | {t['bf16_fused_fb']:8.3f} {t['fp8_grouped_fb']:8.3f} "
+            f"{best_fb / t['fp8_grouped_fb']:6.2f}"
         )
     return 0
 

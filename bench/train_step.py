@@ -192,6 +192,7 @@ def run_mode(
     args: argparse.Namespace,
     device: torch.device,
     fused: bool | str = "auto",
+    qkv_group: bool = True,
 ) -> dict[str, Any]:
     from transformers import AutoConfig
 
@@ -234,6 +235,10 @@ def run_mode(
             device=device,
         )
         fp8_linears = len(trainer.fp8_linears)
+        if not qkv_group:  # the FP8 trainer on a GPU runs q|k|v as one linear by default (fp8/grouped.py)
+            from infir2_rl.fp8 import grouped
+
+            grouped.ungroup_projections(trainer.model)
     cfg = AutoConfig.from_pretrained(path)
     batch = sft_batch(args.batch, args.seq, cfg.vocab_size)
     units, loss_fn = num_target_tokens(batch), SftLossFn()
@@ -347,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         help="torch backend: trainer.fused_kernels as the trainer's default (auto), off, or both (each mode twice)",
     )
     parser.add_argument(
+        "--qkv-group",
+        choices=("on", "off", "both"),
+        default="on",
+        help="torch backend, FP8 on a GPU: q|k|v as one FP8 linear (on: the trainer's default), three, or both",
+    )
+    parser.add_argument(
         "--pack-sequences",
         choices=("false", "true", "auto"),
         default="false",
@@ -383,13 +394,16 @@ def main(argv: list[str] | None = None) -> int:
         "both": (False, True),
     }
     fused_settings = fused_choices[args.fused_kernels]
+    group_settings = {"on": (True,), "off": (False,), "both": (True, False)}[args.qkv_group]
     results = {
-        f"{precision}{'+graphs' if graphs else ''}{'+fused' if fused is True else ''}": run_mode(
-            path, precision == "fp8", graphs, args, device, fused
+        f"{precision}{'+graphs' if graphs else ''}{'+fused' if fused is True else ''}"
+        f"{'' if group or precision == 'bf16' else '+ungrouped'}": run_mode(
+            path, precision == "fp8", graphs, args, device, fused, group
         )
         for fused in fused_settings
         for graphs in graph_settings
         for precision in ("bf16", "fp8")
+        for group in (group_settings if precision == "fp8" else (True,))
     }
 
     def fastest(precision: str) -> dict[str, Any]:

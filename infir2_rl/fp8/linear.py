@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from torch.distributed.tensor import DTensor
 from infir2_rl.fp8 import gemm, quant_triton
 from infir2_rl.fp8.ops import Fp8Weight, fp8_linear, fp8_linear_forward
 from infir2_rl.fp8.quant import FP8_DTYPE, quantize_weight_blockwise
+
+if TYPE_CHECKING:
+    from infir2_rl.fp8.grouped import ProjectionGroup
 
 DECODER_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -59,6 +63,8 @@ class Fp8Linear(nn.Linear):
         # False runs a plain (dense) linear on the master weight: see `fp8_disabled`.
         self.fp8_enabled = True
         self._fp8_cache: tuple[tuple[object, ...], Fp8Weight] | None = None
+        # Set by ``grouped.group_projections``: the fused q|k|v linear this module's forward goes through.
+        self._group: ProjectionGroup | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, pow2_scales: bool = False) -> Fp8Linear:
@@ -75,6 +81,8 @@ class Fp8Linear(nn.Linear):
 
     def invalidate_fp8_cache(self) -> None:
         self._fp8_cache = None
+        if self._group is not None:
+            self._group.invalidate()
 
     @torch.no_grad()
     def _fp8_weight(self) -> Fp8Weight:
@@ -109,12 +117,18 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)  # autocast applies as to any nn.Linear
-        fp8w = self._fp8_weight()
+        if self._group is not None:
+            return self._group.output(self, x)
+        return self.run(x, self.weight, self.bias, self._fp8_weight())
+
+    def run(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8w: Fp8Weight
+    ) -> torch.Tensor:
+        """The FP8 linear of ``x`` with ``fp8w`` (the quantization of ``weight``) and ``bias``, in this module's
+        settings: ``forward``'s body, which ``grouped.ProjectionGroup`` also runs on its fused weight."""
         w_fp8, scale_inv = fp8w.w_fp8, fp8w.scale_inv
         needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad
-            or self.weight.requires_grad
-            or (self.bias is not None and self.bias.requires_grad)
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         # Under autocast the output has the autocast dtype, as nn.Linear's would: an FP32 input (the residual
         # stream after RMSNorm) otherwise gives FP32 q/k/v/gate/up outputs, and every activation downstream
@@ -135,10 +149,8 @@ class Fp8Linear(nn.Linear):
             round_to = None
         pow2 = self.pow2_scales
         if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
-            return fp8_linear_forward(
-                x, w_fp8, scale_inv, self.bias, pow2, out_dtype=out_dtype, round_to=round_to
-            )
-        return fp8_linear(x, self.weight, self.bias, fp8w, pow2, out_dtype=out_dtype, round_to=round_to)
+            return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2, out_dtype=out_dtype, round_to=round_to)
+        return fp8_linear(x, weight, bias, fp8w, pow2, out_dtype=out_dtype, round_to=round_to)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=e4m3 blockwise, pow2_scales={self.pow2_scales}"

@@ -52,6 +52,7 @@ from torch.nn.utils import get_total_norm
 from transformers import PreTrainedModel
 
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.fp8 import grouped
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
@@ -145,6 +146,11 @@ class TorchTrainer:
                 log.warning(
                     "FP8 precision but the model has no decoder linears to swap: training in BF16/FP32"
                 )
+            elif self.device.type == "cuda" and not true_on_policy:
+                # q, k and v as one FP8 linear (fp8/grouped.py); the CPU demo and the true_on_policy walk
+                # keep three.
+                groups = grouped.group_projections(model)
+                log.info("FP8 q|k|v projections run as one linear in %d attention layers", groups)
         # trainer.fused_kernels: RMSNorm and SwiGLU as one Triton kernel each way (fused_layers.py).
         fused_ok = fused_layers.available(self.device) and not true_on_policy
         if trainer_cfg.fused_kernels is True and not fused_ok:

@@ -1,0 +1,156 @@
+"""The q, k and v projections of an attention as one FP8 linear in the trainer (``group_projections``).
+
+Why: at the 7B shape the k and v projections (N = 512) take ~1.0 ms each in FP8 forward + backward against
+~0.2 ms in BF16 (``bench/fp8_linear.py``, docs/performance.md): each quantizes its output gradient and its
+weight, transposes the weight, and runs three GEMMs too small for FP8 to gain. One linear over the stacked
+weights (N = 4,608 at 7B, 2,048 at 1.5B) does each of these once. Every part's N is a multiple of 128, so
+every 128x128 weight block and 1x128 gradient tile holds the same values as before and the quantized
+operands are the same codes; what can differ is the FP32 summation order of the GEMMs and the input
+gradient, which is now one GEMM rounded once instead of three rounded and added.
+
+How: the members stay ``Fp8Linear`` modules with their own Parameters, so checkpoints, the optimizer, weight
+sync (``export_fp8``) and FSDP see no change. The first member called with an input computes every member's
+output in one ``Fp8Linear.run`` and keeps the others' outputs for their calls with the same input (the same
+tensor object, version, grad mode and autocast state), as ``ops._quantize_input_fast`` keeps one
+quantization of it; a member called with another input computes the group again. Autograd routes the
+gradients: the outputs are column slices of one output, the biases are concatenated, and the weight handed
+to the FP8 linear is a stand-in (``_StackedWeight``) whose backward splits dW by rows: the FP8 linear reads
+only its quantization, which is the members' FP8 weights stacked (kept per member quantization).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from infir2_rl.fp8.linear import Fp8Linear
+from infir2_rl.fp8.ops import Fp8Weight
+
+GROUPS = (("q_proj", "k_proj", "v_proj"),)
+
+
+def _placeholder(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (rows, K) tensor of ``like``'s dtype and device without memory (one element, expanded)."""
+    return like.new_zeros(()).expand(rows, like.shape[1])
+
+
+class _StackedWeight(torch.autograd.Function):
+    """(W_1, ..., W_n) -> a placeholder (sum of N_i, K) tensor standing for their row stack, which nothing
+    reads (the FP8 linear takes its shape, dtype and gradient only); backward splits dW by rows."""
+
+    @staticmethod
+    def forward(ctx: Any, *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows = [w.shape[0] for w in weights]
+        return _placeholder(weights[0], sum(ctx.rows))
+
+    @staticmethod
+    def backward(ctx: Any, dw: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(dw.split(ctx.rows, dim=0))
+
+
+class ProjectionGroup:
+    """Linears that read one input, run as one FP8 linear (module docstring)."""
+
+    def __init__(self, members: list[Fp8Linear]) -> None:
+        why = self.unfit(members)
+        if why:
+            raise ValueError(f"cannot group these FP8 linears: {why}")
+        first = members[0]
+        self.members = members
+        self.splits = [m.out_features for m in members]
+        self.has_bias = first.bias is not None
+        self._stacked: tuple[tuple[Fp8Weight, ...], Fp8Weight] | None = None
+        self._pending: tuple[tuple[Any, ...], dict[int, torch.Tensor]] | None = None
+
+    @staticmethod
+    def unfit(members: list[Fp8Linear]) -> str | None:
+        """Why ``members`` cannot run as one FP8 linear, or None."""
+        if len({m.in_features for m in members}) != 1 or len({m.pow2_scales for m in members}) != 1:
+            return "they must share in_features and pow2_scales"
+        if len({m.bias is None for m in members}) != 1:
+            return "they must all have a bias or none"
+        if any(m.out_features % 128 for m in members[:-1]):
+            return "out_features must be divisible by 128 (the last one's need not be)"
+        return None
+
+    def _fp8_weight(self) -> Fp8Weight:
+        parts = tuple(m._fp8_weight() for m in self.members)
+        capturing = parts[0].w_fp8.is_cuda and torch.cuda.is_current_stream_capturing()
+        if (
+            not capturing
+            and self._stacked is not None
+            and all(a is b for a, b in zip(self._stacked[0], parts, strict=True))
+        ):
+            return self._stacked[1]
+        with torch.autocast(parts[0].w_fp8.device.type, enabled=False):  # autocast's cat rejects FP8
+            stacked = Fp8Weight(torch.cat([p.w_fp8 for p in parts]), torch.cat([p.scale_inv for p in parts]))
+        # Not kept from inside a CUDA graph capture: graph memory must not reach later eager code.
+        self._stacked = None if capturing else (parts, stacked)
+        return stacked
+
+    def invalidate(self) -> None:
+        """Forget the kept outputs (the members' weights changed: ``Fp8Linear.invalidate_fp8_cache``)."""
+        self._pending = None
+
+    def _key(self, x: torch.Tensor) -> tuple[Any, ...]:
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        return (
+            weakref.ref(x),
+            x._version,
+            torch.is_grad_enabled(),
+            autocast,
+            torch.get_autocast_dtype(device) if autocast else None,
+            tuple(m._weight_key() for m in self.members),
+        )
+
+    def output(self, member: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+        """``member(x)``: taken from the group's last run on this input, or computed with all members'."""
+        index = self.members.index(member)
+        key = self._key(x)
+        if self._pending is not None:
+            pending_key, outputs = self._pending
+            if pending_key[0]() is x and pending_key[1:] == key[1:] and index in outputs:
+                out = outputs.pop(index)
+                if not outputs:
+                    self._pending = None
+                return out
+        weights = [m.weight for m in self.members]
+        stand_in = _StackedWeight.apply(*weights) if any(w.requires_grad for w in weights) else None
+        bias = None
+        if self.has_bias:  # the master biases as they are
+            with torch.autocast(x.device.type, enabled=False):
+                bias = torch.cat([m.bias for m in self.members if m.bias is not None])
+        first = self.members[0]
+        weight = stand_in if stand_in is not None else _placeholder(first.weight, sum(self.splits))
+        y = first.run(x, weight, bias, self._fp8_weight())
+        parts = list(y.split(self.splits, dim=-1))
+        out = parts.pop(index)
+        self._pending = (key, {i if i < index else i + 1: p for i, p in enumerate(parts)})
+        return out
+
+
+def group_projections(model: nn.Module) -> int:
+    """Run each attention's q, k and v ``Fp8Linear`` as one FP8 linear (module docstring); returns how many
+    groups were made. A parent whose three projections are not all ``Fp8Linear``, or do not fit
+    (``ProjectionGroup.unfit``: e.g. k and v of 64 features), is left alone."""
+    count = 0
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if all(type(m) is Fp8Linear for m in members) and not ProjectionGroup.unfit(members):  # type: ignore[arg-type]
+                group = ProjectionGroup(members)  # type: ignore[arg-type]
+                for m in group.members:
+                    m._group = group
+                count += 1
+    return count
+
+
+def ungroup_projections(model: nn.Module) -> None:
+    """Undo ``group_projections``: every ``Fp8Linear`` runs on its own again."""
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m._group = None
