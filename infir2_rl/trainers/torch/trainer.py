@@ -31,6 +31,9 @@ on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
 `trainer.fused_kernels` ("auto": on for CUDA with Triton, not under true_on_policy): the model's RMSNorm and
 SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), in both precisions; the CPU keeps torch's.
 
+FP8 on CUDA (not under true_on_policy): each attention's q, k and v projections run as one FP8 linear
+(fp8/grouped.py; 2-3% of a 1.5B step, docs/performance.md); the CPU demo keeps three.
+
 `true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
 every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
 trainer's log-probs of the engine's samples equal the engine's bit for bit; backward is plain torch math.
