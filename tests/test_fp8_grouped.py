@@ -113,7 +113,8 @@ def test_grouping_rejects_parts_that_do_not_fit_and_skips_unswapped_parents() ->
     assert grouped.group_projections(parent) == 0
 
 
-def test_a_tiny_qwen2_trains_the_same_grouped() -> None:
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_tiny_qwen2_trains_the_same_grouped(checkpointing: bool) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from infir2_rl.fp8.linear import swap_to_fp8_training
@@ -127,6 +128,9 @@ def test_a_tiny_qwen2_trains_the_same_grouped() -> None:
         torch.manual_seed(0)
         models.append(Qwen2ForCausalLM(config))
         swap_to_fp8_training(models[-1])
+        if checkpointing:  # the layers' forward runs again in backward: the group computes again there
+            models[-1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models[-1].train()
     assert grouped.group_projections(models[1]) == models[1].config.num_hidden_layers
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     losses = []
