@@ -1,9 +1,10 @@
 """The q, k and v projections of an attention as one FP8 linear in the trainer (``group_projections``).
 
-Why: at the 7B shape the k and v projections (N = 512) take ~1.0 ms each in FP8 forward + backward against
-~0.2 ms in BF16 (``bench/fp8_linear.py``, docs/performance.md): each quantizes its output gradient and its
-weight, transposes the weight, and runs three GEMMs too small for FP8 to gain. One linear over the stacked
-weights (N = 4,608 at 7B, 2,048 at 1.5B) does each of these once. Every part's N is a multiple of 128, so
+Why: each FP8 linear quantizes its output gradient and its weight, transposes the weight and runs three
+GEMMs; for k and v (N = 256 at 1.5B, 512 at 7B) these are too small for FP8 to gain. One linear over the
+stacked weights (N = 2,048 at 1.5B, 4,608 at 7B) does each of these once: 2-3% of a 1.5B training step
+with CUDA graphs, ~0.5% of a 7B layer's linears (``bench/train_step.py --qkv-group both``,
+``bench/fp8_linear.py``; docs/performance.md). Every part's N is a multiple of 128, so
 every 128x128 weight block and 1x128 gradient tile holds the same values as before and the quantized
 operands are the same codes; what can differ is the FP32 summation order of the GEMMs and the input
 gradient, which is now one GEMM rounded once instead of three rounded and added.
@@ -119,15 +120,12 @@ class ProjectionGroup:
                 if not outputs:
                     self._pending = None
                 return out
-        weights = [m.weight for m in self.members]
-        stand_in = _StackedWeight.apply(*weights) if any(w.requires_grad for w in weights) else None
+        weight = _StackedWeight.apply(*(m.weight for m in self.members))  # no grad_fn if none needs one
         bias = None
         if self.has_bias:  # the master biases as they are
             with torch.autocast(x.device.type, enabled=False):
                 bias = torch.cat([m.bias for m in self.members if m.bias is not None])
-        first = self.members[0]
-        weight = stand_in if stand_in is not None else _placeholder(first.weight, sum(self.splits))
-        y = first.run(x, weight, bias, self._fp8_weight())
+        y = self.members[0].run(x, weight, bias, self._fp8_weight())
         # The widest part stays a view of the output; the others are copies, so that a narrow part kept for
         # backward (v, by the attention) does not keep the whole output alive: 0.87 GiB more at 1.5B and
         # 8,192 tokens when all three were views.
