@@ -1,7 +1,6 @@
 """Decode-sized GEMMs of the 1.5B shape: BF16 against FP8 W8A8 launch shapes, with weights hot in L2 and cold.
 
-    python bench/decode_gemm.py [--batches 16 64 128 256] [--wide] [--gemms qkv o gate_up down] [--swiglu]
-                                [--out PATH]
+    python bench/decode_gemm.py [--batches 16 64 128 256] [--wide] [--gemms qkv o gate_up down] [--out PATH]
 
 Why: the engine's GEMM chooser (``engines/native/linears.Fp8GemmChooser``) times each candidate inside a
 CUDA graph. If every call in that graph reads the same weight, the weight sits in the H100's 50 MB L2 after
@@ -12,9 +11,6 @@ copies of the weight totalling >= 256 MB, so each call reads from device memory)
 graph feeds). ``--wide`` adds launch shapes outside ``fp8_gemm.candidates`` to find better ones.
 Prints one line per (batch, GEMM): BF16 cold, the best FP8 cold and its shape, the ratio, and the FP8
 bandwidth floor at 3.35 TB/s; ``--out`` writes every timing as JSON.
-``--swiglu`` times gate|up + SiLU*up as the decode step runs it (cold weights): the chooser's GEMM then
-``fused_ops.silu_mul`` against every launch shape of the fused kernel ``fp8_gemm.w8a8_swiglu`` (with
-``--wide``, more than ``fp8_gemm.swiglu_candidates``), and BF16 ``F.linear`` + ``silu_mul`` for scale.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infir2_rl.engines.native import fp8_gemm, fused_ops  # noqa: E402
-from infir2_rl.engines.native.linears import Fp8GemmChooser, run_fp8  # noqa: E402
+from infir2_rl.engines.native import fp8_gemm  # noqa: E402
+from infir2_rl.engines.native.linears import Fp8GemmChooser  # noqa: E402
 from infir2_rl.fp8 import gemm as cublas_gemm  # noqa: E402
 from infir2_rl.fp8 import quant_triton  # noqa: E402
 from infir2_rl.fp8.quant import quantize_weight_blockwise  # noqa: E402
@@ -67,65 +63,11 @@ def wide_configs(m: int) -> list[fp8_gemm.GemmConfig]:
     return out
 
 
-def time_swiglu(batches: list[int], wide: bool, inter: int, k: int) -> list[dict]:
-    """gate|up + SiLU*up (intermediate size ``inter``, hidden ``k``), producer-quantized input, cold weights."""
-    w = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    wq, ws = quantize_weight_blockwise(w)
-    copies = max(1, COLD_BYTES // wq.numel())
-    fp8_weights = [(wq.clone(), ws.clone()) for _ in range(copies)]
-    bf16_weights = [w.clone() for _ in range(copies)]
-    rows = []
-    for m in batches:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        q, s_t = quant_triton.quantize_rows(x)
-        rows_q = fused_ops.QuantizedRows(q, s_t, m)
-        chooser = Fp8GemmChooser(False)
-        gemm = chooser.pick(rows_q, wq, ws, None, torch.bfloat16)
-
-        def unfused(wt: torch.Tensor, st: torch.Tensor, gemm=gemm, rows_q=rows_q) -> object:
-            y = run_fp8(gemm, rows_q, wt, st, None, False, torch.bfloat16)
-            return fused_ops.silu_mul(y, True)
-
-        def fused(cfg: fp8_gemm.SwigluConfig, wt: torch.Tensor, st: torch.Tensor, rows_q=rows_q) -> object:
-            return fp8_gemm.w8a8_swiglu(rows_q, wt, st, inter, cfg, torch.bfloat16)
-
-        res = {
-            "bf16 F.linear + silu_mul": time_graph(
-                [
-                    functools.partial(lambda wt, x=x: fused_ops.silu_mul(F.linear(x, wt)), wt)
-                    for wt in bf16_weights
-                ]
-            ),
-            f"unfused ({gemm})": time_graph([functools.partial(unfused, *wt) for wt in fp8_weights]),
-        }
-        cfgs = fp8_gemm.swiglu_candidates(m)
-        if wide:
-            extra = [fp8_gemm.SwigluConfig(bm, wa, st) for bm in (16, 32, 64, 128) if bm <= max(16, 2 * m)
-                     for wa, st in ((4, 2), (4, 3), (4, 4), (4, 6), (8, 3), (8, 4), (16, 3))]  # fmt: skip
-            cfgs = list(dict.fromkeys(cfgs + extra))
-        for cfg in cfgs:
-            try:
-                res[str(cfg)] = time_graph([functools.partial(fused, cfg, *wt) for wt in fp8_weights])
-            except Exception as exc:  # a shape Triton cannot compile here
-                print(f"  {cfg}: failed ({str(exc).splitlines()[0][:100]})")
-        print(
-            f"b{m} gate|up + SiLU*up {inter}x{k}, cold (us): "
-            + ", ".join(f"{key} {t:.1f}" for key, t in res.items())
-        )
-        rows.append(dict(gemm="gate_up+silu", m=m, timings=res))
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
     parser.add_argument("--wide", action="store_true", help="time launch shapes beyond fp8_gemm.candidates")
     parser.add_argument("--gemms", nargs="+", choices=[name for name, _, _ in SHAPES], default=None)
-    parser.add_argument("--swiglu", action="store_true", help="gate|up + SiLU*up: fused kernel vs the pair")
-    parser.add_argument(
-        "--swiglu-shape", type=int, nargs=2, default=[8960, 1536], metavar=("INTER", "HIDDEN"),
-        help="--swiglu's intermediate and hidden size (1.5B: 8960 1536; 7B: 18944 3584)",
-    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -134,8 +76,6 @@ def main() -> None:
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    if args.swiglu:
-        rows += time_swiglu(args.batches, args.wide, *args.swiglu_shape)
     for name, n, k in SHAPES:
         if args.gemms and name not in args.gemms:
             continue

@@ -1,7 +1,7 @@
 """Decode throughput of the native rollout engine, BF16 vs FP8 W8A8, on a random Qwen2.5-1.5B-shape model.
 
     python bench/rollout.py [--batch-sizes 16 32 64 128 256] [--repeats 3] [--profile] [--peers] [--rl]
-                            [--gemms] [--swiglu both] [--pdl both] [--out PATH] [--tiny]
+                            [--gemms] [--out PATH] [--tiny]
 
 On CUDA the engine decodes through its model runner (CUDA graphs, continuous batching; see
 ``infir2_rl/engines/native/``). ``--peers`` adds transformers ``generate`` (eager dynamic cache at
@@ -114,9 +114,6 @@ def time_batch(engines: dict[str, Any], batch: int, args: argparse.Namespace) ->
             "prefill_ms": 1e3 * prefill,
         }
     row["ratio_fp8_over_bf16"] = row["fp8"]["tokens_per_s"]["median"] / row["bf16"]["tokens_per_s"]["median"]
-    if "fp8 unfused" in row:
-        unfused = row["fp8 unfused"]["tokens_per_s"]["median"]
-        row["unfused_ratio_fp8_over_bf16"] = unfused / row["bf16"]["tokens_per_s"]["median"]
     if "fp8 no-pdl" in row:
         median = {m: row[m]["tokens_per_s"]["median"] for m in engines}
         row["no_pdl_ratio_fp8_over_bf16"] = median["fp8 no-pdl"] / median["bf16 no-pdl"]
@@ -380,13 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         help="both: the batch sweep also times each engine with its kernels launched without programmatic "
         "dependent launch (engines/native/pdl.py), in the same process; INFIR2_PDL=0 turns it off everywhere",
     )
-    parser.add_argument(
-        "--swiglu",
-        choices=("chosen", "both"),
-        default="chosen",
-        help="both: the batch sweep also times an FP8 engine that never fuses gate|up with SiLU*up "
-        "(fp8_gemm.w8a8_swiglu), with the same GEMM choices, in the same process",
-    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch_sizes, args.prompt_len, args.new_tokens, args.repeats = [2, 4], 8, 8, 2
@@ -443,16 +433,6 @@ def main(argv: list[str] | None = None) -> int:
                 timed_generate(
                     swept[f"{mode} no-pdl"], requests(b, args.prompt_len, 4, swept[mode].vocab_size)
                 )
-    if args.swiglu == "both" and device.type == "cuda":
-        unfused = NativeEngine(
-            str(path), fp8=True, device=device, max_batch_size=max_batch, decode_path="runner"
-        )
-        chooser = unfused._scheduler.runner.chooser
-        chooser.fuse_swiglu = False
-        chooser.choice = engines["fp8"]._scheduler.runner.chooser.choice  # only the fusion differs
-        swept["fp8 unfused"] = unfused
-        for b in (min(args.batch_sizes), max_batch):
-            timed_generate(unfused, requests(b, args.prompt_len, 4, unfused.vocab_size))
     rows = []
     print(
         f"{'batch':>5} | {'bf16 tok/s':>10} {'min':>8} {'max':>8} | {'fp8 tok/s':>10} {'min':>8} {'max':>8} | "
@@ -475,13 +455,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{nf['tokens_per_s']['median']:.0f} ({nf['decode_step_ms']:.2f} ms/step), x "
                 f"{row['no_pdl_ratio_fp8_over_bf16']:.2f} | PDL speed-up bf16 {row['pdl_speedup']['bf16']:.3f}, "
                 f"fp8 {row['pdl_speedup']['fp8']:.3f}"
-            )
-        if "fp8 unfused" in row:
-            u = row["fp8 unfused"]
-            print(
-                f"{'':5} | fp8 without the fused gate|up+SiLU: {u['tokens_per_s']['median']:.0f} "
-                f"({u['decode_step_ms']:.2f} ms/step), x {row['unfused_ratio_fp8_over_bf16']:.2f} | fused/unfused "
-                f"{row['fp8']['tokens_per_s']['median'] / u['tokens_per_s']['median']:.3f}"
             )
     met = [r["batch"] for r in rows if r["ratio_fp8_over_bf16"] >= GOAL]
     print(f"goal FP8 tokens/s >= {GOAL}x BF16: met at batch sizes {met or 'none'} of {args.batch_sizes}")

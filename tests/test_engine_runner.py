@@ -359,51 +359,6 @@ def test_rotary_kv_write_after_a_split_k_gemm_sums_its_partials_bit_for_bit(m: i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [5, 64, 200])
-def test_fused_gate_up_silu_equals_the_gemm_then_silu_mul_bit_for_bit(
-    m: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``fp8_gemm.w8a8_swiglu`` (gate|up GEMM, SiLU*up and its quantization in one launch) gives the codes
-    and scales of the pair it replaces, ``w8a8_fused`` (BN 128, one program along K) then
-    ``fused_ops.silu_mul(quant=True)``, padding rows included, on output buffers that start as garbage;
-    and ``FusedLinear.swiglu`` takes it wherever the chooser timed it faster (1.5B shape)."""
-    from infir2_rl.engines.native import fp8_gemm, fused_ops
-    from infir2_rl.engines.native.linears import Fp8GemmChooser
-    from infir2_rl.fp8.quant import quantize_activation, quantize_weight_blockwise
-
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    inter, k = 8960, 1536
-    w_fp8, scale = quantize_weight_blockwise(torch.randn(2 * inter, k, device="cuda", generator=gen) * 0.05)
-    x_fp8, x_scale = quantize_activation(torch.randn(m, k, device="cuda", generator=gen))
-    q_pad, s_pad = _padded_rows(x_fp8, x_scale)
-    rows = fused_ops.QuantizedRows(q_pad, s_pad, m)
-    gate_up = fp8_gemm.w8a8_fused(
-        q_pad, w_fp8, scale, None, fp8_gemm.GemmConfig(64, 128, 1), False, s_pad, m, torch.bfloat16
-    )
-    ref = fused_ops.silu_mul(gate_up, quant=True)
-    assert isinstance(ref, fused_ops.QuantizedRows)
-    real_buffers = fused_ops.quant_buffers
-
-    def garbage_buffers(rows_: int, k_: int, device: torch.device) -> fused_ops.QuantizedRows:
-        qr = real_buffers(rows_, k_, device)
-        qr.q.view(torch.uint8).fill_(0x55)
-        qr.s_t.fill_(float("nan"))
-        return qr
-
-    monkeypatch.setattr(fp8_gemm, "quant_buffers", garbage_buffers)
-    for cfg in fp8_gemm.swiglu_candidates(m):
-        got = fp8_gemm.w8a8_swiglu(rows, w_fp8, scale, inter, cfg, torch.bfloat16)
-        assert got.m == m and got.q.shape == ref.q.shape and got.s_t.shape == ref.s_t.shape, cfg
-        assert torch.equal(got.q.view(torch.uint8), ref.q.view(torch.uint8)), cfg
-        assert torch.equal(got.s_t, ref.s_t), cfg
-    chooser = Fp8GemmChooser(False)
-    choice = chooser.pick_swiglu(rows, w_fp8, scale, inter, torch.bfloat16)
-    times = chooser.swiglu_timings[(m, 2 * inter, k)]
-    assert len(times) == 1 + len(fp8_gemm.swiglu_candidates(m))  # every candidate ran
-    assert (choice is None) == (min(times, key=times.__getitem__).startswith("unfused"))
-
-
-@pytest.mark.gpu
 def test_fp8_gemm_pipelines_its_tile_loads() -> None:
     """The decode GEMM is bound by how many weight bytes are in flight, and Triton turns its FP8 tile loads
     into asynchronous copies (``num_stages`` deep) only when it can prove 16-byte alignment: K and the row

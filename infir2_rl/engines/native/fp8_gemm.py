@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from infir2_rl.engines.native.fused_ops import QuantizedRows, SplitPartials, quant_buffers
+from infir2_rl.engines.native.fused_ops import SplitPartials
 
 try:
     import triton
@@ -42,7 +42,6 @@ try:
     from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
 
     _HAVE_TRITON = True
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 except ImportError:  # pragma: no cover - CPU-only installs
     _HAVE_TRITON = False
 
@@ -156,121 +155,6 @@ if _HAVE_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit(do_not_specialize=["M"])
-    def _w8a8_swiglu_kernel(
-        x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, s_ptr,
-        M, K, KB, xs_rows, rows_pad, inter,
-        DTYPE: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        """gate|up GEMM, SiLU*up and its 1x128 quantization in one launch (``w8a8_swiglu``). Program
-        (i, j) owns rows i*BM.. and output columns j*128..: gate rows j*128.. and up rows inter + j*128..
-        of the weight (up from row ``inter``), two accumulators over the same FP8 input tile, so the tile of SiLU*up it ends with
-        is exactly one 1x128 quantization tile per row. Each sum, rounding and the epilogue are those of
-        ``_w8a8_kernel`` (BN 128, one program along K) followed by ``fused_ops._silu_mul_kernel``."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * 128 + tl.arange(0, 128)
-        kk = tl.arange(0, 128)
-        acc_g = tl.zeros((BM, 128), tl.float32)
-        acc_u = tl.zeros((BM, 128), tl.float32)
-        ws_g = ws_ptr + pid_n * KB  # one weight block per (128 rows, K block): a scalar scale
-        ws_u = ws_ptr + (inter // 128 + pid_n) * KB
-        w_g = w_ptr + cols[None, :].to(tl.int64) * K
-        w_u = w_ptr + (inter + cols[None, :]).to(tl.int64) * K
-        if PDL:
-            wait_then_release()
-        s_g_next = tl.load(ws_g)
-        s_u_next = tl.load(ws_u)
-        s_x_next = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
-        for kb in range(0, KB):  # the next block's scales load during this one (see _w8a8_kernel)
-            more = kb + 1 < KB
-            s_g, s_u, s_x = s_g_next, s_u_next, s_x_next
-            s_g_next = tl.load(ws_g + kb + 1, mask=more, other=0.0)
-            s_u_next = tl.load(ws_u + kb + 1, mask=more, other=0.0)
-            s_x_next = tl.load(xs_ptr + (kb + 1) * xs_rows + rows, mask=(rows < M) & more, other=0.0)
-            ks = kb * 128 + kk
-            x_mask = (rows[:, None] < M) & (ks[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=x_mask, other=0.0)
-            w_mask = (cols[None, :] < inter) & (ks[:, None] < K)
-            wg = tl.load(w_g + ks[:, None], mask=w_mask, other=0.0)
-            wu = tl.load(w_u + ks[:, None], mask=w_mask, other=0.0)
-            acc_g += tl.dot(x, wg) * s_x[:, None] * s_g
-            acc_u += tl.dot(x, wu) * s_x[:, None] * s_u
-        # _silu_mul_kernel's roundings on the GEMM's rounded outputs; rows M..rows_pad-1 come out 0 with
-        # scale 1, the padding the next GEMM expects.
-        gate = acc_g.to(DTYPE)
-        up = acc_u.to(DTYPE)
-        g = gate.to(tl.float32)
-        act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(DTYPE)
-        out = (act.to(tl.float32) * up.to(tl.float32)).to(DTYPE).to(tl.float32)
-        ay = tl.abs(out)
-        s = _scale_from_amax(tl.max(ay, axis=1), tl.sum(_is_nonfinite(ay), axis=1), POW2)
-        q = tl.math.div_rn(out, tl.broadcast_to(s[:, None], (BM, 128)))
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
-        keep = rows < rows_pad
-        q_mask = keep[:, None] & (cols[None, :] < inter)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], q, mask=q_mask)
-        tl.store(s_ptr + pid_n * rows_pad + rows, s, mask=keep)
-
-
-@dataclass(frozen=True)
-class SwigluConfig:
-    """Launch shape of ``w8a8_swiglu``: BM rows x 128 columns of SiLU*up per program, warps, stages."""
-
-    bm: int
-    warps: int = 4
-    stages: int = 3
-
-    def __str__(self) -> str:
-        return f"swiglu bm{self.bm} w{self.warps} s{self.stages}"
-
-
-def swiglu_candidates(m: int) -> list[SwigluConfig]:
-    """Launch shapes of the fused gate|up + SiLU*up kernel timed against the unfused pair at M rows. Its
-    programs are (M / BM) x (I / 128): 70 per BM rows at the 1.5B shape, too few to pull the weights at
-    full bandwidth with BM = M, so smaller BM (more programs, each weight tile read M / BM times, the
-    repeats from L2) are candidates too."""
-    bms = [16] if m <= 16 else [16, 32] if m <= 32 else [16, 32, 64]
-    if m > 64:
-        bms.append(128)
-    out = []
-    for bm in bms:
-        out += [SwigluConfig(bm, 4, 3), SwigluConfig(bm, 4, 5 if bm <= 32 else 4)]
-        if bm >= 64:
-            out.append(SwigluConfig(bm, 8, 3))
-    return out
-
-
-def w8a8_swiglu(
-    x: QuantizedRows,
-    w_fp8: Tensor,
-    w_scale_inv: Tensor,
-    up_row: int,
-    cfg: SwigluConfig,
-    dtype: torch.dtype,
-    pow2_scales: bool = False,
-) -> QuantizedRows:
-    """``silu(gate) * up`` quantized in 1x128 tiles, where gate|up = ``x @ W^T`` and W (2 * up_row, K) is the
-    FP8 gate|up weight with up's rows from ``up_row`` (a multiple of 128): the GEMM, ``fused_ops.silu_mul``
-    and its quantization in one launch, so neither the BF16 gate|up output nor a second kernel exists.
-    Equal bit for bit to ``w8a8_fused`` with one program along K and BN 128 followed by
-    ``fused_ops.silu_mul(..., quant=True)``. x: FP8 rows from a producer (``QuantizedRows``)."""
-    if up_row % 128 or w_fp8.shape[0] != 2 * up_row:
-        raise ValueError(
-            f"gate|up weight of {w_fp8.shape[0]} rows with up from row {up_row}: need twice a multiple of 128"
-        )
-    k = x.q.shape[1]
-    out = quant_buffers(x.m, up_row, x.q.device)
-    rows_pad = out.q.shape[0]
-    grid = (triton.cdiv(rows_pad, cfg.bm), up_row // 128)
-    _w8a8_swiglu_kernel[grid](
-        x.q, x.s_t, w_fp8, w_scale_inv, out.q, out.s_t,
-        x.m, k, triton.cdiv(k, 128), x.s_t.shape[1], rows_pad, up_row,
-        DTYPE=_TL_DTYPES[dtype], POW2=pow2_scales, BM=cfg.bm,
-        num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_kwargs(x.q.device),
-    )  # fmt: skip
-    return out
 
 
 def w8a8_partials(

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from infir2_rl.engines.native import fp8_gemm, fused_ops
+from infir2_rl.engines.native import fp8_gemm
 from infir2_rl.engines.native.fused_ops import QuantizedRows, SplitPartials
 from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8 import quant_triton
@@ -118,18 +118,14 @@ class Fp8GemmChooser:
     sizes (``bench/decode_gemm.py``, docs/performance.md).
     """
 
-    def __init__(self, pow2_scales: bool, fuse_swiglu: bool = True) -> None:
+    def __init__(self, pow2_scales: bool) -> None:
         self.pow2_scales = pow2_scales
         self.choice: dict[tuple[int, int, int, bool], Choice] = {}
         self.timings: dict[tuple[int, int, int, bool], dict[str, float]] = {}
-        # gate|up + SiLU*up: a fused launch shape, or None for the GEMM's choice then fused_ops.silu_mul
-        self.fuse_swiglu = fuse_swiglu  # False: never fused (bench/rollout.py --swiglu both compares)
-        self.swiglu_choice: dict[tuple[int, int, int], fp8_gemm.SwigluConfig | None] = {}
-        self.swiglu_timings: dict[tuple[int, int, int], dict[str, float]] = {}
 
     @staticmethod
     def _time(
-        fn: Callable[[], object] | list[Callable[[], object]], calls: int = 10, replays: int = 5
+        fn: Callable[[], Tensor] | list[Callable[[], Tensor]], calls: int = 10, replays: int = 5
     ) -> float:
         """Milliseconds per call: the callables in turn (a list rotates over operands), ``calls`` or more per
         graph replay, median over replays."""
@@ -200,49 +196,6 @@ class Fp8GemmChooser:
             key, m, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
         )  # fmt: skip
         return self.choice[key]
-
-    def pick_swiglu(
-        self, x: QuantizedRows, w: Tensor, s: Tensor, up_row: int, dtype: torch.dtype
-    ) -> fp8_gemm.SwigluConfig | None:
-        """How ``FusedLinear.swiglu`` runs gate|up (weight ``w``, up from row ``up_row``) + SiLU*up on FP8 rows
-        x: a launch shape of the fused kernel (``fp8_gemm.w8a8_swiglu``), or None for the pair it replaces
-        (this GEMM's own choice, then ``fused_ops.silu_mul``), whichever times faster the way ``pick``
-        times (graph, cold weight copies). Kept per exact M (decode graph sizes, prefill graph buckets)."""
-        key = (x.m, w.shape[0], w.shape[1])
-        if not self.fuse_swiglu:
-            return None
-        if key in self.swiglu_choice:
-            return self.swiglu_choice[key]
-        gemm, pow2 = self.pick(x, w, s, None, dtype), self.pow2_scales
-
-        def unfused(wc: Tensor, sc: Tensor) -> object:
-            return fused_ops.silu_mul(run_fp8(gemm, x, wc, sc, None, pow2, dtype), True, pow2)
-
-        def fused(cfg: fp8_gemm.SwigluConfig, wc: Tensor, sc: Tensor) -> object:
-            return fp8_gemm.w8a8_swiglu(x, wc, sc, up_row, cfg, dtype, pow2)
-
-        options: list[fp8_gemm.SwigluConfig | None] = [None, *fp8_gemm.swiglu_candidates(x.m)]
-        copies = [(w, s)] + [(w.clone(), s.clone()) for _ in range(self.cold_copies(w, s) - 1)]
-        times: dict[str, float] = {}
-        for option in options:
-            name = f"unfused ({gemm})" if option is None else str(option)
-            fn = unfused if option is None else functools.partial(fused, option)
-            try:
-                times[name] = self._time([functools.partial(fn, wc, sc) for wc, sc in copies])
-            except Exception as exc:  # a launch shape this GPU or Triton cannot compile: not a candidate
-                if option is None:
-                    raise
-                logger.warning("fused gate|up + SiLU*up %s failed at %s: %s", option, key, exc)
-        del copies
-        names = [f"unfused ({gemm})" if o is None else str(o) for o in options]
-        best = min(times, key=lambda name: times[name])
-        self.swiglu_choice[key] = options[names.index(best)]
-        self.swiglu_timings[key] = times
-        logger.info(
-            "gate|up + SiLU*up (M, N, K) %s: %s %.1f us (unfused %.1f us)",
-            key, best, 1e3 * times[best], 1e3 * times[names[0]],
-        )  # fmt: skip
-        return self.swiglu_choice[key]
 
 
 class FusedLinear:
@@ -318,20 +271,6 @@ class FusedLinear:
         out = self._forward(x, prefill, False)
         assert isinstance(out, Tensor)
         return out
-
-    def swiglu(self, x: Activation, quant: bool, pow2: bool, prefill: bool = False) -> Tensor | QuantizedRows:
-        """``fused_ops.silu_mul(self(x, prefill), quant, pow2)`` for a gate|up projection (parts gate, up).
-        FP8 rows from a producer at decode sizes may instead take ``fp8_gemm.w8a8_swiglu``: the GEMM,
-        SiLU*up and its quantization in one launch, the same bits, where the chooser timed it faster."""
-        fusable = quant and self.fp8 and not self.invariant and not prefill and self.bias is None
-        if fusable and isinstance(x, QuantizedRows) and self.chooser is not None and x.m <= DECODE_MAX_ROWS:
-            up_row = self.part_slices[-1].start
-            if len(self.part_slices) == 2 and self.weight.shape[0] == 2 * up_row:
-                assert self.scale is not None
-                cfg = self.chooser.pick_swiglu(x, self.weight, self.scale, up_row, self.out_dtype)
-                if cfg is not None:
-                    return fp8_gemm.w8a8_swiglu(x, self.weight, self.scale, up_row, cfg, self.out_dtype, pow2)
-        return fused_ops.silu_mul(self(x, prefill), quant, pow2)
 
     def deferred(self, x: Activation) -> Tensor | SplitPartials:
         """``self(x)`` for a caller that hands the output to a kernel that sums a split-K launch's partials

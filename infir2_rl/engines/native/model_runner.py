@@ -176,7 +176,9 @@ class Qwen2Runner:
             write_kv(i, k, v)
             a = attention.prefill(q, k, v).reshape(num_prompts * length, -1)
             x = fused_ops.add_rms_norm(h, layer.o(a, prefill=cublas), layer.post_norm, eps, quant, pow2)
-            delta = layer.down(layer.gate_up.swiglu(x, quant, pow2, prefill=cublas), prefill=cublas)
+            delta = layer.down(
+                fused_ops.silu_mul(layer.gate_up(x, prefill=cublas), quant, pow2), prefill=cublas
+            )
         assert delta is not None
         h = h + delta
         last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=h.device), lengths_P - 1]
@@ -213,7 +215,7 @@ class Qwen2Runner:
                     q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
                 )
             x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2)
-            delta = layer.down.deferred(layer.gate_up.swiglu(x, quant, pow2))
+            delta = layer.down.deferred(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
         return inv_ops.mm(x, self.lm_head) if invariant_ else F.linear(x, self.lm_head)
