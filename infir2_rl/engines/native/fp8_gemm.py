@@ -38,6 +38,7 @@ try:
     import triton.language as tl
 
     from infir2_rl.engines.native import pdl
+    from infir2_rl.engines.native.fused_ops import _sum_partials
     from infir2_rl.engines.native.pdl import wait_then_release
     from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
 
@@ -149,11 +150,7 @@ if _HAVE_TRITON:
             wait_then_release()
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < total
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for sp in tl.static_range(SPLIT):
-            acc += tl.load(part_ptr + sp * total + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        acc = _sum_partials(part_ptr, offs, total, bias_ptr, offs % N, mask, 0.0, SPLIT, HAS_BIAS)
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 

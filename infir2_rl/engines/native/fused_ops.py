@@ -103,6 +103,30 @@ def rotate_torch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _sum_partials(
+        part_ptr,
+        offs,
+        part_stride,
+        bias_ptr,
+        bias_offs,
+        mask,
+        other,
+        SPLIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        """``SplitPartials``' sum in FP32: partials 0..SPLIT-1 (``part_stride`` elements apart) added in split
+        order to zero, then the bias. The one place the order is written, so the GEMM's own sum kernel
+        (``fp8_gemm._split_sum_kernel``) and the consumers that sum the partials themselves (add+RMSNorm,
+        rotary+KV) give the same bits once each rounds the result to its dtype. ``mask`` / ``other``: as
+        ``tl.load``'s (both None: every element is loaded)."""
+        acc = tl.zeros(offs.shape, tl.float32)
+        for sp in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + sp * part_stride + offs, mask=mask, other=other)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + bias_offs, mask=mask, other=other).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _quant_store(y, q_ptr, s_ptr, row, rows_pad, K, tiles, cols, POW2: tl.constexpr):
         """Quantize y (T, 128) FP32 (tiles x 128 columns of one row) and store q and the scales."""
         ay = tl.abs(y)
@@ -131,12 +155,8 @@ if _HAVE_TRITON:
         offs = row.to(tl.int64) * E + cols
         x = tl.load(h_ptr + offs, mask=mask, other=0.0)
         if HAS_DELTA:
-            if SPLIT > 0:  # SplitPartials: fp8_gemm._split_sum_kernel's sum, bias and rounding, here
-                d = tl.zeros((TILES, 128), tl.float32)
-                for sp in tl.static_range(SPLIT):
-                    d += tl.load(d_ptr + sp * M * E + offs, mask=mask, other=0.0)
-                if HAS_BIAS:
-                    d += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if SPLIT > 0:  # SplitPartials: the sum kernel's sum, bias and rounding, here
+                d = _sum_partials(d_ptr, offs, M * E, bias_ptr, cols, mask, 0.0, SPLIT, HAS_BIAS)
                 d = d.to(x.dtype).to(tl.float32)
             else:
                 d = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -178,17 +198,12 @@ if _HAVE_TRITON:
     def _qkv_load(
         row, cols, bias_ptr, part_stride, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr
     ):
-        """Columns ``cols`` of one qkv row, in ``DTYPE``: loaded, or (SPLIT > 0) summed from the partials
-        (then the bias) in ``fp8_gemm._split_sum_kernel``'s order and rounding."""
+        """Columns ``cols`` of one qkv row, in ``DTYPE``: loaded, or (SPLIT > 0) the partials' sum (then the
+        bias) rounded as the sum kernel rounds it."""
         if SPLIT == 0:
             out = tl.load(row + cols)
         else:
-            acc = tl.zeros(cols.shape, tl.float32)
-            for sp in tl.static_range(SPLIT):
-                acc += tl.load(row + sp * part_stride + cols)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols).to(tl.float32)
-            out = acc.to(DTYPE)
+            out = _sum_partials(row, cols, part_stride, bias_ptr, cols, None, None, SPLIT, HAS_BIAS).to(DTYPE)
         return out
 
     @triton.jit
