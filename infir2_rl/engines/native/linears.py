@@ -26,7 +26,6 @@ import functools
 import logging
 import statistics
 from collections.abc import Callable
-from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +53,7 @@ Choice = str | fp8_gemm.GemmConfig
 Activation = Tensor | QuantizedRows
 
 
-@overload
-def run_fp8(
+def run_fp8_partials(
     choice: Choice,
     x: Activation,
     w: Tensor,
@@ -63,36 +61,11 @@ def run_fp8(
     bias: Tensor | None,
     pow2: bool,
     dtype: torch.dtype,
-    defer_sum: Literal[False] = ...,
-) -> Tensor: ...
-
-
-@overload
-def run_fp8(
-    choice: Choice,
-    x: Activation,
-    w: Tensor,
-    s: Tensor,
-    bias: Tensor | None,
-    pow2: bool,
-    dtype: torch.dtype,
-    defer_sum: bool = ...,
-) -> Tensor | SplitPartials: ...
-
-
-def run_fp8(
-    choice: Choice,
-    x: Activation,
-    w: Tensor,
-    s: Tensor,
-    bias: Tensor | None,
-    pow2: bool,
-    dtype: torch.dtype,
-    defer_sum: bool = False,
 ) -> Tensor | SplitPartials:
     """One W8A8 GEMM by ``choice``: cuBLASLt ``scaled_mm`` (after the quantize kernel unless x is already
-    FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8). ``defer_sum``:
-    a split-K Triton launch may return its partials (``fp8_gemm.w8a8_partials``)."""
+    FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8). A split-K
+    Triton launch returns its partials unsummed (``fp8_gemm.w8a8_partials``), for a consumer kernel that
+    sums them; ``run_fp8`` sums them."""
     if choice == _CUBLAS:
         if isinstance(x, QuantizedRows):
             q, s_t, m = x.q, x.s_t, x.m
@@ -101,10 +74,23 @@ def run_fp8(
         y = cublas_gemm.mm_1x128_128x128(q, s_t, w, s, dtype)[:m]
         return y if bias is None else y + bias
     assert isinstance(choice, fp8_gemm.GemmConfig)
-    gemm = fp8_gemm.w8a8_partials if defer_sum else fp8_gemm.w8a8_fused
     if isinstance(x, QuantizedRows):
-        return gemm(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype)
-    return gemm(x, w, s, bias, choice, pow2)
+        return fp8_gemm.w8a8_partials(x.q, w, s, bias, choice, pow2, x.s_t, x.m, dtype)
+    return fp8_gemm.w8a8_partials(x, w, s, bias, choice, pow2)
+
+
+def run_fp8(
+    choice: Choice,
+    x: Activation,
+    w: Tensor,
+    s: Tensor,
+    bias: Tensor | None,
+    pow2: bool,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``run_fp8_partials`` with split-K partials summed (the sum kernel): the output (M, N)."""
+    y = run_fp8_partials(choice, x, w, s, bias, pow2, dtype)
+    return y if isinstance(y, Tensor) else fp8_gemm.sum_partials(y)
 
 
 class Fp8GemmChooser:
@@ -292,7 +278,8 @@ class FusedLinear:
         if prefill or rows > DECODE_MAX_ROWS or self.chooser is None:  # compute-bound: cuBLASLt's large tiles
             return run_fp8(_CUBLAS, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
         choice = self.chooser.pick(x, self.weight, self.scale, self.bias, self.out_dtype)
-        return run_fp8(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype, defer_sum)
+        run = run_fp8_partials if defer_sum else run_fp8
+        return run(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
 
     def _invariant(self, x: Activation) -> Tensor:
         from infir2_rl.models import invariant_ops
