@@ -1,5 +1,5 @@
 """How this project captures CUDA graphs (the trainer's layer graphs, the engine's decode graphs, the FP8 GEMM
-chooser's timing graphs): one warm-up stream per device and one capture mode.
+chooser's timing graphs): one warm-up stream per device, one capture mode, no garbage collection inside.
 
 * ``warmup_stream``: cuBLAS(Lt) keeps a workspace (32 MiB on Hopper) per stream it has run on, for the life of
   the process; a new warm-up stream per capture grew the engine by ~0.19 GiB per release/resume cycle until
@@ -12,11 +12,22 @@ chooser's timing graphs): one warm-up stream per device and one capture mode.
   first run on a fresh machine failed a layer-graph capture ("operation failed due to a previous error
   during capture") in a process that held an NCCL process group from earlier tests; the offending call was
   not identified (docs/performance.md, "Packed micro-batches").
+* ``capture`` also turns Python's cyclic garbage collector off for the capture. torch (2.11) no longer
+  collects before a capture, so a collection could run inside one, triggered by any allocation of Python
+  objects, and free an unreachable ``CUDAGraph`` from earlier work (an engine's graphs, a timing graph):
+  its ``cudaGraphExecDestroy`` on the capturing thread invalidates the capture. That was the cause of the
+  failures above: the GPU suite's first run on a fresh machine failed the same two tests again in session
+  21, and CUDA's error log (``CUDA_LOG_FILE``) showed 14 ``cuGraphExecDestroy`` calls rejected on the
+  capturing thread just before "Capture was invalidated by a prior API call". GPU test:
+  ``tests/test_graph_capture_gpu.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,6 +41,15 @@ def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> torch.cuda.graph:
-    """``with capture(graph, pool): ...`` records the block into ``graph`` (module docstring)."""
-    return torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """``with capture(graph, pool): ...`` records the block into ``graph``, with the cyclic garbage collector
+    off meanwhile (module docstring)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
