@@ -93,19 +93,24 @@ with torch.cuda.stream(warm):
 torch.cuda.current_stream().wait_stream(warm)
 x.zero_()
 gc.collect()
-gc.set_threshold(500)  # a young-generation collection after 500 new container objects
 old = torch.cuda.CUDAGraph()
 with torch.cuda.graph(old):
     x.add_(1)
-cycle = [old]
-cycle.append(cycle)  # unreachable after the del: only the cyclic collector frees it (and its graph exec)
-del old, cycle
+holder = [old]
+holder.append(holder)  # a cycle: once unreachable, only the cyclic collector frees it (and old's graph exec)
+del old
+# Young-generation collections every 200 new container objects, the middle generation with each of them.
+gc.set_threshold(200, 1, 1)
 graph = torch.cuda.CUDAGraph()
 ctx = capture(graph) if mode == "ours" else torch.cuda.graph(graph)
+kept = []
 with ctx:
+    del holder  # unreachable from here on, while the capture runs
     for _ in range(200):
         x.add_(1)
-        junk = [[] for _ in range(50)]  # Python allocations, as captured model code makes
+        # New Python objects that stay alive, as captured model code makes: the collector runs when
+        # allocations minus deallocations pass the threshold.
+        kept.append([[] for _ in range(50)])
 graph.replay()
 torch.cuda.synchronize()
 gc.collect()  # the old graph is freed here, outside any capture
