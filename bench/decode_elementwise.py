@@ -68,7 +68,7 @@ def main() -> None:
                 if "norm" in args.kernels
             },
             **(
-                {"silu": [dict(tiles=t, num_warps=w) for t in (1, 2, 4, 8) for w in (2, 4, 8)]}
+                {"silu": [dict(tiles=t, num_warps=w) for t in (1, 2, 4, 8, 16) for w in (2, 4, 8, 16)]}
                 if "silu" in args.kernels
                 else {}
             ),
