@@ -318,8 +318,10 @@ def add_rms_norm(
 def silu_launch(m: int, quant: bool) -> tuple[int, int]:
     """(128-column tiles per program, warps) of SiLU*up at M rows: the fastest in
     ``bench/decode_elementwise.py`` at the 1.5B shape (H100, docs/performance.md). Few rows want short
-    programs (more of them in flight); the quantizing kernel, which divides every element, wants shorter
-    ones than the BF16 kernel up to M = 64."""
+    programs (more of them in flight); the quantizing kernel wants shorter ones than the BF16 kernel up to
+    M = 64. After the quantization's division became one per tile (session 21) the chain bench ranked
+    8 tiles of 4 warps first, and 8 warps for the quantizing norm, but in the decode step they made FP8
+    slower at batch 64 (1.94 against 1.87 ms per step, bench/rollout.py, one H100), so these stay."""
     if quant:
         return (2, 4) if m <= 64 else (8, 8)
     return (2, 4) if m <= 16 else (4, 4) if m <= 64 else (8, 8)
