@@ -17,7 +17,7 @@ flags=("$@")
 mkdir -p "$out"
 patch --dry-run -s -R -p1 < "$patch_file" > /dev/null  # the tree must contain the change
 run() { python bench/rollout.py "${flags[@]}" --out "$out/$1.json" 2>&1 | grep -E "^ +[0-9]+ \|" | sed "s/^/$1 /"; }
-trap 'patch -s -p1 --forward < "$patch_file" > /dev/null || true' EXIT  # the change back in, whatever happens
+trap 'patch -s -p1 --forward -r - < "$patch_file" > /dev/null || true' EXIT  # the change back in, whatever happens
 for round in 1 2; do
     run "A$round"
     patch -s -R -p1 < "$patch_file"
