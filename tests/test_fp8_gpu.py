@@ -75,6 +75,48 @@ def test_fused_quantizers_match_eager_bit_for_bit(
     assert _same_bytes(q3, q_ref.view(1, m, k)) and torch.equal(s3, s_ref.view(1, m, -1))
 
 
+def _hard_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """(M, 256) rows: every finite BF16 value (shuffled), the same scaled into tiny binades (scales down to
+    FP32 subnormals, where 1 / scale overflows) and, for FP32, random bit patterns of every exponent."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.bfloat16)
+    values = values[values.float().isfinite()].float()
+    values = values[torch.randperm(values.numel(), generator=gen)]
+    values = values[: values.numel() // 256 * 256].view(-1, 256)
+    unit = values.clamp(-1, 1)
+    parts = [values, unit] + [unit[:64] * 2.0**-j for j in (40, 70, 100, 118, 124, 127, 130, 140)]
+    if dtype == torch.float32:
+        raw = torch.randint(-(2**31), 2**31 - 1, (2048, 256), generator=gen, dtype=torch.int64)
+        raw = raw.to(torch.int32).view(torch.float32)
+        raw = torch.where(raw.isfinite(), raw, 0.0)
+        parts += [raw, raw.clamp(-1, 1), raw.clamp(-1e-30, 1e-30), raw.clamp(-1e-38, 1e-38)]
+    return torch.cat(parts).to(dtype).cuda()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_quantizers_match_eager_for_every_bf16_value_and_tiny_tiles(
+    dtype: torch.dtype, pow2: bool
+) -> None:
+    """The kernels divide once per tile and correct each quotient by FMA (``_divide_by_scale``); the eager
+    reference divides each element. Equal bits for every BF16 value, FP32 bit patterns and tiny scales."""
+    x = _hard_inputs(dtype)
+    m = x.shape[0]
+    q, s_t = quant_triton.quantize_rows(x, pow2)
+    q_ref, s_ref = quantize_activation_eager(x, pow2_scales=pow2)
+    assert torch.equal(s_t.t()[:m], s_ref)
+    assert _same_bytes(q[:m], q_ref), int((q[:m].view(torch.uint8) != q_ref.view(torch.uint8)).sum())
+    qt, st = quant_triton.quantize_cols(x, pow2)
+    x_pad = torch.nn.functional.pad(x, (0, 0, 0, qt.shape[1] - m))
+    qt_ref, st_ref = quantize_activation_eager(x_pad.t().contiguous(), pow2_scales=pow2)
+    assert torch.equal(st.t(), st_ref) and _same_bytes(qt, qt_ref)
+    w = x[: m // 128 * 128]
+    w_fp8, w_s = quant_triton.quantize_weight(w, pow2)
+    w_ref, ws_ref = quantize_weight_blockwise_eager(w, pow2_scales=pow2)
+    assert torch.equal(w_s, ws_ref) and _same_bytes(w_fp8, w_ref)
+
+
 _CANDIDATES = [(kind, cand) for kind, cands in quant_triton.LAUNCH_CANDIDATES.items() for cand in cands]
 
 

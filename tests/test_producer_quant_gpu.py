@@ -1,8 +1,9 @@
 """The decode step's producer kernels quantize with one IEEE division per 1x128 tile and an FMA correction per
-element (``fused_ops._divide_by_tile_scale``); the trainer's quantizer divides every element
-(``quant_triton``). Their codes and scales must be equal for every input, or the engine's FP8 GEMM inputs
-would differ from the trainer's. Checked here for every finite BF16 value, for quotients at and next to
-every e4m3 rounding midpoint at "round" scales (where the quotient can be exact), and with power-of-two
+element (``quant_triton._divide_by_scale``, shared with the trainer's quantizers). Their codes and scales must
+equal the eager reference's (``quant.quantize_activation_eager``: torch's IEEE division per element), or the
+engine's FP8 GEMM inputs would differ from the trainer's. Checked here for every finite BF16 value, for
+quotients at and next to every e4m3 rounding midpoint at "round" scales (where the quotient can be exact), for
+tiles whose scale is tiny (down to BF16's subnormals, where 1 / scale overflows FP32), and with power-of-two
 scales. GPU only (Triton)."""
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def _midpoint_rows(amax: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-def test_producer_quantization_equals_the_trainers_for_every_bf16_value(pow2: bool) -> None:
+def test_producer_quantization_equals_the_reference_for_every_bf16_value(pow2: bool) -> None:
     from infir2_rl.engines.native import fused_ops
-    from infir2_rl.fp8 import quant_triton
+    from infir2_rl.fp8.quant import quantize_activation_eager
 
     gen = torch.Generator().manual_seed(0)
     values = _finite_bf16_values()
@@ -69,15 +70,19 @@ def test_producer_quantization_equals_the_trainers_for_every_bf16_value(pow2: bo
         shuffles.append(torch.cat([perm, perm[:pad]]).view(-1, 128))
     # The same values scaled down into each binade's range, so that small tiles get small scales too.
     small = [rows.float().clamp(-1, 1).to(torch.bfloat16) for rows in shuffles[:4]]
+    # Tiny tiles: amax near 2^-j, down to BF16 subnormals (scale below 2^-128: its reciprocal overflows FP32).
+    unit = shuffles[0].float().clamp(-1, 1)
+    tiny = [(unit * 2.0**-j).to(torch.bfloat16) for j in (40, 70, 100, 118, 124, 127, 130)]
     # Round amaxes (scale = amax / 448 with few bits), where a quotient can land exactly on a midpoint.
     round_amax = [448.0 * 2.0**k for k in range(-12, 12)] + [
         7.0 * m * 2.0**k for m in (1, 3, 5, 9, 15) for k in (-6, 0, 4)
     ]
     round_amax += [504.0, 336.0, 1.0, 3.0, 0.75]
     midpoints = [_midpoint_rows(a) for a in round_amax if a < 3e38]
-    x = torch.cat(shuffles + small + midpoints).cuda()
+    x = torch.cat(shuffles + small + tiny + midpoints).cuda()
     m = x.shape[0]
-    q_ref, s_ref = quant_triton.quantize_rows(x, pow2)
+    q_ref, s_ref = quantize_activation_eager(x, pow2_scales=pow2)  # s_ref (M, 1)
+    s_ref = s_ref.t()
     out = fused_ops.quant_buffers(m, 128, x.device)
     _tile_quant_kernel[(m,)](x, out.q, out.s_t, out.q.shape[0], POW2=pow2)
     assert torch.equal(out.s_t[:, :m], s_ref[:, :m])

@@ -36,7 +36,7 @@ try:
 
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
+    from infir2_rl.fp8.quant_triton import _divide_by_scale, _is_nonfinite, _scale_from_amax
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -127,26 +127,11 @@ if _HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _divide_by_tile_scale(y, s):
-        """``y / s[:, None]`` correctly rounded (what ``tl.math.div_rn`` gives) with one IEEE division per
-        tile instead of one per element: r = RN(1 / s), q = RN(y * r), then one Newton-Markstein correction
-        with the exact remainder, q + RN(y - q * s) * r, both by FMA (the sequence CUDA's own correctly
-        rounded division ends with). Where the remainder is exactly zero q is already the quotient, and
-        kept as is, so a -0 stays -0 (the correction would give +0). y / s stays within +-448 * (1 + 2^-23)
-        here, far from overflow, and quotients too small for the correction's guarantee are below e4m3's
-        smallest step. GPU test: codes equal to the trainer's quantizer for every finite BF16 value."""
-        s2 = tl.broadcast_to(s[:, None], y.shape)
-        r = tl.broadcast_to(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None], y.shape)
-        q = y * r
-        e = tl.fma(-q, s2, y)
-        return tl.where(e == 0.0, q, tl.fma(e, r, q))
-
-    @triton.jit
     def _quant_store(y, q_ptr, s_ptr, row, rows_pad, K, tiles, cols, POW2: tl.constexpr):
         """Quantize y (T, 128) FP32 (tiles x 128 columns of one row) and store q and the scales."""
         ay = tl.abs(y)
         s = _scale_from_amax(tl.max(ay, axis=1), tl.sum(_is_nonfinite(ay), axis=1), POW2)
-        q = _divide_by_tile_scale(y, s)
+        q = _divide_by_scale(y, s[:, None])
         q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
         mask = cols < K
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=mask)  # (padding rows: y = 0 -> q 0, s 1)

@@ -45,7 +45,7 @@ try:
     import triton
     import triton.language as tl
 
-    from infir2_rl.fp8.quant_triton import _is_nonfinite, _scale_from_amax
+    from infir2_rl.fp8.quant_triton import _divide_by_scale, _is_nonfinite, _scale_from_amax
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -157,7 +157,7 @@ if _HAVE_TRITON:
     ):
         av = tl.abs(v)
         s = _scale_from_amax(tl.max(av, axis=1), tl.sum(_is_nonfinite(av), axis=1), POW2)
-        q = tl.math.div_rn(v, tl.broadcast_to(s[:, None], (BM, 128)))
+        q = _divide_by_scale(v, s[:, None])
         q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
         q_mask = (rows[:, None] < rows_q) & (cols[None, :] < N)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=q_mask)

@@ -1,0 +1,100 @@
+"""The FP8 quantizer kernels alone (``fp8/quant_triton.py``) at the trainer's shapes, in GB/s of their traffic.
+
+    python bench/quantizers.py [--reps 50] [--calls 20]
+
+Each case is replayed from a CUDA graph of --calls back-to-back launches (so launch time does not count), median
+of --reps replays; the inputs (>= 25 MB) do not stay in the 50 MB L2 between calls of a large case. Traffic =
+bytes read + bytes written (codes and scales), which is the memory floor: at 3.35 TB/s (H100 SXM) a kernel at
+the floor reads "floor %" 100. Cases: activation rows (1x128 along K: fprop X, dgrad dY), token tiles
+(1x128 along M, written transposed: wgrad), both (the trainer's X and dY), and 128x128 weight blocks with
+W^T, from BF16 and FP32 (the trainer's masters; FP32 activations are rounded to BF16 as they are read).
+The weight rows count one read of W and the writes of W and W^T (FP32 W^T takes a second, byte-moving kernel,
+``transpose_fp8``, whose 2 bytes per weight are not counted). "rows + cols" counts two reads (two kernels).
+Used for the A/B of one division per tile (bench/ab_patch.sh with BENCH=..., docs/performance.md, session 22).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+PEAK_TBS = 3.35  # H100 SXM HBM3
+
+
+def graph_ms(fn: Callable[[], object], calls: int, reps: int) -> float:
+    """Median ms per call over ``reps`` replays of a CUDA graph holding ``calls`` calls of fn."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--reps", type=int, default=50, help="graph replays per case (median reported)")
+    parser.add_argument("--calls", type=int, default=20, help="launches per graph replay")
+    parser.add_argument("--m", type=int, default=8192, help="tokens")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/quantizers.py needs a CUDA GPU (the kernels are Triton)")
+    from infir2_rl.fp8 import quant_triton as qt
+
+    m = args.m
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call, GB/s, % of {PEAK_TBS} TB/s"
+    )
+    print(f"{'case':<34} {'shape':>14} {'ms':>8} {'GB/s':>7} {'floor %':>7}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k in (1536, 8960, 3584, 18944):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+            r = torch.bfloat16 if dtype == torch.float32 else None
+            size = m * k
+            read = size * x.element_size()
+            cases: list[tuple[str, Callable[[], object], int]] = [
+                ("rows", partial(qt.quantize_rows, x, round_to=r), read + size + size // 32),
+                ("cols", partial(qt.quantize_cols, x, round_to=r), read + size + size // 32),
+                (
+                    "rows + cols",
+                    partial(qt.quantize_rows_and_cols, x, round_to=r),
+                    2 * read + 2 * size + size // 16,
+                ),
+            ]
+            for name, fn, traffic in cases:
+                ms = graph_ms(fn, args.calls, args.reps)
+                gbs = traffic / ms / 1e6
+                label = f"{name}, {str(dtype).removeprefix('torch.')}"
+                print(
+                    f"{label:<34} {f'{m}x{k}':>14} {ms:8.4f} {gbs:7.0f} {100 * gbs / (PEAK_TBS * 1e3):7.1f}"
+                )
+    for n, k in ((1536, 1536), (8960, 1536), (1536, 8960), (3584, 3584), (18944, 3584), (3584, 18944)):
+        for dtype in (torch.bfloat16, torch.float32):
+            w = torch.randn(n, k, device="cuda", generator=gen).to(dtype) * 0.02
+            traffic = n * k * (w.element_size() + 2) + 4 * (n * k // 16384)
+            ms = graph_ms(partial(qt.quantize_weight_with_transpose, w), args.calls, args.reps)
+            gbs = traffic / ms / 1e6
+            label = f"weight + W^T, {str(dtype).removeprefix('torch.')}"
+            print(f"{label:<34} {f'{n}x{k}':>14} {ms:8.4f} {gbs:7.0f} {100 * gbs / (PEAK_TBS * 1e3):7.1f}")
+
+
+if __name__ == "__main__":
+    main()
