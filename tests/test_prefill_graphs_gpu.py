@@ -58,11 +58,14 @@ def test_graph_prefill_equals_the_eager_prefill_at_the_bucket_shape(model_dir: P
     padded_len = torch.tensor([*lengths, 1], device="cuda")
     ref_cache = runner.new_cache(8, 256)
 
-    def write_kv(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        attention.write_prefill(ref_cache.k[i], ref_cache.v[i], slots, prompt_of_row, k[:3, :, : max(lengths)],
-                                v[:3, :, : max(lengths)])  # fmt: skip
+    k_st, v_st = (torch.empty(4, runner.num_kv_heads, 64, runner.head_dim, dtype=runner.dtype, device="cuda")
+                  for _ in range(2))  # fmt: skip
 
-    expected = runner.prefill_forward(padded, padded_len, write_kv, choose_gemms=True)[:3]
+    def kv_written(i: int) -> None:
+        attention.write_prefill(ref_cache.k[i], ref_cache.v[i], slots, prompt_of_row, k_st[:3, :, : max(lengths)],
+                                v_st[:3, :, : max(lengths)])  # fmt: skip
+
+    expected = runner.prefill_forward(padded, padded_len, lambda i: (k_st, v_st), kv_written, True)[:3]
     assert torch.equal(got, expected)
     n = max(lengths)
     assert torch.equal(cache.buffer[:, :, slots, :, :n], ref_cache.buffer[:, :, slots, :, :n])

@@ -42,7 +42,6 @@ from torch import Tensor, nn
 
 from infir2_rl.engines.native import attention, fused_ops, sampler
 from infir2_rl.engines.native.fused_ops import rms_norm_torch as rms_norm
-from infir2_rl.engines.native.fused_ops import rotate_torch as rotate
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.linears import Fp8GemmChooser, FusedLinear
 from infir2_rl.models import invariant
@@ -143,46 +142,61 @@ class Qwen2Runner:
         6.1 and 5.5 ms of kernels (bench/prefill.py, docs/performance.md)."""
         if self.true_on_policy:
             return self._prefill_invariant(ids_PL, lengths_P, cache, slots, prompt_of_row)
+        shape = (ids_PL.shape[0], self.num_kv_heads, ids_PL.shape[1], self.head_dim)
+        k_st, v_st = (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
 
-        def write_kv(i: int, k: Tensor, v: Tensor) -> None:
-            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k, v)
+        def kv_written(i: int) -> None:
+            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k_st, v_st)
 
-        return self.prefill_forward(ids_PL, lengths_P, write_kv)
+        return self.prefill_forward(ids_PL, lengths_P, lambda i: (k_st, v_st), kv_written)
 
     @torch.no_grad()
     def prefill_forward(
         self,
         ids_PL: Tensor,
         lengths_P: Tensor,
-        write_kv: Callable[[int, Tensor, Tensor], None],
+        kv_out: Callable[[int], tuple[Tensor, Tensor]],
+        kv_written: Callable[[int], None] | None = None,
         choose_gemms: bool = False,
     ) -> Tensor:
-        """``prefill``'s forward: layer i's keys and values (P, KVH, L, D) go to ``write_kv(i, k, v)``;
-        returns the logits (P, V) at each prompt's last real token. ``choose_gemms``: FP8 GEMMs of up to
-        ``linears.DECODE_MAX_ROWS`` rows take the chooser's timed choice at this M, as decode does (the
-        prefill graphs, whose M is one of a few buckets); otherwise cuBLASLt (eager prefill, any M)."""
+        """``prefill``'s forward: layer i's rotated keys and values are written into ``kv_out(i)`` = (k, v),
+        each (P, KVH, L, D), and ``kv_written(i)`` is called after; returns the logits (P, V) at each prompt's
+        last real token. ``choose_gemms``: FP8 GEMMs of up to ``linears.DECODE_MAX_ROWS`` rows take the
+        chooser's timed choice at this M, as decode does (the prefill graphs, whose M is one of a few
+        buckets), and a split-K GEMM hands its partials to the kernel after it (the rotary kernel, the next
+        norm), as in decode; otherwise cuBLASLt (eager prefill, any M).
+
+        The rotary embedding and the K/V stores are the decode step's kernel (``fused_ops.rope_write_kv``,
+        with slot = prompt and position = token): torch's rotary was ~12 elementwise launches per layer,
+        0.9 ms of a 3.8 ms prefill of 2 x 128 tokens at 1.5B (H100, docs/performance.md, session 22)."""
         num_prompts, length = ids_PL.shape
-        cos, sin = self.cos[:length][None, None], self.sin[:length][None, None]
+        device = ids_PL.device
+        positions = torch.arange(length, device=device).repeat(num_prompts)
+        prompt_ids = torch.arange(num_prompts, device=device).repeat_interleave(length)
         quant, pow2, eps = self.fp8 and ids_PL.is_cuda, self.pow2, self.eps
         cublas = not choose_gemms
         h = F.embedding(ids_PL, self.embed).reshape(num_prompts * length, -1)
-        delta: Tensor | None = None
+        delta: Tensor | fused_ops.SplitPartials | None = None
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2)  # h += delta in place
-            q, k, v = layer.qkv.split(layer.qkv(x, prefill=cublas))
-            q = rotate(q.reshape(num_prompts, length, self.num_heads, -1).transpose(1, 2), cos, sin)
-            k = rotate(k.reshape(num_prompts, length, self.num_kv_heads, -1).transpose(1, 2), cos, sin)
-            v = v.reshape(num_prompts, length, self.num_kv_heads, -1).transpose(1, 2)
-            write_kv(i, k, v)
+            k, v = kv_out(i)
+            q = fused_ops.rope_write_kv(
+                layer.qkv(x, prefill=True) if cublas else layer.qkv.deferred(x), positions, prompt_ids,
+                self.cos, self.sin, k, v, self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
+            )  # fmt: skip
+            if kv_written is not None:
+                kv_written(i)
+            q = q.view(num_prompts, length, self.num_heads, -1).transpose(1, 2)
             a = attention.prefill(q, k, v).reshape(num_prompts * length, -1)
-            x = fused_ops.add_rms_norm(h, layer.o(a, prefill=cublas), layer.post_norm, eps, quant, pow2)
-            delta = layer.down(
-                fused_ops.silu_mul(layer.gate_up(x, prefill=cublas), quant, pow2), prefill=cublas
-            )
-        assert delta is not None
+            o = layer.o(a, prefill=True) if cublas else layer.o.deferred(a)
+            x = fused_ops.add_rms_norm(h, o, layer.post_norm, eps, quant, pow2)
+            s = fused_ops.silu_mul(layer.gate_up(x, prefill=cublas), quant, pow2)
+            last = i == len(self.layers) - 1
+            delta = layer.down(s, prefill=cublas) if cublas or last else layer.down.deferred(s)
+        assert isinstance(delta, Tensor)
         h = h + delta
-        last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=h.device), lengths_P - 1]
-        return F.linear(rms_norm(last, self.final_norm, self.eps), self.lm_head)
+        last_rows = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=device), lengths_P - 1]
+        return F.linear(rms_norm(last_rows, self.final_norm, self.eps), self.lm_head)
 
     @torch.no_grad()
     def decode(self, tokens_B: Tensor, positions_B: Tensor, slots_B: Tensor, cache: KVCache) -> Tensor:
