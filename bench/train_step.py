@@ -309,7 +309,7 @@ def run_mode(
         with profile(activities=activities) as prof:
             trainer.train_step([batch], loss_fn, units)
             sync(device)
-        out["profile"] = summarize_kernels(kernel_times(prof))
+        out["profile"] = summarize_kernels(kernel_times(prof), top=args.profile_top)
         out["profile"]["host_top"] = host_ops(prof)
     del trainer
     gc.collect()
@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode (median reported)")
     parser.add_argument("--profile", action="store_true", help="profile one more step per mode")
+    parser.add_argument("--profile-top", type=int, default=15, help="--profile: how many top kernels to print")
     parser.add_argument(
         "--score-steps",
         type=int,

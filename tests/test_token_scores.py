@@ -257,3 +257,9 @@ def test_a_packed_row_padded_for_the_layer_graphs_scores_as_the_unpadded_one(
     assert grads_p.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_p[name], grad, **tol, msg=name)
+
+
+def test_fused_token_scores_refuse_a_device_without_triton_kernels() -> None:
+    h, w = torch.randn(4, 8), torch.randn(16, 8)
+    with pytest.raises(ValueError, match="fused token scores need a CUDA device"):
+        chunked_token_scores(h, w, torch.zeros(4, dtype=torch.long), fused=True)

@@ -22,6 +22,10 @@ one FP32 temporary), 6 GB for C = 4,096 and V = 152K; the default 2,048 halves t
 
 Precision: the same as the plain path (BF16 GEMM output, FP32 softmax) up to summation order; with FP32
 compute (CPU) it agrees with ``algo.logprobs.token_logprobs`` to FP32 rounding (tests/test_token_scores.py).
+
+``fused=True`` (CUDA; the torch trainer's ``fused_kernels``): the per-chunk softmax work above, forward and
+backward, is one Triton pass each over the chunk's logits in the compute dtype (``token_scores_fused``): no
+FP32 copy of the logits, and the backward writes the gradient over them in place.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from infir2_rl.trainers import token_scores_fused
 
 DEFAULT_CHUNK_TOKENS = 2048
 
@@ -71,6 +77,7 @@ class _ChunkedScores(torch.autograd.Function):
         compute_dtype: torch.dtype,
         chunk_tokens: int,
         chunk_scores: ChunkScores,
+        fused: bool,
     ) -> tuple[Tensor, Tensor]:
         n = hidden_NH.shape[0]
         h = hidden_NH.to(compute_dtype)
@@ -81,6 +88,12 @@ class _ChunkedScores(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk_tokens):
                 e = min(s + chunk_tokens, n)
+                if fused:  # one Triton pass over the chunk's logits in the compute dtype
+                    ent = entropy[s:e] if need_entropy else None
+                    token_scores_fused.scores_(
+                        h[s:e] @ w.t(), targets_N[s:e], temperature, logp[s:e], lse[s:e], ent
+                    )
+                    continue
                 logp[s:e], lse[s:e], z = chunk_scores(h[s:e], w, targets_N[s:e], temperature, need_entropy)
                 if need_entropy:
                     assert z is not None
@@ -90,6 +103,7 @@ class _ChunkedScores(torch.autograd.Function):
                     entropy[s:e] = -(logp_all.exp() * logp_all).sum(-1)
         ctx.save_for_backward(h, weight_VH, targets_N, lse, entropy)
         ctx.temperature, ctx.need_entropy, ctx.chunk_tokens = temperature, need_entropy, chunk_tokens
+        ctx.fused = fused
         ctx.hidden_dtype = hidden_NH.dtype
         return logp, entropy
 
@@ -106,6 +120,17 @@ class _ChunkedScores(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
+                if ctx.fused:  # the chunk's logits, overwritten in place by their gradient (one Triton pass)
+                    g_c = token_scores_fused.grad_logits_(
+                        h[s:e] @ w.t(), targets_N[s:e], temperature, lse[s:e], g_logp[s:e],
+                        entropy[s:e] if need_entropy else None,
+                        g_entropy[s:e].float() if need_entropy else None,
+                    )  # fmt: skip
+                    if dh is not None:
+                        dh[s:e] = g_c @ w
+                    if dw is not None:
+                        dw += (g_c.t() @ h[s:e]).float()
+                    continue
                 logp_all = _chunk_z(h[s:e], w, temperature).sub_(lse[s:e, None])
                 gl = g_logp[s:e, None]
                 if need_entropy:
@@ -126,7 +151,7 @@ class _ChunkedScores(torch.autograd.Function):
                 if dw is not None:
                     dw += (g_c.t() @ h[s:e]).float()
         dw_out = dw.to(weight_VH.dtype) if dw is not None else None
-        return dh, dw_out, None, None, None, None, None, None
+        return dh, dw_out, None, None, None, None, None, None, None
 
 
 def chunked_token_scores(
@@ -139,6 +164,7 @@ def chunked_token_scores(
     compute_dtype: torch.dtype | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     chunk_scores: ChunkScores = _plain_chunk,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``log softmax(h W^T / T)[y]`` per row (float32, (N,)) and, with ``need_entropy``, the entropy (nats).
 
@@ -146,6 +172,9 @@ def chunked_token_scores(
     logits. ``compute_dtype`` is the GEMMs' dtype (default: the hidden states'); gradients come back in the
     inputs' dtypes, the weight's accumulated in FP32. ``chunk_scores`` computes a chunk's forward values (the
     true_on_policy scorer passes the engine's kernels); the backward is the plain path's either way.
+    ``fused`` (CUDA with Triton; the trainer's ``fused_kernels``): each chunk's softmax work, forward and
+    backward, is one Triton pass over its logits in the compute dtype (``token_scores_fused``) instead of
+    torch ops over FP32 copies; the same numbers up to exp's last bits and the sums' order.
     """
     if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
         raise ValueError(
@@ -157,9 +186,14 @@ def chunked_token_scores(
         raise ValueError(f"temperature={temperature}: must be > 0 (use the rollout's sampling temperature).")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1.")
+    if fused and (chunk_scores is not _plain_chunk or not token_scores_fused.available(hidden_NH.device)):
+        raise ValueError(
+            f"fused token scores need a CUDA device with Triton and the plain chunk scorer (device "
+            f"{hidden_NH.device}); pass fused=False"
+        )
     dtype = compute_dtype or hidden_NH.dtype
     logp, entropy = _ChunkedScores.apply(
         hidden_NH, weight_VH, targets_N.long(), float(temperature), need_entropy, dtype, chunk_tokens,
-        chunk_scores,
+        chunk_scores, fused,
     )  # fmt: skip
     return logp, (entropy if need_entropy else None)

@@ -73,12 +73,14 @@ def score_tokens(
     autocast: Callable[[], Any],
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     packed_length: Callable[[int], int] | None = None,
+    fused: bool = False,
 ) -> TokenScores:
     """Scores of ``input_ids_BL`` (right-padded rows) at the selected positions; zeros elsewhere.
 
     ``packed_length`` (packed, under the trainer's layer graphs): the packed row of N real tokens is padded
     to ``packed_length(N)`` tokens, a sequence of its own that nothing scores (``varlen_kwargs(padded_to=)``),
-    so that rows of any composition share a few captured shapes."""
+    so that rows of any composition share a few captured shapes. ``fused``: the chunks' softmax work in
+    Triton (``token_scores.chunked_token_scores``)."""
     B, L = input_ids_BL.shape
     real = attention_mask_BL.bool()
     select = select_BL.bool() & real
@@ -121,6 +123,7 @@ def score_tokens(
             need_entropy=need_entropy,
             compute_dtype=compute_dtype,
             chunk_tokens=chunk_tokens,
+            fused=fused,
         )
         values = logp[:, None] if entropy is None else torch.stack((logp, entropy), dim=1)
         out = values.new_zeros(*sel.shape, k)

@@ -29,7 +29,8 @@ gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps n
 on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
 
 `trainer.fused_kernels` ("auto": on for CUDA with Triton, not under true_on_policy): the model's RMSNorm and
-SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), in both precisions; the CPU keeps torch's.
+SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), and the token scores' softmax work one
+Triton pass per chunk each way (token_scores_fused.py), in both precisions; the CPU keeps torch's.
 
 FP8 on CUDA (not under true_on_policy): each attention's q, k and v projections run as one FP8 linear
 (fp8/grouped.py; 2-3% of a 1.5B step, docs/performance.md); the CPU demo keeps three.
@@ -294,6 +295,7 @@ class TorchTrainer:
             packed=self.pack_sequences,
             autocast=self.autocast,
             packed_length=self.packed_length if model is None else None,  # the policy's layers are graphed
+            fused=bool(self.fused_layers),  # trainer.fused_kernels: the token scores' Triton passes too
         )
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
