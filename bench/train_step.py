@@ -323,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode (median reported)")
     parser.add_argument("--profile", action="store_true", help="profile one more step per mode")
-    parser.add_argument("--profile-top", type=int, default=15, help="--profile: how many top kernels to print")
+    parser.add_argument(
+        "--profile-top", type=int, default=15, help="--profile: how many top kernels to print"
+    )
     parser.add_argument(
         "--score-steps",
         type=int,
