@@ -167,8 +167,8 @@ class Qwen2Runner:
         norm), as in decode; otherwise cuBLASLt (eager prefill, any M).
 
         The rotary embedding and the K/V stores are the decode step's kernel (``fused_ops.rope_write_kv``,
-        with slot = prompt and position = token): torch's rotary was ~12 elementwise launches per layer,
-        0.9 ms of a 3.8 ms prefill of 2 x 128 tokens at 1.5B (H100, docs/performance.md, session 22)."""
+        with slot = prompt and position = token): torch's rotary was ~14 launches per layer, 1.1 ms of
+        the 3.8 ms of kernels of a 2 x 128-token prefill at 1.5B (H100, docs/performance.md, session 22)."""
         num_prompts, length = ids_PL.shape
         device = ids_PL.device
         positions = torch.arange(length, device=device).repeat(num_prompts)
