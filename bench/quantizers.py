@@ -16,34 +16,21 @@ Used for the A/B of one division per tile (bench/ab_patch.sh with BENCH=..., doc
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
 PEAK_TBS = 3.35  # H100 SXM HBM3
 
 
-def graph_ms(fn: Callable[[], object], calls: int, reps: int) -> float:
-    """Median ms per call over ``reps`` replays of a CUDA graph holding ``calls`` calls of fn."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+def graph_ms(fn: Callable[[], Any], calls: int, reps: int) -> float:
+    """Median ms per call over ``reps`` replays of a CUDA graph holding ``calls`` calls of fn: the engine's
+    GEMM-chooser timer (``Fp8GemmChooser._time``)."""
+    from infir2_rl.engines.native.linears import Fp8GemmChooser
+
+    return Fp8GemmChooser._time(fn, calls=calls, replays=reps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
             r = torch.bfloat16 if dtype == torch.float32 else None
             size = m * k
             read = size * x.element_size()
-            cases: list[tuple[str, Callable[[], object], int]] = [
+            cases: list[tuple[str, Callable[[], Any], int]] = [
                 ("rows", partial(qt.quantize_rows, x, round_to=r), read + size + size // 32),
                 ("cols", partial(qt.quantize_cols, x, round_to=r), read + size + size // 32),
                 (

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_fp8_linear import _tiny_qwen2
+from test_producer_quant_gpu import _finite_bf16_values
 from torch import nn
 
 from infir2_rl.fp8 import gemm, quant_triton
@@ -79,9 +80,7 @@ def _hard_inputs(dtype: torch.dtype) -> torch.Tensor:
     """(M, 256) rows: every finite BF16 value (shuffled), the same scaled into tiny binades (scales down to
     FP32 subnormals, where 1 / scale overflows) and, for FP32, random bit patterns of every exponent."""
     gen = torch.Generator().manual_seed(0)
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    values = bits.view(torch.bfloat16)
-    values = values[values.float().isfinite()].float()
+    values = _finite_bf16_values().float()
     values = values[torch.randperm(values.numel(), generator=gen)]
     values = values[: values.numel() // 256 * 256].view(-1, 256)
     unit = values.clamp(-1, 1)

@@ -62,6 +62,35 @@ def _plain_chunk(
     return z.gather(1, targets_C[:, None]).squeeze(1) - lse_c, lse_c, z
 
 
+def _plain_grad_logits(
+    logits_CV: Tensor,
+    targets_C: Tensor,
+    temperature: float,
+    lse_C: Tensor,
+    g_logp_C: Tensor,
+    entropy_C: Tensor | None,
+    g_entropy_C: Tensor | None,
+) -> Tensor:
+    """d loss / d logits of one chunk in the logits' dtype (module docstring), by torch ops in FP32; the
+    signature of ``token_scores_fused.grad_logits_``, which computes the same in one Triton pass."""
+    logp_all = logits_CV.float()
+    if temperature != 1.0:
+        logp_all.div_(temperature)
+    logp_all.sub_(lse_C[:, None])
+    gl = g_logp_C[:, None]
+    if entropy_C is not None and g_entropy_C is not None:
+        # z - E[z] = log p + H, so g_z = -p * (g_logp + g_H * (log p + H)), built in place.
+        p = logp_all.exp()
+        g_z = logp_all.add_(entropy_C[:, None]).mul_(g_entropy_C[:, None]).add_(gl).mul_(p).neg_()
+        del p
+    else:
+        g_z = logp_all.exp_().mul_(-gl)
+    g_z.scatter_add_(1, targets_C[:, None], gl)
+    if temperature != 1.0:
+        g_z.div_(temperature)
+    return g_z.to(logits_CV.dtype)
+
+
 class _ChunkedScores(torch.autograd.Function):
     """(logp (N,), entropy (N,) or empty) from hidden (N, H) and weight (V, H); see the module docstring.
     The forward's per-chunk log-probs come from ``chunk_scores``; the backward is the plain one always."""
@@ -120,32 +149,12 @@ class _ChunkedScores(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
-                if ctx.fused:  # the chunk's logits, overwritten in place by their gradient (one Triton pass)
-                    g_c = token_scores_fused.grad_logits_(
-                        h[s:e] @ w.t(), targets_N[s:e], temperature, lse[s:e], g_logp[s:e],
-                        entropy[s:e] if need_entropy else None,
-                        g_entropy[s:e].float() if need_entropy else None,
-                    )  # fmt: skip
-                    if dh is not None:
-                        dh[s:e] = g_c @ w
-                    if dw is not None:
-                        dw += (g_c.t() @ h[s:e]).float()
-                    continue
-                logp_all = _chunk_z(h[s:e], w, temperature).sub_(lse[s:e, None])
-                gl = g_logp[s:e, None]
-                if need_entropy:
-                    # z - E[z] = log p + H, so g_z = -p * (g_logp + g_H * (log p + H)), built in place.
-                    p = logp_all.exp()
-                    g_h = g_entropy[s:e, None].float()
-                    g_z = logp_all.add_(entropy[s:e, None]).mul_(g_h).add_(gl).mul_(p).neg_()
-                    del p
-                else:
-                    g_z = logp_all.exp_().mul_(-gl)
-                g_z.scatter_add_(1, targets_N[s:e, None], gl)
-                if temperature != 1.0:
-                    g_z.div_(temperature)
-                g_c = g_z.to(h.dtype)
-                del logp_all, g_z
+                entropy_c = entropy[s:e] if need_entropy else None
+                g_entropy_c = g_entropy[s:e].float() if need_entropy else None
+                grad_logits = token_scores_fused.grad_logits_ if ctx.fused else _plain_grad_logits
+                g_c = grad_logits(
+                    h[s:e] @ w.t(), targets_N[s:e], temperature, lse[s:e], g_logp[s:e], entropy_c, g_entropy_c
+                )
                 if dh is not None:
                     dh[s:e] = g_c @ w
                 if dw is not None:
