@@ -225,6 +225,7 @@ def run_mode(
             ModelConfig(path=str(path)),
             TrainerConfig(
                 fsdp_param_dtype=args.fsdp_param_dtype,
+                param_dtype=args.param_dtype,
                 cuda_graphs=graphs,
                 fused_kernels=fused,
                 pack_sequences={"false": False, "true": True, "auto": "auto"}[args.pack_sequences],
@@ -343,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         "masters on one GPU; bfloat16 = one-rank FSDP2 with BF16 forward copies)",
     )
     parser.add_argument(
+        "--param-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="torch backend: trainer.param_dtype (auto = bfloat16 on one GPU: a BF16 model with FP32 masters in "
+        "the trainer; float32 = FP32 parameters under BF16 autocast)",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         choices=("off", "on", "both"),
         default="off",
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(args.tiny)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
     print(
-        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | pack_sequences {args.pack_sequences} | {path.name} | {args.batch} x {args.seq} tokens | "
+        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | param_dtype {args.param_dtype} | pack_sequences {args.pack_sequences} | {path.name} | {args.batch} x {args.seq} tokens | "
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     graph_settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graphs]
@@ -480,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             torch=torch.__version__,
             backend=args.backend,
             fsdp_param_dtype=args.fsdp_param_dtype,
+            param_dtype=args.param_dtype,
             batch=args.batch,
             seq=args.seq,
         )

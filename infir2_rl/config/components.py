@@ -106,6 +106,13 @@ class TrainerConfig(_Config):
     # "auto": bfloat16 on GPUs computing in bfloat16 (half the gather traffic), float32 on CPU. The masters,
     # optimizer state and gradient reduction stay FP32 either way (trainers/torch/distributed.py).
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Torch backend without FSDP: the dtype of the model's own parameters, what forwards compute with.
+    # "bfloat16": a BF16 model (BF16 residual stream and norms, as the rollout engine) with FP32 master weights
+    # and FP32 gradient accumulation in the trainer (trainers/torch/master_weights.py; FP8 decoder weights stay
+    # FP32, their own masters); at 1.5B on an H100 ~10% shorter steps than "float32" in both precisions
+    # (docs/performance.md). "float32": FP32 parameters under BF16 autocast. "auto": bfloat16 where the compute
+    # dtype is bfloat16 (GPUs), without FSDP and true_on_policy; float32 elsewhere (the CPU demo).
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)
     # Token budget of one micro-batch on one worker (padded tokens, or real tokens when packed); None =
@@ -173,6 +180,11 @@ class TrainerConfig(_Config):
             raise ValueError(
                 "trainer.cuda_graphs=true is the torch backend's (trainers/torch/layer_graphs.py): leave it at"
                 " auto or false with trainer.backend=megatron"
+            )
+        if self.param_dtype == "bfloat16" and self.backend != "torch":
+            raise ValueError(
+                "trainer.param_dtype=bfloat16 is the torch backend's (trainers/torch/master_weights.py): leave it"
+                " at auto for megatron, which keeps its own FP32 main parameters"
             )
         if self.fused_kernels is True and self.backend != "torch":
             raise ValueError(

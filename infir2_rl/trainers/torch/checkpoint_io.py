@@ -2,7 +2,8 @@
 
 A trainer checkpoint directory:
 
-    hf/                      rank 0: config.json, model.safetensors (FP32 master weights), tokenizer files
+    hf/                      rank 0: config.json, model.safetensors (FP32 master weights: the parameters, or
+                             with a BF16 model, trainer.param_dtype, the masters the trainer keeps), tokenizer files
     train_state/rank_K.pt    every rank: optimizer, lr schedule, RNG states (torch, cuda, python, numpy), step
 
 FP32 in `hf/` is what makes resume exact: reloading the masters gives back the very same numbers.
@@ -39,6 +40,7 @@ class TrainerRank(Protocol):
     world_size: int
     step: int
     num_skipped: int
+    master_weights: Any  # master_weights.MasterWeights beside a BF16 model (trainer.param_dtype), else None
 
     def autocast(self) -> AbstractContextManager[Any]: ...
 
@@ -85,6 +87,8 @@ def full_state_dict(trainer: TrainerRank) -> dict[str, Tensor]:
         sd: dict[str, Any] = get_model_state_dict(
             trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+    elif trainer.master_weights is not None:  # a BF16 model: its FP32 masters are the weights
+        sd = trainer.master_weights.state_dict(trainer.model)
     else:
         sd = trainer.model.state_dict()
     return {hf_name(k): v.detach().cpu() for k, v in sd.items()}
@@ -179,6 +183,8 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
                 f"{directory / HF_DIR}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]},"
                 f" unexpected {sorted(unexpected)[:5]}); resume with the model the checkpoint was written from"
             )
+        if trainer.master_weights is not None:  # the FP32 values, not the BF16 model's rounding of them
+            trainer.master_weights.load_state_dict(trainer.model, weights)
         trainer.optimizer.load_state_dict(train_state["optimizer"])
     restore_schedule(trainer, int(train_state["scheduler"]["last_epoch"]))
     set_rng_state(train_state["rng"])

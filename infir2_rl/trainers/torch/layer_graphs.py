@@ -15,7 +15,8 @@ training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``
   training shape that fits them: per shape they would cost two FP32 activations per layer (2.8 GiB at 1.5B
   x 8,192 tokens), and a padded batch has dozens of shapes. The copies cost ~1.9 ms of a 281 ms FP8 step
   at 1.5B x 8,192 (docs/performance.md, run D).
-* The backward graph adds the parameter gradients into ``.grad`` itself. The ``.grad`` tensors must therefore
+* The backward graph adds the parameter gradients into ``.grad`` itself (a BF16 parameter with an FP32 master,
+  master_weights.py: into the master's gradient, ``main_grad``, in FP32). Those tensors must therefore
   stay the same tensors from capture on: the trainer zeroes them in place (``zero_grad(set_to_none=False)``)
   and every replay checks their identity (``GradsReplaced`` otherwise, never a silent write to freed memory).
 * FP8: ``Fp8Linear`` skips its weight cache while a capture runs, so the weight quantization is part of the
@@ -94,6 +95,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"trainer.cuda_graphs: {type(model).__name__} has no decoder layers at model.model.layers"
         )
     return layers
+
+
+def grad_target(p: Tensor) -> Tensor | None:
+    """The tensor a parameter's gradient is added into: its FP32 master's gradient when the model keeps FP32
+    masters beside BF16 parameters (master_weights.py), else its ``.grad``."""
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if main_grad is not None else p.grad
 
 
 def _fp8_state(layer: nn.Module) -> tuple[bool, ...]:
@@ -330,7 +338,7 @@ class LayerGraphs:
 
     def _check_grads(self, graphs: _ShapeGraphs) -> None:
         for p, g in zip(self._all_params, graphs.grads, strict=True):
-            if p.grad is not g:
+            if grad_target(p) is not g:
                 raise GradsReplaced(
                     "trainer.cuda_graphs: a parameter's .grad was replaced or set to None after the backward "
                     "graphs were captured (zero gradients in place: optimizer.zero_grad(set_to_none=False))"
@@ -488,9 +496,9 @@ class LayerGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
         for p in self._all_params:
-            if p.grad is None:
+            if grad_target(p) is None:
                 p.grad = torch.zeros_like(p)
-        graphs.grads = [p.grad for p in self._all_params]  # type: ignore[misc]
+        graphs.grads = [grad_target(p) for p in self._all_params]  # type: ignore[misc]
 
         # Warm-up on a side stream: Triton compiles, cuBLAS(Lt) handles and workspaces, and the FP8
         # self-check happen here, not inside a capture. Gradients go to autograd.grad's outputs, not .grad.
@@ -531,10 +539,11 @@ class LayerGraphs:
                 into: list[Tensor] = []
                 add: list[Tensor] = []
                 for p, g in zip(params, grads[1:], strict=True):
-                    if g is not None and p.grad is not None:
-                        into.append(p.grad)
+                    target = grad_target(p)
+                    if g is not None and target is not None:
+                        into.append(target)
                         add.append(g)
-                if into:
+                if into:  # a BF16 gradient adds into an FP32 master's gradient in FP32
                     torch._foreach_add_(into, add)
                 assert grads[0] is not None
                 grad_bufs[i].copy_(grads[0])

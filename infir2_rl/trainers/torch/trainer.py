@@ -65,12 +65,36 @@ from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch import fused_layers, varlen_attention
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
+from infir2_rl.trainers.torch.master_weights import MasterWeights, computed_params
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 log = logging.getLogger(__name__)
+
+
+def resolve_param_dtype(
+    setting: str, compute_dtype: torch.dtype, fsdp: bool, true_on_policy: bool
+) -> torch.dtype:
+    """The model parameters' dtype (trainer.param_dtype): bfloat16 means a BF16 model with FP32 masters."""
+    blockers = [
+        name
+        for name, present in {
+            f"compute dtype {compute_dtype} (model.dtype)": compute_dtype != torch.bfloat16,
+            "FSDP (trainer.fsdp_param_dtype sets what it gathers)": fsdp,
+            "true_on_policy": true_on_policy,
+        }.items()
+        if present
+    ]
+    if setting == "bfloat16" and blockers:
+        raise ValueError(
+            "trainer.param_dtype=bfloat16 needs bfloat16 compute without FSDP or true_on_policy; here: "
+            + ", ".join(blockers)
+        )
+    if setting == "bfloat16" or (setting == "auto" and not blockers):
+        return torch.bfloat16
+    return torch.float32
 
 
 def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -188,6 +212,13 @@ class TorchTrainer:
         self.true_on_policy = true_on_policy
         if true_on_policy:
             self._check_true_on_policy()
+        # trainer.param_dtype: a BF16 model whose FP32 masters the trainer keeps (master_weights.py). The FP8
+        # decoder linears' weights are only ever quantized: they stay FP32, their own masters.
+        self.master_weights: MasterWeights | None = None
+        if resolve_param_dtype(trainer_cfg.param_dtype, self.compute_dtype, self.fsdp, true_on_policy) == (
+            torch.bfloat16
+        ):
+            self.master_weights = MasterWeights(computed_params(model))
         # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
         self.layer_graphs: LayerGraphs | None = None
         blockers = [
@@ -223,7 +254,12 @@ class TorchTrainer:
             bucket_length if self.layer_graphs is not None and self.pack_sequences else None
         )
         self.model.train()
+        # What the optimizer steps, in the model's parameter order whatever param_dtype is (so that optimizer
+        # states in checkpoints line up): each parameter, or its FP32 master.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.master_weights is not None:
+            master_of = {id(p): m for p, m in zip(self.master_weights.params, self.master_weights.masters)}
+            self.params = [master_of.get(id(p), p) for p in self.params]  # type: ignore[misc]
         self.optimizer = build_optimizer(self.params, optimizer_cfg)
         self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
         self.step = 0
@@ -238,6 +274,7 @@ class TorchTrainer:
                 device=self.device,
                 fsdp=self.fsdp,
                 param_dtype=self.fsdp_param_dtype,
+                bf16_model=self.master_weights is not None,
             )
 
     def _check_true_on_policy(self) -> None:
@@ -413,6 +450,8 @@ class TorchTrainer:
         grad_norm = self._grad_norm()
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, self.optimizer_cfg.grad_clip)
+        if self.master_weights is not None:
+            self.master_weights.copy_to_model()  # unchanged masters when the step was skipped
         # The fused AdamW (CUDA) updates the weights without bumping their version counters, so the FP8
         # weight caches cannot see the update: without this the next export sent the pre-update FP8 bytes.
         self.invalidate_fp8_cache()
@@ -421,8 +460,7 @@ class TorchTrainer:
             log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
         else:
             self.scheduler.step()
-        # The backward graphs add into the .grad tensors they were captured with: keep those (zeroed).
-        self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
+        self._zero_grads()
         self.step += 1
         names = self._metric_names(metrics.weights)
         totals = self._sum_over_ranks(
@@ -439,6 +477,21 @@ class TorchTrainer:
             step_time_s=time.perf_counter() - start,
             metrics=MetricMeans.means(names, totals[3:]),
         )
+
+    def _zero_grads(self) -> None:
+        # The backward graphs add into the .grad tensors they were captured with: keep those (zeroed); the
+        # masters' gradients are views of one buffer the parameters' hooks add into: zero it.
+        if self.master_weights is None:
+            self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
+            return
+        self.master_weights.zero_grad()
+        masters = {id(m) for m in self.master_weights.masters}
+        for p in self.params:
+            if id(p) not in masters and p.grad is not None:
+                if self.layer_graphs is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def _grad_norm(self) -> Tensor:
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -1,0 +1,112 @@
+"""A BF16 model with FP32 masters in the trainer (trainer.param_dtype, trainers/torch/master_weights.py), on CPU
+with model.dtype bfloat16: the masters stay FP32 and exact through a checkpoint, gradients accumulate in FP32,
+and training follows the FP32-parameter path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
+from infir2_rl.data.datasets import load_sft_examples
+from infir2_rl.data.synthetic import make_data
+from infir2_rl.models.factory import init_model
+from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.microbatch import micro_batches
+from infir2_rl.trainers.torch.master_weights import MasterWeights
+from infir2_rl.trainers.torch.trainer import TorchTrainer, resolve_param_dtype
+
+
+def test_param_dtype_rules() -> None:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert resolve_param_dtype("auto", bf16, fsdp=False, true_on_policy=False) == bf16
+    assert resolve_param_dtype("auto", fp32, fsdp=False, true_on_policy=False) == fp32  # the CPU demo
+    assert resolve_param_dtype("auto", bf16, fsdp=True, true_on_policy=False) == fp32
+    assert resolve_param_dtype("auto", bf16, fsdp=False, true_on_policy=True) == fp32
+    assert resolve_param_dtype("float32", bf16, fsdp=False, true_on_policy=False) == fp32
+    with pytest.raises(ValueError, match="compute dtype"):
+        resolve_param_dtype("bfloat16", fp32, fsdp=False, true_on_policy=False)
+    with pytest.raises(ValueError, match="FSDP"):
+        resolve_param_dtype("bfloat16", bf16, fsdp=True, true_on_policy=False)
+    with pytest.raises(ValueError, match="torch backend"):
+        TrainerConfig(backend="megatron", param_dtype="bfloat16")
+
+
+def test_gradients_accumulate_in_fp32_into_the_masters() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    masters = MasterWeights(lin.parameters())
+    assert lin.weight.dtype == torch.bfloat16 and all(m.dtype == torch.float32 for m in masters.masters)
+    xs = [torch.randn(8, 64, dtype=torch.bfloat16) for _ in range(3)]
+    for x in xs:
+        lin(x).float().square().sum().backward()
+        assert lin.weight.grad is None  # handed to the master at once
+    w_grads = []
+    for x in xs:
+        w = lin.weight.detach().clone().requires_grad_()
+        torch.nn.functional.linear(x, w, lin.bias.detach()).float().square().sum().backward()
+        assert w.grad is not None and w.grad.dtype == torch.bfloat16
+        w_grads.append(w.grad.float())
+    # Each backward's BF16 gradient, summed in FP32 (three rounded steps would lose the small ones).
+    assert torch.equal(masters.masters[0].grad, w_grads[0] + w_grads[1] + w_grads[2])
+    masters.zero_grad()
+    assert not masters.masters[0].grad.any()
+
+
+def _trainer(model: Path, param_dtype: str, fp8: bool) -> TorchTrainer:
+    return TorchTrainer(
+        ModelConfig(path=str(model), dtype="bfloat16"),
+        TrainerConfig(param_dtype=param_dtype),  # type: ignore[arg-type]
+        OptimizerConfig(lr=1e-3),
+        fp8=fp8,
+        total_steps=8,
+    )
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bf16_model_trains_like_fp32_parameters_and_resumes_exactly(tmp_path: Path, fp8: bool) -> None:
+    model = init_model(tmp_path / "model", preset="tiny")
+    paths = make_data(tmp_path / "data", num_sft=64, num_rl=4, num_test=4)
+    losses: dict[str, list[float]] = {}
+    for param_dtype in ("float32", "bfloat16"):
+        trainer = _trainer(model, param_dtype, fp8)
+        examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
+        batches = [
+            to_token_batch(examples[i : i + 16], trainer.tokenizer.pad_token_id) for i in range(0, 64, 16)
+        ]
+        losses[param_dtype] = [
+            trainer.train_step(micro_batches(b, 8), SftLossFn(), num_target_tokens(b)).loss
+            for b in batches[:3]
+        ]
+    assert trainer.master_weights is not None
+    quantized = {id(m.weight) for m in trainer.model.modules() if hasattr(m, "export_fp8")}
+    assert len(quantized) == len(trainer.fp8_linears) and bool(quantized) == fp8
+    for p in trainer.model.parameters():  # FP8 weights are their own FP32 masters; the rest is BF16
+        assert p.dtype == (torch.float32 if id(p) in quantized else torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in trainer.params)
+    # The same training up to BF16 activations: the losses agree to ~1e-3 relative.
+    for a, b in zip(losses["float32"], losses["bfloat16"], strict=True):
+        assert b == pytest.approx(a, rel=2e-3)
+    assert losses["bfloat16"][-1] < losses["bfloat16"][0]
+
+    # The checkpoint holds the FP32 masters, not their BF16 rounding; resume continues bit for bit.
+    trainer.save(tmp_path / "ck")
+    saved = load_file(str(tmp_path / "ck" / "hf" / "model.safetensors"))
+    norm = saved["model.norm.weight"]
+    master = trainer.params[[n for n, _ in trainer.model.named_parameters()].index("model.norm.weight")]
+    assert norm.dtype == torch.float32 and torch.equal(norm, master.detach().cpu())
+    assert not torch.equal(norm, norm.to(torch.bfloat16).float())  # trained masters are not BF16 values
+    last = batches[3]
+    expected = trainer.train_step(micro_batches(last, 8), SftLossFn(), num_target_tokens(last))
+    resumed = _trainer(model, "bfloat16", fp8)
+    resumed.load(tmp_path / "ck")
+    got = resumed.train_step(micro_batches(last, 8), SftLossFn(), num_target_tokens(last))
+    assert (got.loss, got.grad_norm) == (expected.loss, expected.grad_norm)
+    for a, b in zip(trainer.params, resumed.params, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(trainer.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
