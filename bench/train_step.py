@@ -193,6 +193,7 @@ def run_mode(
     device: torch.device,
     fused: bool | str = "auto",
     qkv_group: bool = True,
+    label: str = "mode",
 ) -> dict[str, Any]:
     from transformers import AutoConfig
 
@@ -312,6 +313,9 @@ def run_mode(
             sync(device)
         out["profile"] = summarize_kernels(kernel_times(prof), top=args.profile_top)
         out["profile"]["host_top"] = host_ops(prof)
+        if args.trace is not None:  # a Chrome trace of the profiled step (chrome://tracing, Perfetto)
+            args.trace.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(args.trace / f"{label}.json"))
     del trainer
     gc.collect()
     return out
@@ -326,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile one more step per mode")
     parser.add_argument(
         "--profile-top", type=int, default=15, help="--profile: how many top kernels to print"
+    )
+    parser.add_argument(
+        "--trace", type=Path, help="--profile: also write each mode's profiled step as a Chrome trace here"
     )
     parser.add_argument(
         "--score-steps",
@@ -407,14 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     fused_settings = fused_choices[args.fused_kernels]
     group_settings = {"on": (True,), "off": (False,), "both": (True, False)}[args.qkv_group]
     results = {
-        f"{precision}{'+graphs' if graphs else ''}{'+fused' if fused is True else ''}"
-        f"{'' if group or precision == 'bf16' else '+ungrouped'}": run_mode(
-            path, precision == "fp8", graphs, args, device, fused, group
-        )
+        label: run_mode(path, precision == "fp8", graphs, args, device, fused, group, label)
         for fused in fused_settings
         for graphs in graph_settings
         for precision in ("bf16", "fp8")
         for group in (group_settings if precision == "fp8" else (True,))
+        for label in (
+            f"{precision}{'+graphs' if graphs else ''}{'+fused' if fused is True else ''}"
+            f"{'' if group or precision == 'bf16' else '+ungrouped'}",
+        )
     }
 
     def fastest(precision: str) -> dict[str, Any]:

@@ -39,8 +39,11 @@ def test_param_dtype_rules() -> None:
 def test_gradients_accumulate_in_fp32_into_the_masters() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
-    masters = MasterWeights(lin.parameters())
-    assert lin.weight.dtype == torch.bfloat16 and all(m.dtype == torch.float32 for m in masters.masters)
+    masters = MasterWeights(lin)
+    weight_master = masters.optimizer_params[0]
+    assert lin.weight.dtype == torch.bfloat16 and all(
+        m.dtype == torch.float32 for m in masters.optimizer_params
+    )
     xs = [torch.randn(8, 64, dtype=torch.bfloat16) for _ in range(3)]
     for x in xs:
         lin(x).float().square().sum().backward()
@@ -52,15 +55,20 @@ def test_gradients_accumulate_in_fp32_into_the_masters() -> None:
         assert w.grad is not None and w.grad.dtype == torch.bfloat16
         w_grads.append(w.grad.float())
     # Each backward's BF16 gradient, summed in FP32 (three rounded steps would lose the small ones).
-    assert torch.equal(masters.masters[0].grad, w_grads[0] + w_grads[1] + w_grads[2])
+    assert torch.equal(weight_master.grad, w_grads[0] + w_grads[1] + w_grads[2])
     masters.zero_grad()
-    assert not masters.masters[0].grad.any()
+    assert weight_master.grad is not None and not weight_master.grad.any()
+    masters.release_grads()  # freed between eager steps; the next gradient allocates it again, zeroed
+    assert weight_master.grad is None and all(seg.grads is None for seg in masters.segments)
+    lin(xs[0]).float().square().sum().backward()
+    assert weight_master.grad is not None and torch.equal(weight_master.grad, w_grads[0])
 
 
 def _trainer(model: Path, param_dtype: str, fp8: bool) -> TorchTrainer:
+    # Eager on a GPU too (the CUDA layer graphs keep every gradient buffer: tests/test_layer_graphs_gpu.py).
     return TorchTrainer(
         ModelConfig(path=str(model), dtype="bfloat16"),
-        TrainerConfig(param_dtype=param_dtype),  # type: ignore[arg-type]
+        TrainerConfig(param_dtype=param_dtype, cuda_graphs=False),  # type: ignore[arg-type]
         OptimizerConfig(lr=1e-3),
         fp8=fp8,
         total_steps=8,
@@ -110,3 +118,37 @@ def test_bf16_model_trains_like_fp32_parameters_and_resumes_exactly(tmp_path: Pa
         assert torch.equal(a, b)
     for a, b in zip(trainer.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_deleted_trainer_frees_its_model(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    model = init_model(tmp_path / "model", preset="tiny")
+    trainer = _trainer(model, "bfloat16", fp8=True)
+    alive = weakref.ref(trainer.model)
+    del trainer
+    gc.collect()
+    assert alive() is None  # no reference cycle through the gradient hooks keeps it
+
+
+def test_one_segment_per_decoder_layer_and_gradients_allocated_as_they_arrive(tmp_path: Path) -> None:
+    model = init_model(tmp_path / "model", preset="tiny")
+    trainer = _trainer(model, "bfloat16", fp8=True)
+    masters = trainer.master_weights
+    assert masters is not None
+    layers = len(trainer.model.model.layers)  # type: ignore[union-attr]
+    assert len(masters.segments) == layers + 1
+    assert all(seg.grads is None for seg in masters.segments)
+    seen: list[bool] = []
+    layer0 = next(trainer.model.model.layers[0].parameters())  # type: ignore[union-attr, index]
+    first = next(seg for seg in masters.segments if any(p is layer0 for p, _, _ in seg.slots))
+    # When the last layer's input gradient is out, the first layer's buffer does not exist yet.
+    last = trainer.model.model.layers[-1]  # type: ignore[union-attr, index]
+    last.register_full_backward_hook(lambda *_: seen.append(first.grads is None))
+    paths = make_data(tmp_path / "data", num_sft=8, num_rl=4, num_test=4)
+    examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
+    batch = to_token_batch(examples[:8], trainer.tokenizer.pad_token_id)
+    trainer.train_step([batch], SftLossFn(), num_target_tokens(batch))
+    assert seen == [True]
+    assert all(seg.grads is None for seg in masters.segments)  # released after the step (eager)

@@ -30,13 +30,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.nn.utils import clip_grads_with_norm_
 from torch.optim.lr_scheduler import LambdaLR
 
+if TYPE_CHECKING:
+    from infir2_rl.trainers.torch.master_weights import MasterWeights
+
 from infir2_rl.config import OptimizerConfig
+from infir2_rl.trainers import flat_adamw
 
 
 class LrFactor:
@@ -60,9 +65,22 @@ class LrFactor:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over FP32 parameters (moments in the parameters' dtype, i.e. FP32); fused when they are on CUDA."""
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig, masters: MasterWeights | None = None
+) -> torch.optim.AdamW:
+    """AdamW over FP32 parameters (moments in the parameters' dtype, i.e. FP32); fused when they are on CUDA.
+    With ``masters`` (a BF16 model's FP32 masters, ``params`` their ``optimizer_params``) on CUDA: one Triton
+    kernel per segment of their flat buffers that also writes the BF16 copy (trainers/flat_adamw.py)."""
     trainable = [p for p in params if p.requires_grad]
+    if masters is not None and flat_adamw.available(masters.segments[0].flat.device):
+        return flat_adamw.FlatAdamW(
+            trainable,
+            masters.segments,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
     on_cuda = bool(trainable) and all(p.is_cuda for p in trainable)
     return torch.optim.AdamW(
         trainable,
@@ -87,6 +105,18 @@ def step_unless_nonfinite(
     See the module docstring: with a fused optimizer nothing here waits for the device until the update is
     queued; otherwise the norm is checked on the host before anything changes.
     """
+    if isinstance(optimizer, flat_adamw.FlatAdamW):  # clip and skip inside its kernel
+        flagged = torch.isfinite(grad_norm).logical_not().float()
+        coef = (grad_clip / (grad_norm.float() + 1e-6)).clamp(max=1.0) if grad_clip > 0 else None
+        optimizer.found_inf, optimizer.clip_coef = flagged, coef  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.clip_coef  # type: ignore[attr-defined]
+        if bool(flagged.item()):
+            optimizer.rewind()
+            return True
+        return False
     if not optimizer.defaults.get("fused"):
         if not bool(torch.isfinite(grad_norm).item()):
             return True

@@ -2,27 +2,40 @@
 
 Why: with FP32 parameters under BF16 autocast (``param_dtype: float32``, the CPU path) every forward casts
 each weight to BF16, every backward casts its gradient back to FP32, and the residual stream, the norms and
-their saved activations stay FP32. At the 1.5B shape on an H100 those casts and FP32 adds were ~25% of a
-BF16 step's kernel time (docs/performance.md, "BF16 model, FP32 masters"). Here the model's parameters are
-BF16, so activations flow in BF16 as in the rollout engine, and the FP32 values live only where the update
-needs them:
+their saved activations stay FP32. At the 1.5B shape on an H100 a BF16 model made the BF16 step ~10% and
+the FP8 step ~8% shorter (docs/performance.md, "A BF16 model with FP32 masters"). Here the model's
+parameters are BF16, so activations flow in BF16 as in the rollout engine, and the FP32 values live where
+the update needs them.
 
-* ``masters``: FP32 tensors, views of one flat buffer, holding the exact weights. The optimizer steps them
-  (their ``.grad`` are views of one flat FP32 buffer), and ``copy_to_model`` then rounds them into the model's
-  BF16 parameters (themselves views of one flat BF16 buffer: one kernel for the whole model).
-* Gradients accumulate in FP32, as before: each BF16 parameter's gradient is added into its master's
-  ``.grad`` (``param.main_grad``) as soon as autograd has it (a post-accumulate-grad hook), and the BF16
-  ``.grad`` is dropped. The CUDA layer graphs add into ``main_grad`` themselves (layer_graphs.py).
-* Parameters that the model only ever quantizes (the FP8 decoder linears' weights) are left FP32 and are their
-  own masters, as before: a BF16 copy would cost 2 bytes per weight and round each weight twice.
+Layout. The parameters are split into segments: one per decoder layer (``model.layers.<i>.``) and one for
+the rest (embeddings, final norm, lm_head). A segment holds its parameters' values in flat buffers, first
+those the forward computes with, then those it only quantizes (the FP8 decoder linears' weights):
 
-Checkpoints read ``state_dict`` (the masters, FP32) and restore them with ``load_state_dict``, so resume stays
-exact. Not with FSDP (it keeps its own FP32 shards and gathers BF16 copies: ``trainer.fsdp_param_dtype``).
+* ``flat`` (FP32): the masters, the exact weights the optimizer steps. A computed parameter is a BF16 view
+  of ``copy``, which ``copy_to_model`` (or the flat AdamW, trainers/flat_adamw.py) rounds the masters into
+  after each update; a quantized parameter stays FP32 and *is* its view of ``flat`` (a BF16 copy would cost
+  2 bytes per weight and round it twice before FP8).
+* ``grads`` (FP32): gradients accumulate in FP32, as before. Each parameter's gradient of a backward (BF16,
+  or FP32 from an FP8 wgrad) is added into its master's gradient (``param.main_grad``, a view of ``grads``)
+  as soon as autograd has it (a post-accumulate-grad hook) and dropped. The first gradient of a segment
+  allocates its buffer, so a backward allocates gradients layer by layer as it frees activations, as autograd
+  did (one buffer for the model, allocated with the first gradient, raised the FP8 step's peak by 2.6 GiB at
+  1.5B). ``release_grads`` frees them between eager steps (as ``zero_grad(set_to_none=True)`` did). The CUDA
+  layer graphs add into these views themselves (layer_graphs.py), so they need them before capture and keep
+  them (``ensure_grads``).
+
+``optimizer_params`` are what the optimizer steps, in the model's parameter order (so that optimizer states
+in checkpoints line up whatever ``param_dtype`` is): each parameter's master, a view of its segment's
+``flat``. Checkpoints read ``state_dict`` (the masters, FP32) and restore them with ``load_state_dict``, so
+resume stays exact. Not with FSDP (it keeps its own FP32 shards and gathers BF16 copies:
+``trainer.fsdp_param_dtype``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -38,54 +51,131 @@ def computed_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _accumulate_into_main_grad(param: Tensor) -> None:
-    grad = param.grad
-    assert grad is not None
-    param.main_grad.add_(grad)  # type: ignore[attr-defined]
+    """A parameter's gradient of one backward, added into its master's FP32 gradient and dropped."""
+    if getattr(param, "main_grad", None) is None:
+        owner, index = param._infir2_segment  # type: ignore[attr-defined]
+        if owner() is None:
+            raise RuntimeError("MasterWeights: a gradient for a parameter whose masters are gone")
+        owner().segments[index].ensure_grads()  # the segment's first gradient of this step
+    assert param.grad is not None
+    param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
     param.grad = None
 
 
-class MasterWeights:
-    """FP32 masters of ``params`` (moved to BF16 in place, see the module docstring)."""
+@dataclass
+class Segment:
+    """The masters of a group of parameters (a decoder layer, or the rest) in flat buffers (module docstring)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], dtype: torch.dtype = torch.bfloat16) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("MasterWeights: no trainable parameters to keep masters of")
-        device = self.params[0].device
-        numel = sum(p.numel() for p in self.params)
-        self._master_flat = torch.empty(numel, dtype=torch.float32, device=device)
-        self._grad_flat = torch.zeros(numel, dtype=torch.float32, device=device)
-        self._model_flat = torch.empty(numel, dtype=dtype, device=device)
-        self.masters: list[Tensor] = []
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                if p.dtype != torch.float32:
-                    raise TypeError(f"MasterWeights: parameters must start FP32, got {p.dtype}")
-                n = p.numel()
-                master = self._master_flat[offset : offset + n].view_as(p)
-                master.copy_(p)
-                master.requires_grad_(True)  # what the optimizer steps (it is in no autograd graph)
-                master.grad = self._grad_flat[offset : offset + n].view_as(p)
-                model_copy = self._model_flat[offset : offset + n].view_as(p)
-                p.data = model_copy  # the module keeps its Parameter object; its values are now BF16 views
+    flat: Tensor  # FP32 masters: computed parameters first, then quantized ones
+    copy: Tensor  # the computed parameters' BF16 values (the model's), the front of ``flat`` rounded
+    slots: list[tuple[nn.Parameter, Tensor, int]]  # (parameter, its master, offset in flat)
+    grads: Tensor | None = None
+
+    def ensure_grads(self) -> Tensor:
+        """The FP32 gradient buffer, allocated (zeroed) and bound to the parameters if it was released."""
+        if self.grads is None:
+            self.grads = torch.zeros_like(self.flat)
+            for p, master, offset in self.slots:
+                master.grad = self.grads[offset : offset + p.numel()].view_as(p)
                 p.main_grad = master.grad  # type: ignore[attr-defined]
-                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-                self.masters.append(master)
-                offset += n
-        self.copy_to_model()
+        return self.grads
+
+    def release_grads(self) -> None:
+        self.grads = None
+        for p, master, _ in self.slots:
+            master.grad = None
+            p.main_grad = None  # type: ignore[attr-defined]
+
+
+def _segment_of(name: str) -> str:
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return ""
+
+
+class MasterWeights:
+    """FP32 masters of ``model``'s trainable parameters; the computed ones become BF16 (module docstring)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("MasterWeights: the model has no trainable parameters")
+        if any(p.dtype != torch.float32 for _, p in named):
+            raise TypeError(
+                f"MasterWeights: parameters must start FP32, got {sorted({str(p.dtype) for _, p in named})}"
+            )
+        computed = {id(p) for p in computed_params(model)}
+        groups: dict[str, list[nn.Parameter]] = {}
+        for name, p in named:
+            groups.setdefault(_segment_of(name), []).append(p)
+        self.segments: list[Segment] = []
+        with torch.no_grad():
+            for params in groups.values():
+                self.segments.append(self._segment(params, computed, dtype, len(self.segments)))
+        master_of = {id(p): m for seg in self.segments for p, m, _ in seg.slots}
+        self.optimizer_params: list[Tensor] = [master_of[id(p)] for _, p in named]
+
+    def _segment(
+        self, params: list[nn.Parameter], computed: set[int], dtype: torch.dtype, index: int
+    ) -> Segment:
+        layout = [p for p in params if id(p) in computed] + [p for p in params if id(p) not in computed]
+        n_copy = sum(p.numel() for p in params if id(p) in computed)
+        device = params[0].device
+        seg = Segment(
+            flat=torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device),
+            copy=torch.empty(n_copy, dtype=dtype, device=device),
+            slots=[],
+        )
+        offset = 0
+        for p in layout:
+            n = p.numel()
+            master = seg.flat[offset : offset + n].view_as(p)
+            master.copy_(p)
+            # The module keeps its Parameter object: BF16 values in ``copy``, or the master itself.
+            p.data = seg.copy[offset : offset + n].view_as(p) if offset < n_copy else master
+            master.requires_grad_(True)  # what the optimizer steps (it is in no autograd graph)
+            # A module-level hook and a weak reference: a bound method would tie the parameters and this
+            # object into a cycle through C++ hook storage, which Python's collector cannot see.
+            p._infir2_segment = (weakref.ref(self), index)  # type: ignore[attr-defined]
+            p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            seg.slots.append((p, master, offset))
+            offset += n
+        seg.copy.copy_(seg.flat[:n_copy])
+        return seg
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the model's BF16 parameters (after each optimizer step)."""
-        self._model_flat.copy_(self._master_flat)
+        for seg in self.segments:
+            seg.copy.copy_(seg.flat[: seg.copy.numel()])
+
+    def ensure_grads(self) -> None:
+        """Every segment's gradient buffer allocated and bound (the layer graphs add into them)."""
+        for seg in self.segments:
+            seg.ensure_grads()
 
     def zero_grad(self) -> None:
-        self._grad_flat.zero_()
+        for seg in self.segments:
+            if seg.grads is not None:
+                seg.grads.zero_()
+
+    def release_grads(self) -> None:
+        """Free the gradient buffers (between eager steps); the next gradients allocate them again, zeroed."""
+        for seg in self.segments:
+            seg.release_grads()
+
+    def grad_norm(self) -> Tensor:
+        """The global L2 norm of the gradients (one reduction per segment)."""
+        norms = [torch.linalg.vector_norm(seg.grads) for seg in self.segments if seg.grads is not None]
+        if not norms:
+            return torch.zeros((), device=self.segments[0].flat.device)
+        return torch.linalg.vector_norm(torch.stack(norms))
 
     def state_dict(self, model: nn.Module) -> dict[str, Tensor]:
-        """``model.state_dict()`` with each kept parameter's entry replaced by its FP32 master."""
-        by_ptr = {p.data_ptr(): m for p, m in zip(self.params, self.masters, strict=True)}
+        """``model.state_dict()`` with each parameter's entry replaced by its FP32 master."""
+        by_ptr = {p.data_ptr(): m for seg in self.segments for p, m, _ in seg.slots}
         return {k: by_ptr.get(v.data_ptr(), v) for k, v in model.state_dict().items()}
 
     @torch.no_grad()
@@ -95,7 +185,7 @@ class MasterWeights:
         for name, p in model.named_parameters(remove_duplicate=False):  # a tied weight has several names
             names.setdefault(id(p), []).append(name)
         missing = []
-        for p, master in zip(self.params, self.masters, strict=True):
+        for p, master, _ in (slot for seg in self.segments for slot in seg.slots):
             saved = [n for n in names[id(p)] if n in weights]
             if saved:
                 master.copy_(weights[saved[0]])

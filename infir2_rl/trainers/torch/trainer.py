@@ -59,13 +59,14 @@ from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8 import grouped
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
+from infir2_rl.trainers.flat_adamw import FlatAdamW
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch import fused_layers, varlen_attention
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
-from infir2_rl.trainers.torch.master_weights import MasterWeights, computed_params
+from infir2_rl.trainers.torch.master_weights import MasterWeights
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
@@ -218,7 +219,7 @@ class TorchTrainer:
         if resolve_param_dtype(trainer_cfg.param_dtype, self.compute_dtype, self.fsdp, true_on_policy) == (
             torch.bfloat16
         ):
-            self.master_weights = MasterWeights(computed_params(model))
+            self.master_weights = MasterWeights(model)
         # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
         self.layer_graphs: LayerGraphs | None = None
         blockers = [
@@ -258,9 +259,8 @@ class TorchTrainer:
         # states in checkpoints line up): each parameter, or its FP32 master.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if self.master_weights is not None:
-            master_of = {id(p): m for p, m in zip(self.master_weights.params, self.master_weights.masters)}
-            self.params = [master_of.get(id(p), p) for p in self.params]  # type: ignore[misc]
-        self.optimizer = build_optimizer(self.params, optimizer_cfg)
+            self.params = self.master_weights.optimizer_params  # type: ignore[assignment]
+        self.optimizer = build_optimizer(self.params, optimizer_cfg, self.master_weights)
         self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
         self.step = 0
         self.num_skipped = 0
@@ -425,6 +425,8 @@ class TorchTrainer:
         start = time.perf_counter()
         self.model.train()
         self.invalidate_fp8_cache()
+        if self.master_weights is not None and self.layer_graphs is not None:
+            self.master_weights.ensure_grads()  # the graphs add into it (eager: allocated by the first gradient)
         # Loss weight of FSDP2's averaging reduce-scatter: undo its division by world size.
         grad_scale = float(self.world_size) if self.fsdp else 1.0
         # Loss and token sums stay on the device until the step is queued (no per-micro-batch host sync).
@@ -450,8 +452,8 @@ class TorchTrainer:
         grad_norm = self._grad_norm()
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, self.optimizer_cfg.grad_clip)
-        if self.master_weights is not None:
-            self.master_weights.copy_to_model()  # unchanged masters when the step was skipped
+        if self.master_weights is not None and not isinstance(self.optimizer, FlatAdamW):
+            self.master_weights.copy_to_model()  # (FlatAdamW writes the BF16 copy as it updates)
         # The fused AdamW (CUDA) updates the weights without bumping their version counters, so the FP8
         # weight caches cannot see the update: without this the next export sent the pre-update FP8 bytes.
         self.invalidate_fp8_cache()
@@ -484,16 +486,14 @@ class TorchTrainer:
         if self.master_weights is None:
             self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
             return
-        self.master_weights.zero_grad()
-        masters = {id(m) for m in self.master_weights.masters}
-        for p in self.params:
-            if id(p) not in masters and p.grad is not None:
-                if self.layer_graphs is None:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        if self.layer_graphs is None:
+            self.master_weights.release_grads()
+        else:
+            self.master_weights.zero_grad()
 
     def _grad_norm(self) -> Tensor:
+        if self.master_weights is not None:
+            return self.master_weights.grad_norm()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
