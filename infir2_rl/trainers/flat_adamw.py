@@ -14,6 +14,10 @@ p -= (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` with g the clipped gradient (c
 ``clip_grads_with_norm_`` does). GPU test: ``tests/test_master_weights_gpu.py`` (equal to torch's fused AdamW
 within FP32 rounding, skip on a non-finite norm).
 
+One difference: torch's AdamW leaves a parameter without a gradient untouched, while here every parameter of
+the model is updated (a missing gradient counts as zero: its moments decay and weight decay applies). In the
+trainer every parameter takes part in every training forward, so none lacks a gradient.
+
 ``FlatAdamW`` is a ``torch.optim.AdamW`` for checkpoints and schedules: the same param groups, and per
 parameter the state ``step`` / ``exp_avg`` / ``exp_avg_sq`` (the moments are views of the flat buffers), so a
 checkpoint written by either loads into the other.

@@ -4,7 +4,8 @@ AdamW keeps FP32 moments for FP32 master weights. On CUDA it is ``torch.optim.Ad
 kernel per group of tensors reads each parameter, gradient and moment once (the unfused ``foreach`` path
 makes ~10 passes; docs/performance.md measured 65 ms for it at the 1.5B shape against a ~8 ms memory floor).
 On CPU it stays the per-parameter loop (as fast for tiny models, and the demo's numbers depend on its
-arithmetic).
+arithmetic). The FP32 masters of a BF16 model (``trainer.param_dtype``) on CUDA get ``flat_adamw.FlatAdamW``
+instead: the same update as one Triton kernel per layer over flat buffers, writing the model's BF16 copy too.
 
 Guarded step (``step_unless_nonfinite``): a non-finite global gradient norm skips the update. On CPU the
 norm is read on the host first. On CUDA that read would stall the launch queue between backward and

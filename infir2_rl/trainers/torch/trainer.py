@@ -1,13 +1,17 @@
 """The embedded trainer backend: a transformers causal LM, AdamW, optional blockwise FP8, data parallel.
 
-Precision. Parameters are loaded and kept in FP32: they are the master weights, and AdamW's moments
-are created in the parameters' dtype, so they are FP32 too. When the compute dtype is bfloat16
-(`model.dtype: auto` on a GPU), forwards run under `torch.autocast(bfloat16)`: matmuls, attention and
-the logits are BF16 while the stored weights, gradients and optimizer state stay FP32. This is the
-simplest correct form of "FP32 master weights": there is no second copy to keep in sync. With
-`fp8=True` (the stage's precision: SFT `fp8`, RL `unified_fp8`) the decoder linears are swapped for `fp8.Fp8Linear`, which quantizes the FP32 master
-weight into 128x128 FP8 blocks each forward (cached until the weight changes) and runs fprop, dgrad
-and wgrad in FP8; embeddings, norms and lm_head stay in the compute dtype.
+Precision. Parameters are loaded in FP32: they are the master weights, and AdamW's moments are FP32 too.
+`trainer.param_dtype` (default `auto`) says what the model computes with. "bfloat16" (auto on GPUs computing
+in BF16, without FSDP or true_on_policy): the model's parameters become BF16 and the trainer keeps the FP32
+masters and FP32 gradient accumulation beside them (master_weights.py; the FP8 linears' weights stay FP32, their
+own masters), so activations, the residual stream and the norms are BF16 as in the rollout engine, and no
+forward casts a weight; on CUDA AdamW is one Triton kernel per layer that also writes the BF16 copy
+(trainers/flat_adamw.py). At 1.5B x 8K on an H100 that made the BF16 step 13% and the FP8 step 10% shorter
+(docs/performance.md). "float32" (auto on CPU, the demo): FP32 parameters under `torch.autocast(bfloat16)`
+when the compute dtype is bfloat16, with no second copy. With
+`fp8=True` (the stage's precision: SFT `fp8`, RL `unified_fp8`) the decoder linears are swapped for
+`fp8.Fp8Linear`, which quantizes the FP32 master weight into 128x128 FP8 blocks each forward (cached until the
+weight changes) and runs fprop, dgrad and wgrad in FP8; embeddings, norms and lm_head stay in the compute dtype.
 
 A step. `train_step(batches, loss_fn, total_units)` runs forward/backward over this rank's
 micro-batches, scaling each micro-batch's mean loss by num_units / total_units (units summed over the
