@@ -133,9 +133,10 @@ def test_a_tiny_qwen2_trains_the_same_grouped(checkpointing: bool) -> None:
         models[-1].train()
     assert grouped.group_projections(models[1]) == models[1].config.num_hidden_layers
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    losses = []
+    losses: list[list[float]] = []
     for m in models:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses.append([])
         for _ in range(3):
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -144,8 +145,14 @@ def test_a_tiny_qwen2_trains_the_same_grouped(checkpointing: bool) -> None:
             for mod in m.modules():
                 if isinstance(mod, Fp8Linear):
                     mod.invalidate_fp8_cache()
-        losses.append(loss.item())
-    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+            losses[-1].append(loss.item())
+    plain, fused = losses
+    # The first forward: the same FP8 codes, so the same loss up to FP32 summation order.
+    assert fused[0] == pytest.approx(plain[0], rel=1e-5)
+    # After two updates: 1e-4 relative or less where the BLAS sums the stacked GEMM in the three GEMMs' order
+    # (AVX2 CPUs); on an AVX-512 Xeon, 2026-11-26, 7.1e-4: weights that differ by FP32 rounding after an
+    # update can quantize to other e4m3 codes. A wrong grouping moves the loss by far more.
+    assert fused[-1] == pytest.approx(plain[-1], rel=3e-3)
 
 
 @pytest.mark.gpu

@@ -68,13 +68,19 @@ def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ra
     assert set(export_2) == set(export_1)
     for name, value in export_1.items():  # TP shards' FP8 grids concatenate to the TP=1 grid, byte for byte
         assert torch.equal(export_2[name].float(), value.float()), name
-    torch.testing.assert_close(before_2, before_1, rtol=0, atol=1e-5)
+    # Rounding-level on AVX2 CPUs (1e-5). On an AVX-512 Xeon (2026-11-26) 3 of 416 log-probs moved by up to
+    # 1.5e-3: TP=2's row-parallel partial sums differ from TP=1's sum by FP32 rounding, and an activation at an
+    # e4m3 rounding midpoint then takes the neighbouring code (docs/mismatch.md). A wrong shard moves them all.
+    diff = (before_2 - before_1).abs()
+    assert float((diff > 1e-5).float().mean()) < 0.02 and float(diff.max()) < 5e-3, float(diff.max())
     assert stats_2.loss == pytest.approx(stats_1.loss, rel=1e-6)
-    assert stats_2.grad_norm == pytest.approx(stats_1.grad_norm, rel=1e-5)
+    # 1e-5 relative on AVX2 CPUs; 3.1e-4 on the AVX-512 Xeon, where FP8 gradient tiles flip codes as above.
+    assert stats_2.grad_norm == pytest.approx(stats_1.grad_norm, rel=2e-3)
     assert (after_1 - before_1).abs().max() > 1e-2  # the step changed the model
-    # Rounding-level only: 1.6e-4 absolute (2.7e-5 relative) on an AVX2-only CPU, 2026-11-25; the step moves
-    # log-probs by more than 1e-2.
-    torch.testing.assert_close(after_2, after_1, rtol=1e-4, atol=1e-4)
+    # Rounding-level only on an AVX2-only CPU: 1.6e-4 absolute (2.7e-5 relative), 2026-11-25; on the AVX-512
+    # Xeon, 2026-11-26, up to 1.05e-3 after the update built from those gradients. The step moves log-probs by
+    # more than 1e-2.
+    torch.testing.assert_close(after_2, after_1, rtol=0, atol=3e-3)
 
 
 def test_rl_stage_runs_two_steps_with_weight_sync_into_the_native_engine(
