@@ -487,8 +487,8 @@ class TorchTrainer:
         )
 
     def _zero_grads(self) -> None:
-        # The backward graphs add into the .grad tensors they were captured with: keep those (zeroed); the
-        # masters' gradients are views of one buffer the parameters' hooks add into: zero it.
+        # The backward graphs add into the gradient tensors they were captured with: keep those (zeroed). Eager,
+        # the masters' per-layer gradient buffers are freed, as set_to_none frees .grad.
         if self.master_weights is None:
             self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
             return
