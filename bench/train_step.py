@@ -2,7 +2,7 @@
 
     python bench/train_step.py [--batch 1 --seq 8192] [--steps 10] [--profile] [--out PATH] [--tiny]
                                [--backend torch|megatron] [--cuda-graphs off|on|both]
-                               [--fused-kernels auto|off|both]
+                               [--fused-kernels auto|off|both] [--saved N]
 
 What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
 on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
@@ -185,6 +185,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def saved_activations(trainer: Any, batch: Any, loss_fn: Any, units: Any, top: int) -> dict[str, Any]:
+    """What one more train step's forward keeps for its backward: each storage that autograd saves, once
+    (``saved_tensors_hooks``), parameters and their masters left out, grouped by dtype and shape. Eager
+    modes only (a CUDA graph capture would record the hooks' work)."""
+    own = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    masters = getattr(trainer, "master_weights", None)
+    for seg in getattr(masters, "segments", ()):
+        own |= {seg.flat.untyped_storage().data_ptr(), seg.copy.untyped_storage().data_ptr()}
+    seen: dict[int, tuple[str, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in own and ptr not in seen:
+            seen[ptr] = (f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}", storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train_step([batch], loss_fn, units)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for key, nbytes in seen.values():
+        groups[key][0] += 1
+        groups[key][1] += nbytes
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    total = sum(n for _, n in seen.values())
+    return {
+        "total_gib": total / 2**30,
+        "top": [{"tensor": k, "count": c, "gib": b / 2**30} for k, (c, b) in ranked[:top]],
+    }
+
+
 def run_mode(
     path: Path,
     fp8: bool,
@@ -303,6 +334,8 @@ def run_mode(
         "skipped_steps": skipped,
         "loss_first_last": [losses[0], losses[-1]],
     }
+    if args.saved and not graphs:
+        out["saved"] = saved_activations(trainer, batch, loss_fn, units, args.saved)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -339,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=5,
         help="then time this many no-gradient scoring forwards of the batch (old log-probs; 0: none), after 2",
+    )
+    parser.add_argument(
+        "--saved",
+        type=int,
+        default=0,
+        help="eager modes: after the timed steps, list the N largest groups of tensors the forward keeps for "
+        "backward (dtype and shape; parameters left out) and their total",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
@@ -482,6 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "n/a" if ratio is None else "met" if ratio <= goal else "MISSED"
         print(f"FP8/BF16 {key:<12} {ratio or float('nan'):5.3f}  (goal <= {goal}: {verdict})")
     for mode, r in results.items():
+        if "saved" in r:
+            print(
+                f"\nsaved for backward, {mode}: {r['saved']['total_gib']:.2f} GiB (largest groups: count, GiB)"
+            )
+            for row in r["saved"]["top"]:
+                print(f"  {row['gib']:7.3f} GiB {row['count']:5d}x  {row['tensor']}")
         if "profile" in r:
             print_kernels(f"profile of one {mode} step", r["profile"])
             busy = r["profile"]["total_ms"] / r["step_ms"]["median"]

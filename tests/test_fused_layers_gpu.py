@@ -123,7 +123,13 @@ def test_quantizing_swiglu_gives_the_quantizers_codes_forward_and_backward(
     gq, uq = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
     h = fused_layers._SwiGLUFn.apply(gq, uq, fused_layers.Fp8Plan(pow2, True, True, True), handoff)
     assert torch.equal(h, h_ref)
-    for a, b in zip(handoff[0], quant_triton.quantize_rows_and_cols(h_ref, pow2)):
+    # h's token tiles are made later (at down_proj's backward) from gate and up: the same bytes
+    q, s_t, later, none = handoff[0]
+    assert isinstance(later, ops.TokenTilesLater) and none is None
+    assert later.inputs[0] is gq and later.inputs[1] is uq
+    for a, b in zip(
+        (q, s_t, *later.claim()(*later.inputs)), quant_triton.quantize_rows_and_cols(h_ref, pow2)
+    ):
         assert _same_bytes(a, b)
     ops._given_grads.clear()
     dg, du = torch.autograd.grad(h, (gq, uq), dh)
@@ -139,8 +145,9 @@ def test_fp8_mlp_takes_the_swiglu_quantizations_and_computes_the_same(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # An FP8 Qwen2MLP under autocast: with the handoffs, down_proj's input and gate/up's output gradients are
-    # not quantized again (3 of the 5 quantize_rows_and_cols calls of a forward+backward go), and the output
-    # and every gradient are the same bits as without them.
+    # not quantized again (3 of the 5 quantize_rows_and_cols calls of a forward+backward go), h's token
+    # tiles are not kept from forward to backward, and the output and every gradient are the same bits as
+    # without them.
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
@@ -171,13 +178,106 @@ def test_fp8_mlp_takes_the_swiglu_quantizations_and_computes_the_same(
         y.backward(dy.to(y.dtype))
         return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]  # type: ignore[list-item]
 
+    def saved_fp8_shapes() -> list[tuple[int, ...]]:
+        shapes: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == torch.float8_e4m3fn:
+                shapes.append(tuple(t.shape))
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, torch.autocast("cuda", dtype=torch.bfloat16):
+            mlp(x.clone().requires_grad_())
+        return shapes
+
     handed = run()
     assert sorted(calls) == [256, 256]  # x (gate/up's input) and down_proj's output gradient
+    # h's token tiles (640 features x 384 tokens) are not kept for backward: made there from gate and up
+    assert (640, 384) not in saved_fp8_shapes()
     calls.clear()
     monkeypatch.setattr(fused_layers, "_fp8_plan", lambda mlp, x: None)
     plain = run()
     assert sorted(calls) == [256, 256, 640, 640, 640]
+    assert (640, 384) in saved_fp8_shapes()  # without the handoffs down_proj keeps them
     for a, b in zip(handed, plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize(("m", "k"), [(300, 384), (37, 200), (1000, 1536), (8, 3584)])
+def test_norm_quantizes_its_output_as_the_quantizers_do(m: int, k: int, pow2: bool) -> None:
+    # The fused RMSNorm's row tiles (written with the output) and its token tiles (made later from x, the
+    # weight and the inverse RMS) are quantize_rows's and quantize_cols's bytes for the same output.
+    from infir2_rl.fp8 import ops, quant_triton
+
+    torch.manual_seed(0)
+    x = (torch.randn(m, k, device="cuda") * torch.exp(torch.randn(m, 1, device="cuda"))).bfloat16()
+    w = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
+    x[m // 2] = 0.0
+    handoff: list = []
+    y = fused_layers._RMSNormFn.apply(x, w, 1e-6, fused_layers.NormPlan(pow2, True), handoff)
+    assert torch.equal(y, fused_layers.rms_norm(x, w, 1e-6))
+    q, s_t, later, none = handoff[0]
+    assert isinstance(later, ops.TokenTilesLater) and none is None
+    tiles = later.claim()(*later.inputs)
+    for a, b in zip((q, s_t, *tiles), quant_triton.quantize_rows_and_cols(y, pow2)):
+        assert _same_bytes(a, b)
+
+
+def test_fp8_decoder_layer_keeps_no_fp8_copy_of_norm_or_attention_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A BF16 Qwen2 decoder layer with FP8 linears (q|k|v grouped) under autocast: with the norms linked to
+    # their FP8 readers and o_proj marked, the layer keeps no token tiles of the norms' outputs or of the
+    # attention output (three of them without), and its output and every gradient are the same bits.
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    from infir2_rl.fp8 import grouped
+    from infir2_rl.fp8.linear import mark_kept_inputs, swap_to_fp8_training
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=256, intermediate_size=640, num_attention_heads=2, num_key_value_heads=1, head_dim=128
+    )
+    config._attn_implementation = "sdpa"
+    layer = Qwen2DecoderLayer(config, 0).cuda().bfloat16()
+    swap_to_fp8_training(layer)
+    assert grouped.group_projections(layer) == 1
+    fused_layers.apply_fused_layers(layer)
+    assert fused_layers.link_norms_to_fp8_linears(layer) == 2
+    assert mark_kept_inputs(layer) == 1
+    x = torch.randn(3, 100, 256, device="cuda").bfloat16()
+    dy = torch.randn(3, 100, 256, device="cuda").bfloat16()
+    pos = torch.arange(100, device="cuda")[None].expand(3, -1)
+    rope = Qwen2RotaryEmbedding(config).cuda()
+
+    def run() -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        kept: dict[int, tuple[int, ...]] = {}  # FP8 tensors kept for backward, once each (gate and up share)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == torch.float8_e4m3fn:
+                kept[t.data_ptr()] = tuple(t.shape)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(xi, position_embeddings=rope(xi, pos), position_ids=pos)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(dy)
+        grads = [p.grad for p in layer.parameters()]
+        return [out.detach(), xi.grad, *grads], list(kept.values())  # type: ignore[list-item]
+
+    linked, shapes = run()
+    assert shapes.count((256, 384)) == 0  # the 300 tokens' token tiles of a 256-wide input
+    monkeypatch.setattr(fused_layers, "_norm_plan", lambda norm, x: None)
+    layer.self_attn.o_proj.input_kept = False
+    plain, plain_shapes = run()
+    assert plain_shapes.count((256, 384)) == 3  # q|k|v's, o_proj's and gate/up's inputs
+    for a, b in zip(linked, plain, strict=True):
         assert torch.equal(a, b)
 
 
@@ -187,7 +287,8 @@ def test_trainer_with_fused_kernels_trains_as_without(tmp_path: Path, fp8: bool)
     plain, fused = _trainer(model, fp8, fused=False), _trainer(model, fp8, fused=True)
     assert plain.fused_layers == {}
     n_layers = plain.model.config.num_hidden_layers
-    assert fused.fused_layers == {"rms_norm": 2 * n_layers + 1, "swiglu_mlp": n_layers}
+    linked = {"rms_norm_fp8": 2 * n_layers} if fp8 else {}  # each layer's two norms feed FP8 linears
+    assert fused.fused_layers == {"rms_norm": 2 * n_layers + 1, "swiglu_mlp": n_layers, **linked}
     assert list(fused.model.state_dict()) == list(plain.model.state_dict())
     paths = make_data(tmp_path / "data", num_sft=16, num_rl=4, num_test=4)
     examples, _ = load_sft_examples(paths.sft_train, plain.tokenizer)

@@ -20,6 +20,7 @@ The bias is never quantized. The master weight's dtype (FP32 or BF16) is the dty
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,44 @@ class Fp8Weight:
     scale_inv: torch.Tensor
     w_fp8_t: torch.Tensor | None = None
     scale_inv_t: torch.Tensor | None = None
+
+
+class TokenTilesLater:
+    """An FP8 linear input's token tiles (wgrad's operand), made at backward by ``make(*inputs) -> (qt, st)``
+    (``quant_triton.quantize_cols``'s layout and codes) instead of kept from forward to backward.
+
+    For inputs that the backward can make again from tensors kept anyway: the fused SwiGLU's h from gate
+    and up, an RMSNorm's output from its input, weight and inverse RMS (trainers/torch/fused_layers.py), an
+    attention output that the attention keeps (``Fp8Linear.input_kept``). Offered in the place of ``qt`` in
+    ``offer_input_quantization`` (``st`` None). Each FP8 linear that takes it ``claim``s it in its forward,
+    saves ``inputs`` (autograd's saved tensors, so checkpointing hooks see them) and calls what ``claim``
+    returned in its backward: linears that read one input (gate and up) share one making of the tiles,
+    freed after the last of them has used it."""
+
+    def __init__(
+        self, make: Callable[..., tuple[torch.Tensor, torch.Tensor]], inputs: tuple[torch.Tensor, ...]
+    ):
+        self.inputs = inputs
+        self._shared = _SharedTiles(make)
+
+    def claim(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        self._shared.claims += 1
+        return self._shared
+
+
+class _SharedTiles:
+    """``make(*inputs)`` once for all its claimants (``TokenTilesLater``); holds no tensor but the tiles, and
+    those only between the first and the last claimant's backward."""
+
+    def __init__(self, make: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.make, self.claims = make, 0
+        self.tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tiles = self.tiles if self.tiles is not None else self.make(*inputs)
+        self.claims -= 1
+        self.tiles = tiles if self.claims > 0 else None
+        return tiles
 
 
 # The last input quantized on the fast path. q, k and v projections (and gate and up) read the same
@@ -85,8 +124,8 @@ def offer_input_quantization(x: torch.Tensor, pow2: bool, out: tuple[Any, ...]) 
     """Hand the next FP8 linear that reads ``x`` its quantization, made by the kernel that produced ``x``.
 
     ``out`` is what ``quant_triton.quantize_rows_and_cols(x2d, pow2)`` returns (or ``quantize_rows``'s pair
-    followed by two ``None``), bit for bit; the fused SwiGLU (trainers/torch/fused_layers.py) quantizes its
-    output for down_proj as it writes it.
+    followed by two ``None``, or by a ``TokenTilesLater`` and ``None``), bit for bit; the fused SwiGLU
+    (trainers/torch/fused_layers.py) quantizes its output for down_proj as it writes it.
     """
     has_cols = out[2] is not None
     _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, x.dtype, pow2, has_cols, out)
@@ -224,6 +263,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         out_dtype: torch.dtype,
         round_to: torch.dtype | None,
         fprop: Fprop | None = None,
+        input_kept: bool = False,
     ) -> torch.Tensor:
         w_fp8, w_scale_inv = fp8w.w_fp8, fp8w.scale_inv
         lead, k = x.shape[:-1], x.shape[-1]
@@ -247,6 +287,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             w_b, s_b = (fp8w.w_fp8_t, fp8w.scale_inv_t) if ctx.w_transposed else (w_fp8, w_scale_inv)
             if not ctx.needs_input_grad[0]:
                 w_b = s_b = None
+            xtq: Any
             if fprop is not None:  # the caller's forward GEMM (true on-policy: the engine's invariant kernel)
                 xtq, xts = (
                     quant_triton.quantize_cols(x2d, pow2_scales, round_to=round_to)
@@ -256,11 +297,25 @@ class _Fp8LinearFn(torch.autograd.Function):
                 y = fprop(x2d.to(round_to), w_fp8, w_scale_inv, bias, pow2_scales)
                 if y.dtype != out_dtype:
                     raise TypeError(f"fp8_linear: fprop returned {y.dtype}, the output dtype is {out_dtype}")
+            elif input_kept and need_wgrad:
+                # X is kept for backward by its producer anyway (fp8_linear's docstring): keep X, no FP8 copy.
+                xq, xs_t, _, _ = _quantize_input_fast(x, x2d, pow2_scales, False, round_to)
+                make = functools.partial(
+                    quant_triton.quantize_cols, pow2_scales=pow2_scales, round_to=round_to
+                )
+                xtq, xts = TokenTilesLater(make, (x2d,)), None
+                y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, out_dtype, bias)[:m]
             else:
                 # Row tiles for fprop; token tiles (transposed, FP8) are all that backward keeps of X.
                 xq, xs_t, xtq, xts = _quantize_input_fast(x, x2d, pow2_scales, need_wgrad, round_to)
                 y = _fast_fprop(xq, xs_t, w_fp8, w_scale_inv, out_dtype, bias)[:m]
-            ctx.save_for_backward(w_b, s_b, xtq, xts)
+            ctx.make_tiles = None
+            if isinstance(xtq, TokenTilesLater):  # made at backward from tensors saved anyway
+                if need_wgrad:
+                    ctx.make_tiles = xtq.claim()
+                ctx.save_for_backward(w_b, s_b, *(xtq.inputs if need_wgrad else ()))
+            else:
+                ctx.save_for_backward(w_b, s_b, xtq, xts)
         else:
             x2d = x2d.to(round_to)
             ctx.save_for_backward(w_fp8, w_scale_inv, x2d if need_wgrad else None)
@@ -291,13 +346,16 @@ class _Fp8LinearFn(torch.autograd.Function):
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _fast_backward(
     ctx: Any, dy2d: torch.Tensor, need_dx: bool, need_dw: bool, given: tuple[Any, ...] | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    w_b, s_b, xtq, xts = ctx.saved_tensors
+    w_b, s_b, *x_saved = ctx.saved_tensors
+    xtq = xts = None
+    if need_dw:  # X's token tiles, kept from forward or made now (TokenTilesLater)
+        xtq, xts = ctx.make_tiles(*x_saved) if ctx.make_tiles is not None else x_saved
     m, pow2 = ctx.m, ctx.pow2
     dx = dw = None
     if need_dx and not ctx.w_transposed:
@@ -315,6 +373,7 @@ def _fast_backward(
         dx = gemm.mm_1x128_128x128(dyq, dys_t, w_b, s_b, _gpu_out_dtype(ctx.grad_dtype))[:m]
         dx = dx.to(ctx.grad_dtype).to(ctx.x_dtype)
     if need_dw:
+        assert xtq is not None and xts is not None
         dw = gemm.mm_1x128_1x128(dytq, dyts, xtq, xts, _gpu_out_dtype(ctx.w_dtype)).to(ctx.w_dtype)
     return dx, dw
 
@@ -346,6 +405,7 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
     round_to: torch.dtype | None = None,
     fprop: Fprop | None = None,
+    input_kept: bool = False,
 ) -> torch.Tensor:
     """Differentiable FP8 linear; ``fp8w`` must be the quantization of ``weight``.
 
@@ -354,8 +414,13 @@ def fp8_linear(
     x's dtype, as autocast's cast of the input would round it. ``fprop``: on the GPU fast path,
     the forward GEMM ``fprop(x2d, w_fp8, scale_inv, bias, pow2) -> y`` (in the output dtype) instead of
     cuBLASLt's (true on-policy passes the engine's batch-invariant kernel, ``models/invariant_ops.fp8_mm``);
-    the backward is the same either way. The CPU emulation ignores it.
+    the backward is the same either way. The CPU emulation ignores it. ``input_kept``: x's producer keeps x
+    for its own backward (an attention its output), so on the GPU fast path this linear keeps x too and makes
+    its token tiles at backward (``TokenTilesLater``) instead of keeping an FP8 copy; where x is not kept
+    elsewhere this costs memory (2 bytes per element instead of 1).
     """
-    out = _Fp8LinearFn.apply(x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, round_to, fprop)
+    out = _Fp8LinearFn.apply(
+        x, weight, bias, fp8w, pow2_scales, out_dtype or x.dtype, round_to, fprop, input_kept
+    )
     assert isinstance(out, torch.Tensor)
     return out

@@ -169,19 +169,35 @@ if _HAVE_TRITON:
             tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
             tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
         if DO_COLS:  # requires BM == 128: one program row is one token tile
-            sc = _scale_from_amax(tl.max(ax, axis=0), tl.sum(_is_nonfinite(ax), axis=0), POW2)
-            if x_ptr.dtype.element_ty == tl.float32:
-                qc = _divide_by_scale(x, sc[None, :])
-            else:  # 16-bit input: the division per element measured 4-5% faster here (bench/quantizers.py)
-                qc = tl.math.div_rn(x, tl.broadcast_to(sc[None, :], (BM, BK)))
-            qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
-            if TRANS_FP8:
-                qc_t = tl.trans(qc.to(tl.float8e4nv))  # (BK, BM): row k of X^T, tokens contiguous
-            else:
-                qc_t = tl.trans(qc).to(tl.float8e4nv)
-            t_mask = (cols[:, None] < K) & (rows[None, :] < rows_qt)
-            tl.store(qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :], qc_t, mask=t_mask)
-            tl.store(st_ptr + pid_m * K + cols, sc, mask=cols < K)
+            _quant_cols_store(
+                x, ax, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr,
+                x_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, BM, BK,
+            )  # fmt: skip
+
+    @triton.jit
+    def _quant_cols_store(
+        x, ax, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr,
+        DIVIDE_PER_TILE: tl.constexpr, POW2: tl.constexpr, TRANS_FP8: tl.constexpr,
+        BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """Token tiles of x (BM = 128 tokens x BK features, FP32 values, ax = |x|), stored transposed
+        (feature k's 128 tokens contiguous) with one scale per feature; ``quantize_cols``'s layout.
+        ``DIVIDE_PER_TILE``: ``_divide_by_scale`` (FP32 input); else ``div_rn`` per element, measured 4-5%
+        faster on 16-bit input (bench/quantizers.py), the same quotients. Also used by the fused SwiGLU's
+        recomputation of h's token tiles (trainers/torch/fused_layers.py)."""
+        sc = _scale_from_amax(tl.max(ax, axis=0), tl.sum(_is_nonfinite(ax), axis=0), POW2)
+        if DIVIDE_PER_TILE:
+            qc = _divide_by_scale(x, sc[None, :])
+        else:
+            qc = tl.math.div_rn(x, tl.broadcast_to(sc[None, :], (BM, BK)))
+        qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
+        if TRANS_FP8:
+            qc_t = tl.trans(qc.to(tl.float8e4nv))  # (BK, BM): row k of X^T, tokens contiguous
+        else:
+            qc_t = tl.trans(qc).to(tl.float8e4nv)
+        t_mask = (cols[:, None] < K) & (rows[None, :] < rows_qt)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :], qc_t, mask=t_mask)
+        tl.store(st_ptr + pid_m * K + cols, sc, mask=cols < K)
 
     @triton.jit
     def _weight_quant_kernel(

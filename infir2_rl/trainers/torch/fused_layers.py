@@ -18,12 +18,17 @@ The numbers follow torch's op by op, so the change is a matter of the last bit:
 
 With FP8 decoder linears (``fp8/linear.py``, GPU fast path) SwiGLU also quantizes what the FP8 GEMMs around
 it read: the SwiGLU kernels write h's 1x128 row tiles for down_proj (forward) and those of the gradients of
-gate and up for gate_proj's and up_proj's backward, as they write h, dgate and dup; the token tiles come
-from ``quant_triton.quantize_cols``. Together they are ``quantize_rows_and_cols``'s codes, scales and layouts
-bit for bit. The FP8 linears take them from ``fp8.ops`` (``offer_input_quantization`` /
+gate and up for gate_proj's and up_proj's backward, as they write h, dgate and dup; the token tiles of
+dgate and dup come from ``quant_triton.quantize_cols``. Together they are ``quantize_rows_and_cols``'s codes,
+scales and layouts bit for bit. The FP8 linears take them from ``fp8.ops`` (``offer_input_quantization`` /
 ``offer_grad_quantization``) instead of quantizing h, dgate and dup again (these three tokens x intermediate
 tensors were ~73% of the FP8 step's quantization bytes at 1.5B): 1.13-1.15x faster than SwiGLU followed by
 the quantizers (bench/swiglu_quant.py, docs/performance.md).
+
+h's token tiles (down_proj's weight-gradient operand) are not made in the forward: down_proj's backward
+makes them from gate and up (``swiglu_token_tiles``, an ``ops.TokenTilesLater``), which SwiGLU's backward
+keeps anyway, so the forward keeps no tokens x intermediate FP8 copy of h (1 byte per element: 1.9 GiB at
+1.5B and 8,192 tokens). The cost is reading gate and up (4 bytes per element) where quantizing h read 2.
 
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
 ``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
@@ -45,7 +50,12 @@ try:
     import triton
     import triton.language as tl
 
-    from infir2_rl.fp8.quant_triton import _divide_by_scale, _is_nonfinite, _scale_from_amax
+    from infir2_rl.fp8.quant_triton import (
+        _divide_by_scale,
+        _is_nonfinite,
+        _quant_cols_store,
+        _scale_from_amax,
+    )
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -59,7 +69,17 @@ def available(device: torch.device) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, K, inv_k, eps, BM: tl.constexpr, BK: tl.constexpr):
+    def _rms_apply(x, r, w, x_ptr):
+        # The norm's output in FP32 from x (FP32 values of x_ptr's dtype), the rows' inverse RMS r and the
+        # weight w: (x * r).to(input dtype) * weight; the caller rounds it to the output dtype.
+        xr = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # hidden_states.to(input_dtype)
+        return xr * w[None, :]
+
+    @triton.jit
+    def _rms_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, r_ptr, q_ptr, s_ptr, M, K, rows_q, inv_k, eps,
+        QUANT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.arange(0, BK)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -67,10 +87,43 @@ if _HAVE_TRITON:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # 1 / sqrt_rn as the engine's add_rms_norm (fused_ops.py)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) * inv_k + eps)
-        xr = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # hidden_states.to(input_dtype)
         w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, (xr * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        y = _rms_apply(x, r, w, x_ptr).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, y, mask=mask)
         tl.store(r_ptr + rows, r, mask=rows < M)
+        if (
+            QUANT
+        ):  # y's 1x128 row tiles: quant_triton.quantize_rows's codes and layout (rows padded to rows_q)
+            y3 = tl.reshape(y.to(tl.float32), (BM, BK // 128, 128))
+            a3 = tl.abs(y3)
+            s = _scale_from_amax(tl.max(a3, axis=2), tl.sum(_is_nonfinite(a3), axis=2), POW2)  # (BM, BK/128)
+            q = _divide_by_scale(y3, s[:, :, None])
+            q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0), (BM, BK)).to(tl.float8e4nv)
+            q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
+            kb = tl.arange(0, BK // 128)
+            s_mask = (rows[:, None] < rows_q) & (kb[None, :] * 128 < K)
+            tl.store(s_ptr + kb[None, :] * rows_q + rows[:, None], s, mask=s_mask)
+
+    @triton.jit
+    def _rms_cols_kernel(
+        x_ptr, w_ptr, r_ptr, qt_ptr, st_ptr, M, K, rows_qt,
+        POW2: tl.constexpr, TRANS_FP8: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        # The norm's output made again from x, r and w (output dtype = x's), in token tiles: 128 tokens x BK
+        # features per program, quant_triton.quantize_cols's arithmetic and layout. Padding rows: r = 0, y = 0.
+        pid_m = tl.program_id(0)
+        rows = pid_m * 128 + tl.arange(0, 128)
+        cols = tl.program_id(1) * BK + tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=mask, other=0.0)
+        r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
+        w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        y = _rms_apply(x.to(tl.float32), r, w, x_ptr).to(x_ptr.dtype.element_ty).to(tl.float32)
+        _quant_cols_store(
+            y, tl.abs(y), rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr,
+            x_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, 128, BK,
+        )  # fmt: skip
 
     @triton.jit
     def _rms_bwd_kernel(
@@ -199,6 +252,63 @@ if _HAVE_TRITON:
         _quant_rows_store(dg.to(tl.float32), rows, cols, N, rows_q, pid_n, gq_ptr, gs_ptr, POW2, BM)
         _quant_rows_store(du.to(tl.float32), rows, cols, N, rows_q, pid_n, uq_ptr, us_ptr, POW2, BM)
 
+    @triton.jit
+    def _swiglu_cols_kernel(
+        g_ptr, u_ptr, qt_ptr, st_ptr, M, N, rows_qt,
+        POW2: tl.constexpr, TRANS_FP8: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        # h's token tiles from gate and up: 128 tokens x BK features per program, h rounded as the forward
+        # stored it (_swiglu_h), then quant_triton.quantize_cols's arithmetic and layout.
+        pid_m = tl.program_id(0)
+        rows = pid_m * 128 + tl.arange(0, 128)
+        cols = tl.program_id(1) * BK + tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _swiglu_h(g, u, g_ptr).to(tl.float32)  # h has gate's dtype; padding rows give h = 0
+        _quant_cols_store(
+            h, tl.abs(h), rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr,
+            g_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, 128, BK,
+        )  # fmt: skip
+
+
+def swiglu_token_tiles(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """``quant_triton.quantize_cols(silu(gate) * up, pow2)`` bit for bit, from gate and up without h: the
+    fused SwiGLU's h token tiles made at down_proj's backward (``ops.TokenTilesLater``) instead of kept from
+    the forward. Reads gate and up (4 bytes per element) where quantizing a kept h read 2, and keeps 1 byte
+    per element out of the saved activations (module docstring)."""
+    k = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, k), up.reshape(-1, k)
+    m = g2.shape[0]
+    rows_qt = -(-m // 128) * 128
+    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=gate.device)
+    st = torch.empty((rows_qt // 128, k), dtype=torch.float32, device=gate.device)
+    cfg = quant_triton.LAUNCH["cols"]
+    if m:
+        _swiglu_cols_kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
+            g2, u2, qt, st, m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"], BK=cfg["bk"],
+            num_warps=cfg["warps"],
+        )  # fmt: skip
+    return qt, st
+
+
+def rms_token_tiles(x2d: Tensor, weight: Tensor, r: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """``quant_triton.quantize_cols(y, pow2)`` bit for bit for the fused RMSNorm's output y = norm(x2d) of
+    x2d's dtype, from the input, weight and inverse RMS that the norm's backward keeps (``ops.TokenTilesLater``:
+    the FP8 linears after the norm keep no FP8 copy of y)."""
+    m, k = x2d.shape
+    rows_qt = -(-m // 128) * 128
+    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=x2d.device)
+    st = torch.empty((rows_qt // 128, k), dtype=torch.float32, device=x2d.device)
+    cfg = quant_triton.LAUNCH["cols"]
+    if m:
+        _rms_cols_kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
+            x2d, weight, r, qt, st, m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"], BK=cfg["bk"],
+            num_warps=cfg["warps"],
+        )  # fmt: skip
+    return qt, st
+
 
 def _rms_launch(k: int) -> tuple[int, int, int]:
     """(BK, BM, warps): a row fits one program's registers whole; ~8K elements per program."""
@@ -214,7 +324,11 @@ def _num_sms(index: int) -> int:
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, eps: float, plan: NormPlan | None, handoff: list[Any]
+    ) -> Tensor:
+        """With ``plan`` (output dtype = x's), y's quantization for the FP8 linears after the norm goes to
+        ``handoff``: row tiles, and with ``plan.cols`` a ``TokenTilesLater`` for their backward."""
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
         m = x2d.shape[0]
@@ -222,23 +336,36 @@ class _RMSNormFn(torch.autograd.Function):
         y = torch.empty((m, k), dtype=out_dtype, device=x.device)
         r = torch.empty((m,), dtype=torch.float32, device=x.device)
         bk, bm, warps = _rms_launch(k)
+        quant = plan is not None and m > 0
+        rows_q = -(-m // 16) * 16 if quant else 0
+        q = torch.empty((rows_q, k), dtype=torch.float8_e4m3fn, device=x.device) if quant else y
+        s_t = torch.empty((-(-k // 128), rows_q), dtype=torch.float32, device=x.device) if quant else r
         if m:
-            _rms_fwd_kernel[(triton.cdiv(m, bm),)](
-                x2d, weight, y, r, m, k, 1.0 / k, eps, BM=bm, BK=bk, num_warps=warps
-            )
+            _rms_fwd_kernel[(triton.cdiv(max(m, rows_q), bm),)](
+                x2d, weight, y, r, q, s_t, m, k, rows_q, 1.0 / k, eps, QUANT=quant,
+                POW2=plan is not None and plan.pow2, BM=bm, BK=bk, num_warps=warps,
+            )  # fmt: skip
+        if quant:
+            assert plan is not None and out_dtype == x.dtype
+            later = None
+            if plan.cols:
+                later = ops.TokenTilesLater(
+                    functools.partial(rms_token_tiles, pow2=plan.pow2), (x2d, weight, r)
+                )
+            handoff.append((q, s_t, later, None))
         ctx.save_for_backward(x2d, weight, r)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.view(*x.shape[:-1], k)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
         x2d, weight, r = ctx.saved_tensors
         m, k = x2d.shape
         dy2d = dy.reshape(-1, k).contiguous()
         dx = torch.empty((m, k), dtype=ctx.x_dtype, device=x2d.device)
         if m == 0:
             dw0 = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-            return dx.view(ctx.x_shape), dw0, None
+            return dx.view(ctx.x_shape), dw0, None, None, None
         bk, bm, warps = _rms_launch(k)
         # A fixed number of programs per GPU (each loops over its rows and keeps one FP32 partial of dw),
         # so dw sums the same partials in the same order for a given shape.
@@ -250,7 +377,7 @@ class _RMSNormFn(torch.autograd.Function):
             dy2d, x2d, weight, r, dx, partial, m, k, 1.0 / k, rows_per_prog, BM=bm, BK=bk, num_warps=warps
         )
         dw = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(ctx.x_shape), dw, None
+        return dx.view(ctx.x_shape), dw, None, None, None
 
 
 _SWIGLU_BLOCK = 2048
@@ -311,9 +438,9 @@ class _SwiGLUFn(torch.autograd.Function):
                 _swiglu_fwd_rows_kernel, 1, n // k, k, h.device, plan.pow2, gate, up, h
             )
             # (grad mode is off inside forward: the plan says whether down_proj's backward will want h's
-            # token tiles)
-            cols = quant_triton.quantize_cols(h.view(-1, k), plan.pow2) if plan.h_cols else (None, None)
-            handoff.append((q, s_t, *cols))
+            # token tiles.) They are made there from gate and up, which this backward keeps anyway.
+            later = ops.TokenTilesLater(functools.partial(swiglu_token_tiles, pow2=plan.pow2), (gate, up))
+            handoff.append((q, s_t, later if plan.h_cols else None, None))
         elif n:
             _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 gate, up, h, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
@@ -344,10 +471,23 @@ class _SwiGLUFn(torch.autograd.Function):
         return dg, du, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen2RMSNorm's forward, differentiable (CUDA tensors; elsewhere the module keeps torch's code)."""
-    out = _RMSNormFn.apply(x, weight, eps)
+class NormPlan(NamedTuple):
+    """What the fused RMSNorm quantizes for the FP8 linears after it (``_norm_plan``)."""
+
+    pow2: bool  # power-of-two scales, as those linears use
+    cols: bool  # token tiles too (a TokenTilesLater), for their weight gradients
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, plan: NormPlan | None = None) -> Tensor:
+    """Qwen2RMSNorm's forward, differentiable (CUDA tensors; elsewhere the module keeps torch's code).
+
+    ``plan``: quantize the output for FP8 linears (``_norm_plan``; the output must have x's dtype)."""
+    handoff: list[Any] = []
+    out = _RMSNormFn.apply(x, weight, eps, plan, handoff)
     assert isinstance(out, Tensor)
+    if handoff:
+        assert plan is not None
+        ops.offer_input_quantization(out, plan.pow2, handoff[0])
     return out
 
 
@@ -391,10 +531,63 @@ _NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
 _MLP_CLASSES = ("Qwen2MLP", "LlamaMLP")
 
 
+def _norm_plan(norm: Any, x: Tensor) -> NormPlan | None:
+    """A NormPlan when every linear that reads the norm's output (``link_norms_to_fp8_linears``) is an FP8
+    linear on the GPU fast path with one pow2 setting, and they quantize the output's own values (output
+    dtype = x's = the autocast dtype, if autocast is on); else None."""
+    linears = getattr(norm, "_fp8_readers", None)
+    if not linears or not all(_fp8_fast(m, x) for m in linears):
+        return None
+    out_dtype = torch.promote_types(norm.weight.dtype, x.dtype)
+    device = x.device.type
+    if out_dtype != x.dtype or (
+        torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != out_dtype
+    ):
+        return None
+    pow2 = {m.pow2_scales for m in linears}
+    if len(pow2) != 1:
+        return None
+    grad = torch.is_grad_enabled() and any(m.weight.requires_grad for m in linears)
+    return NormPlan(pow2.pop(), grad)
+
+
 def _fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
     if not available(hidden_states.device):
         return super(type(self), self).forward(hidden_states)  # type: ignore[misc]
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, _norm_plan(self, hidden_states))
+
+
+# A decoder layer's norms and the linears that read their outputs (Qwen2 / Llama).
+_NORM_READERS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def link_norms_to_fp8_linears(model: nn.Module) -> int:
+    """Tell each fused RMSNorm of a Qwen2/Llama decoder layer which FP8 linears read its output, so that it
+    quantizes the output for them (row tiles as it writes it; token tiles made at their backward from what
+    the norm keeps anyway: module docstring). Returns how many norms were linked; a layer whose readers are
+    not all ``Fp8Linear``s is left alone. Call after ``apply_fused_layers`` and the FP8 swap."""
+    count = 0
+    for layer in model.modules():
+        for norm_name, reader_names in _NORM_READERS.items():
+            norm = getattr(layer, norm_name, None)
+            if norm is None or type(norm).forward is not _fused_norm_forward:
+                continue
+            readers = [layer.get_submodule(n) if _has_submodule(layer, n) else None for n in reader_names]
+            if all(type(m) is Fp8Linear for m in readers):
+                norm._fp8_readers = readers
+                count += 1
+    return count
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _fused_mlp_forward(self: Any, x: Tensor) -> Tensor:

@@ -61,7 +61,7 @@ from transformers import PreTrainedModel
 
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.fp8 import grouped
-from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, swap_to_fp8_training
+from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, mark_kept_inputs, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.flat_adamw import FlatAdamW
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
@@ -184,6 +184,9 @@ class TorchTrainer:
                 # keep three.
                 groups = grouped.group_projections(model)
                 log.info("FP8 q|k|v projections run as one linear in %d attention layers", groups)
+                if getattr(model.config, "_attn_implementation", None) == "sdpa":
+                    # o_proj keeps no FP8 copy of the attention output, which SDPA keeps (fp8/linear.py)
+                    mark_kept_inputs(model)
         # trainer.fused_kernels: RMSNorm and SwiGLU as one Triton kernel each way (fused_layers.py).
         fused_ok = fused_layers.available(self.device) and not true_on_policy
         if trainer_cfg.fused_kernels is True and not fused_ok:
@@ -194,6 +197,8 @@ class TorchTrainer:
         self.fused_layers: dict[str, int] = {}
         if trainer_cfg.fused_kernels is True or (trainer_cfg.fused_kernels == "auto" and fused_ok):
             self.fused_layers = fused_layers.apply_fused_layers(model)
+            if fp8:  # the norms quantize their outputs for the FP8 linears that read them
+                self.fused_layers["rms_norm_fp8"] = fused_layers.link_norms_to_fp8_linears(model)
             log.info("trainer.fused_kernels: %s", self.fused_layers)
         model.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
         # What FSDP2 gathers for the forward (trainer.fsdp_param_dtype; distributed.py says what changes).
