@@ -225,12 +225,35 @@ def test_norm_quantizes_its_output_as_the_quantizers_do(m: int, k: int, pow2: bo
         assert _same_bytes(a, b)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_an_unwritten_norm_output_serves_its_fp8_readers_and_refuses_others(pow2: bool) -> None:
+    # With skip_output the norm writes only the quantization: a planned FP8 reader computes what it computes
+    # from the written output; a reader whose quantization differs (other pow2) raises instead of reading it.
+    from infir2_rl.fp8.linear import Fp8Linear
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 384, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(384, device="cuda")).bfloat16()
+    linear = Fp8Linear(384, 256, bias=False, pow2_scales=pow2).cuda()
+    written = fused_layers.rms_norm(x, w, 1e-6)
+    with torch.no_grad():
+        expected = linear(written)
+        unwritten = fused_layers.rms_norm(x, w, 1e-6, fused_layers.NormPlan(pow2, False, skip_output=True))
+        assert unwritten._infir2_unwritten
+        assert torch.equal(linear(unwritten), expected)
+        other = Fp8Linear(384, 256, bias=False, pow2_scales=not pow2).cuda()
+        unwritten = fused_layers.rms_norm(x, w, 1e-6, fused_layers.NormPlan(pow2, False, skip_output=True))
+        with pytest.raises(RuntimeError, match="never written"):
+            other(unwritten)
+
+
 def test_fp8_decoder_layer_keeps_no_fp8_copy_of_norm_or_attention_outputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A BF16 Qwen2 decoder layer with FP8 linears (q|k|v grouped) under autocast: with the norms linked to
     # their FP8 readers and o_proj marked, the layer keeps no token tiles of the norms' outputs or of the
-    # attention output (three of them without), and its output and every gradient are the same bits.
+    # attention output (three of them without), and its output and every gradient are the same bits (the
+    # norms' and SwiGLU's outputs are then never written: only their quantizations are read).
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 

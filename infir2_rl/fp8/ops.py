@@ -106,6 +106,13 @@ def _quantize_input_fast(
             and (has_cols or not need_cols)
         ):
             return out
+    if getattr(x, "_infir2_unwritten", False):
+        raise RuntimeError(
+            "FP8 linear: its input's values were never written (a fused producer quantized them for the FP8 "
+            "linears it was planned for and skipped the tensor itself), and its quantization does not match "
+            f"this linear (pow2 {pow2}, rounding to {round_to}, token tiles {need_cols}): "
+            "trainers/torch/fused_layers.py"
+        )
     if need_cols:
         out = quant_triton.quantize_rows_and_cols(x2d, pow2, round_to=round_to)
     else:
@@ -120,13 +127,21 @@ def _drop_last_input(ref: weakref.ref) -> None:
         _last_input[0] = None
 
 
-def offer_input_quantization(x: torch.Tensor, pow2: bool, out: tuple[Any, ...]) -> None:
+def offer_input_quantization(
+    x: torch.Tensor, pow2: bool, out: tuple[Any, ...], unwritten: bool = False
+) -> None:
     """Hand the next FP8 linear that reads ``x`` its quantization, made by the kernel that produced ``x``.
 
     ``out`` is what ``quant_triton.quantize_rows_and_cols(x2d, pow2)`` returns (or ``quantize_rows``'s pair
     followed by two ``None``, or by a ``TokenTilesLater`` and ``None``), bit for bit; the fused SwiGLU
     (trainers/torch/fused_layers.py) quantizes its output for down_proj as it writes it.
+
+    ``unwritten``: the producer did not write ``x``'s values at all (its only readers are FP8 linears that
+    take ``out``: 2 bytes per element of writes saved). ``x`` is marked, and an FP8 linear that would have to
+    quantize it itself raises instead of reading garbage; so does any reader that checks the mark.
     """
+    if unwritten:
+        x._infir2_unwritten = True  # type: ignore[attr-defined]
     has_cols = out[2] is not None
     _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, x.dtype, pow2, has_cols, out)
 

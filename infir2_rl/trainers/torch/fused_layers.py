@@ -78,7 +78,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _rms_fwd_kernel(
         x_ptr, w_ptr, y_ptr, r_ptr, q_ptr, s_ptr, M, K, rows_q, inv_k, eps,
-        QUANT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+        QUANT: tl.constexpr, STORE_Y: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.arange(0, BK)
@@ -89,7 +89,8 @@ if _HAVE_TRITON:
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) * inv_k + eps)
         w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         y = _rms_apply(x, r, w, x_ptr).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs, y, mask=mask)
+        if STORE_Y:
+            tl.store(y_ptr + offs, y, mask=mask)
         tl.store(r_ptr + rows, r, mask=rows < M)
         if (
             QUANT
@@ -226,14 +227,16 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _swiglu_fwd_rows_kernel(
-        g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, N, rows_q, POW2: tl.constexpr, BM: tl.constexpr
+        g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, M, N, rows_q,
+        STORE_H: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(1)
         rows, cols, mask, offs = _row_tile(M, N, pid_n, BM)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = _swiglu_h(g, u, h_ptr)
-        tl.store(h_ptr + offs, h, mask=mask)
+        if STORE_H:
+            tl.store(h_ptr + offs, h, mask=mask)
         _quant_rows_store(h.to(tl.float32), rows, cols, N, rows_q, pid_n, q_ptr, s_ptr, POW2, BM)
 
     @triton.jit
@@ -343,6 +346,7 @@ class _RMSNormFn(torch.autograd.Function):
         if m:
             _rms_fwd_kernel[(triton.cdiv(max(m, rows_q), bm),)](
                 x2d, weight, y, r, q, s_t, m, k, rows_q, 1.0 / k, eps, QUANT=quant,
+                STORE_Y=not (quant and plan is not None and plan.skip_output),
                 POW2=plan is not None and plan.pow2, BM=bm, BK=bk, num_warps=warps,
             )  # fmt: skip
         if quant:
@@ -390,6 +394,7 @@ class Fp8Plan(NamedTuple):
     h: bool  # h in 1x128 row tiles, for down_proj's forward
     h_cols: bool  # h also in token tiles, for down_proj's weight gradient
     grads: bool  # dgate and dup in both tilings, for gate_proj's and up_proj's backward
+    skip_h: bool = False  # h itself left unwritten: its one reader, down_proj, takes the quantization
 
 
 # Tokens per program of the quantizing SwiGLU kernels, and their warps (bench/swiglu_quant.py).
@@ -397,7 +402,7 @@ QUANT_LAUNCH: dict[str, int] = {"bm": 16, "warps": 8}
 
 
 def _rows_quantized(
-    kernel: Any, n_out: int, m: int, n: int, device: torch.device, pow2: bool, *args: Any
+    kernel: Any, n_out: int, m: int, n: int, device: torch.device, pow2: bool, *args: Any, **flags: bool
 ) -> list[tuple[Tensor, Tensor]]:
     """Launch a quantizing SwiGLU kernel that quantizes ``n_out`` of its outputs; returns their
     (q (M_16, N), s_t (Nb, M_16)) pairs, the layout of quant_triton.quantize_rows (rows padded to 16 with
@@ -412,7 +417,7 @@ def _rows_quantized(
     ]
     bm = QUANT_LAUNCH["bm"]
     kernel[(triton.cdiv(rows_q, bm), triton.cdiv(n, 128))](
-        *args, *(t for pair in pairs for t in pair), m, n, rows_q, POW2=pow2, BM=bm,
+        *args, *(t for pair in pairs for t in pair), m, n, rows_q, POW2=pow2, BM=bm, **flags,
         num_warps=QUANT_LAUNCH["warps"],
     )  # fmt: skip
     return pairs
@@ -435,8 +440,9 @@ class _SwiGLUFn(torch.autograd.Function):
         if n and plan is not None and plan.h:
             k = gate.shape[-1]
             ((q, s_t),) = _rows_quantized(
-                _swiglu_fwd_rows_kernel, 1, n // k, k, h.device, plan.pow2, gate, up, h
-            )
+                _swiglu_fwd_rows_kernel, 1, n // k, k, h.device, plan.pow2, gate, up, h,
+                STORE_H=not plan.skip_h,
+            )  # fmt: skip
             # (grad mode is off inside forward: the plan says whether down_proj's backward will want h's
             # token tiles.) They are made there from gate and up, which this backward keeps anyway.
             later = ops.TokenTilesLater(functools.partial(swiglu_token_tiles, pow2=plan.pow2), (gate, up))
@@ -476,6 +482,7 @@ class NormPlan(NamedTuple):
 
     pow2: bool  # power-of-two scales, as those linears use
     cols: bool  # token tiles too (a TokenTilesLater), for their weight gradients
+    skip_output: bool = False  # the output itself left unwritten: its readers take the quantization
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, plan: NormPlan | None = None) -> Tensor:
@@ -487,7 +494,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, plan: NormPlan | None = None
     assert isinstance(out, Tensor)
     if handoff:
         assert plan is not None
-        ops.offer_input_quantization(out, plan.pow2, handoff[0])
+        ops.offer_input_quantization(out, plan.pow2, handoff[0], unwritten=plan.skip_output)
     return out
 
 
@@ -500,7 +507,7 @@ def swiglu(gate: Tensor, up: Tensor, plan: Fp8Plan | None = None) -> Tensor:
     assert isinstance(out, Tensor)
     if handoff:
         assert plan is not None
-        ops.offer_input_quantization(out, plan.pow2, handoff[0])
+        ops.offer_input_quantization(out, plan.pow2, handoff[0], unwritten=plan.skip_h)
     return out
 
 
@@ -522,7 +529,8 @@ def _fp8_plan(mlp: Any, x: Tensor) -> Fp8Plan | None:
     pow2 = {m.pow2_scales for m, on in ((down, quant_h), (gate, quant_grads), (up, quant_grads)) if on}
     if len(pow2) != 1:  # nothing to quantize, or mixed settings (never made by swap_to_fp8_training)
         return None
-    return Fp8Plan(pow2.pop(), quant_h, quant_h and grad and down.weight.requires_grad, quant_grads)
+    h_cols = quant_h and grad and down.weight.requires_grad
+    return Fp8Plan(pow2.pop(), quant_h, h_cols, quant_grads, skip_h=quant_h)
 
 
 # ---------------------------------------------------------------------------------------------- model swap
@@ -548,7 +556,7 @@ def _norm_plan(norm: Any, x: Tensor) -> NormPlan | None:
     if len(pow2) != 1:
         return None
     grad = torch.is_grad_enabled() and any(m.weight.requires_grad for m in linears)
-    return NormPlan(pow2.pop(), grad)
+    return NormPlan(pow2.pop(), grad, skip_output=True)
 
 
 def _fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
