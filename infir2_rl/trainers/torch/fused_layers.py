@@ -25,10 +25,19 @@ scales and layouts bit for bit. The FP8 linears take them from ``fp8.ops`` (``of
 tensors were ~73% of the FP8 step's quantization bytes at 1.5B): 1.13-1.15x faster than SwiGLU followed by
 the quantizers (bench/swiglu_quant.py, docs/performance.md).
 
-h's token tiles (down_proj's weight-gradient operand) are not made in the forward: down_proj's backward
-makes them from gate and up (``swiglu_token_tiles``, an ``ops.TokenTilesLater``), which SwiGLU's backward
-keeps anyway, so the forward keeps no tokens x intermediate FP8 copy of h (1 byte per element: 1.9 GiB at
-1.5B and 8,192 tokens). The cost is reading gate and up (4 bytes per element) where quantizing h read 2.
+What the FP8 step keeps for backward (docs/performance.md, "FP8 keeps no copy of what its backward can remake"):
+
+* h's token tiles (down_proj's weight-gradient operand) are not made in the forward: down_proj's backward
+  makes them from gate and up (``swiglu_token_tiles``, an ``ops.TokenTilesLater``), which SwiGLU's backward
+  keeps anyway, so the forward keeps no tokens x intermediate FP8 copy of h (1 byte per element: 1.9 GiB at
+  1.5B and 8,192 tokens). The cost is reading gate and up (4 bytes per element) where quantizing h read 2.
+* A decoder layer's RMSNorms, once linked to the FP8 linears that read them (``link_norms_to_fp8_linears``:
+  q|k|v, and gate and up), write their output's row tiles as they compute it, and the readers' token tiles
+  are made at backward from the norm's input, weight and inverse RMS (``rms_token_tiles``), which the norm's
+  backward keeps anyway (0.66 GiB at 1.5B).
+* With the quantizations in hand, the norm's output and h themselves are not written (``NormPlan.skip_output``,
+  ``Fp8Plan.skip_h``): their only readers are the planned FP8 linears. The tensors are marked, and an FP8
+  linear whose quantization does not match raises (``ops._quantize_input_fast``) rather than read them.
 
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
 ``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
