@@ -205,7 +205,7 @@ def test_fp8_mlp_takes_the_swiglu_quantizations_and_computes_the_same(
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize(("m", "k"), [(300, 384), (37, 200), (1000, 1536), (8, 3584)])
+@pytest.mark.parametrize(("m", "k"), [(300, 384), (37, 200), (1000, 1536), (8, 3584), (5, 64)])
 def test_norm_quantizes_its_output_as_the_quantizers_do(m: int, k: int, pow2: bool) -> None:
     # The fused RMSNorm's row tiles (written with the output) and its token tiles (made later from x, the
     # weight and the inverse RMS) are quantize_rows's and quantize_cols's bytes for the same output.

@@ -349,6 +349,8 @@ class _RMSNormFn(torch.autograd.Function):
         r = torch.empty((m,), dtype=torch.float32, device=x.device)
         bk, bm, warps = _rms_launch(k)
         quant = plan is not None and m > 0
+        if quant:
+            bk = max(bk, 128)  # whole 128-wide tiles in registers (a row narrower than a tile is zero-padded)
         rows_q = -(-m // 16) * 16 if quant else 0
         q = torch.empty((rows_q, k), dtype=torch.float8_e4m3fn, device=x.device) if quant else y
         s_t = torch.empty((-(-k // 128), rows_q), dtype=torch.float32, device=x.device) if quant else r
