@@ -101,9 +101,8 @@ if _HAVE_TRITON:
         if STORE_Y:
             tl.store(y_ptr + offs, y, mask=mask)
         tl.store(r_ptr + rows, r, mask=rows < M)
-        if (
-            QUANT
-        ):  # y's 1x128 row tiles: quant_triton.quantize_rows's codes and layout (rows padded to rows_q)
+        # With QUANT, y's 1x128 row tiles: quant_triton.quantize_rows's codes and layout (rows padded to rows_q)
+        if QUANT:
             y3 = tl.reshape(y.to(tl.float32), (BM, BK // 128, 128))
             a3 = tl.abs(y3)
             s = _scale_from_amax(tl.max(a3, axis=2), tl.sum(_is_nonfinite(a3), axis=2), POW2)  # (BM, BK/128)
