@@ -183,3 +183,25 @@ def test_tiny_qwen2_trains_with_fp8_linears() -> None:
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_token_tiles_made_later_are_made_once_for_all_claimants_then_dropped() -> None:
+    # ops.TokenTilesLater: two FP8 linears reading one input (gate and up) share one making of the tiles;
+    # the tiles are held only until the last claimant has taken them, and a new making follows.
+    from infir2_rl.fp8 import ops
+
+    made: list[tuple[torch.Tensor, ...]] = []
+
+    def make(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        made.append(inputs)
+        return inputs[0] * 2, inputs[0] + 1
+
+    x = torch.arange(4.0)
+    later = ops.TokenTilesLater(make, (x,))
+    first, second = later.claim(), later.claim()
+    a = first(x)
+    assert len(made) == 1 and torch.equal(a[0], x * 2)
+    assert second(x) is a and len(made) == 1  # the second claimant takes the same tiles
+    assert first.tiles is None  # dropped after the last claimant
+    third = later.claim()
+    assert third(x) is not a and len(made) == 2

@@ -74,3 +74,35 @@ def test_only_silu_mlps_without_bias_are_swapped(model_dir: Path) -> None:
         layer.mlp.config = model.config
     counts = fused_layers.apply_fused_layers(model)
     assert counts["swiglu_mlp"] == 0 and counts["rms_norm"] > 0
+
+
+def test_norms_link_to_their_fp8_readers_and_o_proj_is_marked(model_dir: Path) -> None:
+    # The plumbing of the FP8 handovers (the kernels: tests/test_fused_layers_gpu.py): each decoder layer's two
+    # norms learn which FP8 linears read them, o_proj learns that SDPA keeps its input, and on CPU (no fast
+    # path) the norms plan nothing, so outputs do not move.
+    from infir2_rl.fp8.linear import mark_kept_inputs, swap_to_fp8_training
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    n = model.config.num_hidden_layers
+    fused_layers.apply_fused_layers(model)
+    assert fused_layers.link_norms_to_fp8_linears(model) == 0  # dense readers: nothing to plan for
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    swap_to_fp8_training(model)
+    with torch.no_grad():
+        before = model(ids).logits
+    modules = list(dict(model.named_modules()))
+    assert fused_layers.link_norms_to_fp8_linears(model) == 2 * n
+    layer = model.model.layers[0]
+    assert layer.input_layernorm._fp8_readers == [
+        layer.self_attn.q_proj,
+        layer.self_attn.k_proj,
+        layer.self_attn.v_proj,
+    ]
+    assert layer.post_attention_layernorm._fp8_readers == [layer.mlp.gate_proj, layer.mlp.up_proj]
+    assert not hasattr(model.model.norm, "_fp8_readers")  # the final norm feeds the lm_head
+    assert fused_layers._norm_plan(layer.input_layernorm, torch.zeros(1, 9, model.config.hidden_size)) is None
+    assert mark_kept_inputs(model) == n
+    assert layer.self_attn.o_proj.input_kept and not layer.mlp.down_proj.input_kept
+    assert list(dict(model.named_modules())) == modules  # plain attributes: no submodules, no new names
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
