@@ -106,3 +106,20 @@ def test_norms_link_to_their_fp8_readers_and_o_proj_is_marked(model_dir: Path) -
     assert list(dict(model.named_modules())) == modules  # plain attributes: no submodules, no new names
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_planned_outputs_are_written_where_a_hook_can_see_them() -> None:
+    # The norms and SwiGLU skip writing an output only FP8 linears read; a forward hook on the producer, a
+    # pre-hook on a reader or a global module hook (the mismatch probe's taps) can read it, so it is written.
+    producer, reader = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert not fused_layers._hooks_see_output(producer, [reader])
+    handle = producer.register_forward_hook(lambda m, i, o: None)
+    assert fused_layers._hooks_see_output(producer, [reader])
+    handle.remove()
+    handle = reader.register_forward_pre_hook(lambda m, i: None)
+    assert fused_layers._hooks_see_output(producer, [reader])
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    assert fused_layers._hooks_see_output(producer, [reader])
+    handle.remove()
+    assert not fused_layers._hooks_see_output(producer, [reader])

@@ -58,6 +58,10 @@ class Taps:
         self.layer = -1  # layer whose attention runs now (set by a pre-hook; rotary has no module)
 
     def add(self, name: str, x_BTF: Tensor, start: int | None = None) -> None:
+        if getattr(x_BTF, "_infir2_unwritten", False):  # trainers/torch/fused_layers.py: values never written
+            raise RuntimeError(
+                f"probe: {name} is an output its producer did not write (only its FP8 quantization)"
+            )
         start = self.start if start is None else start
         x = x_BTF.detach().to("cpu", copy=True)
         slot = self.values.setdefault(name, {})

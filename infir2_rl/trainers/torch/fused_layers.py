@@ -37,7 +37,8 @@ What the FP8 step keeps for backward (docs/performance.md, "FP8 keeps no copy of
   backward keeps anyway (0.66 GiB at 1.5B).
 * With the quantizations in hand, the norm's output and h themselves are not written (``NormPlan.skip_output``,
   ``Fp8Plan.skip_h``): their only readers are the planned FP8 linears. The tensors are marked, and an FP8
-  linear whose quantization does not match raises (``ops._quantize_input_fast``) rather than read them.
+  linear whose quantization does not match raises (``ops._quantize_input_fast``) rather than read them. Where
+  a forward hook could see them (the mismatch probe's taps, ``_hooks_see_output``) they are written.
 
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
 ``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
@@ -540,7 +541,8 @@ def _fp8_plan(mlp: Any, x: Tensor) -> Fp8Plan | None:
     if len(pow2) != 1:  # nothing to quantize, or mixed settings (never made by swap_to_fp8_training)
         return None
     h_cols = quant_h and grad and down.weight.requires_grad
-    return Fp8Plan(pow2.pop(), quant_h, h_cols, quant_grads, skip_h=quant_h)
+    skip_h = quant_h and not _hooks_see_output(mlp, [down])  # h is down_proj's input
+    return Fp8Plan(pow2.pop(), quant_h, h_cols, quant_grads, skip_h=skip_h)
 
 
 # ---------------------------------------------------------------------------------------------- model swap
@@ -566,7 +568,21 @@ def _norm_plan(norm: Any, x: Tensor) -> NormPlan | None:
     if len(pow2) != 1:
         return None
     grad = torch.is_grad_enabled() and any(m.weight.requires_grad for m in linears)
-    return NormPlan(pow2.pop(), grad, skip_output=True)
+    return NormPlan(pow2.pop(), grad, skip_output=not _hooks_see_output(norm, linears))
+
+
+def _hooks_see_output(producer: nn.Module, readers: list[nn.Module]) -> bool:
+    """True when a forward hook could read the producer's output: the producer's forward hooks, a reader's
+    forward pre-hooks, or global module hooks (the mismatch probe records module outputs so). The output is
+    then written, though its planned readers only take its quantization."""
+    from torch.nn.modules import module as module_hooks
+
+    return bool(
+        producer._forward_hooks
+        or any(m._forward_pre_hooks for m in readers)
+        or module_hooks._global_forward_hooks
+        or module_hooks._global_forward_pre_hooks
+    )
 
 
 def _fused_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
