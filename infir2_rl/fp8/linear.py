@@ -290,15 +290,18 @@ def swap_to_fp8_inference(model: nn.Module, pow2_scales: bool = False) -> list[s
 
 
 def mark_kept_inputs(model: nn.Module) -> int:
-    """Set ``input_kept`` on each attention's ``o_proj`` ``Fp8Linear`` (Qwen2/Llama layout: ``self_attn.o_proj``);
-    returns how many. Its input is the attention's output, which SDPA's flash and memory-efficient kernels and
-    varlen flash attention keep for their backward, so an FP8 copy of it is 1 byte per element for nothing
-    (0.33 GiB at 1.5B and 8,192 tokens; docs/performance.md). Only for those attentions: elsewhere the linear
-    would keep 2 bytes per element where it kept 1."""
+    """Set ``input_kept`` on each SDPA attention's ``o_proj`` ``Fp8Linear`` (Qwen2/Llama layout:
+    ``self_attn.o_proj``, ``self_attn.config._attn_implementation == "sdpa"``); returns how many. Its input is
+    the attention's output, which SDPA's flash and memory-efficient kernels and varlen flash attention keep for
+    their backward, so an FP8 copy of it is 1 byte per element for nothing (0.33 GiB at 1.5B and 8,192 tokens;
+    docs/performance.md). Only for those attentions: elsewhere (eager attention keeps its weights, not its
+    output) the linear would keep 2 bytes per element where it kept 1."""
     count = 0
-    for name, module in model.named_modules():
-        if name.endswith("self_attn.o_proj") and type(module) is Fp8Linear:
-            module.input_kept = True
+    for name, attn in model.named_modules():
+        o_proj = getattr(attn, "o_proj", None)
+        sdpa = getattr(getattr(attn, "config", None), "_attn_implementation", None) == "sdpa"
+        if name.rpartition(".")[2] == "self_attn" and type(o_proj) is Fp8Linear and sdpa:
+            o_proj.input_kept = True
             count += 1
     return count
 

@@ -79,6 +79,16 @@ def available(device: torch.device) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _token_tile(M, N, BK: tl.constexpr):
+        """This program's 128 tokens (program_id 0) x BK features (program_id 1) of an (M, N) tensor, for token
+        tiles: pid_m, rows, cols, mask, offsets (``_row_tile``'s counterpart)."""
+        pid_m = tl.program_id(0)
+        rows = pid_m * 128 + tl.arange(0, 128)
+        cols = tl.program_id(1) * BK + tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        return pid_m, rows, cols, mask, rows[:, None].to(tl.int64) * N + cols[None, :]
+
+    @triton.jit
     def _rms_apply(x, r, w, x_ptr):
         # The norm's output in FP32 from x (FP32 values of x_ptr's dtype), the rows' inverse RMS r and the
         # weight w: (x * r).to(input dtype) * weight; the caller rounds it to the output dtype.
@@ -122,11 +132,8 @@ if _HAVE_TRITON:
     ):  # fmt: skip
         # The norm's output made again from x, r and w (output dtype = x's), in token tiles: 128 tokens x BK
         # features per program, quant_triton.quantize_cols's arithmetic and layout. Padding rows: r = 0, y = 0.
-        pid_m = tl.program_id(0)
-        rows = pid_m * 128 + tl.arange(0, 128)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=mask, other=0.0)
+        pid_m, rows, cols, mask, offs = _token_tile(M, K, BK)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
         w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         y = _rms_apply(x.to(tl.float32), r, w, x_ptr).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -271,11 +278,7 @@ if _HAVE_TRITON:
     ):  # fmt: skip
         # h's token tiles from gate and up: 128 tokens x BK features per program, h rounded as the forward
         # stored it (_swiglu_h), then quant_triton.quantize_cols's arithmetic and layout.
-        pid_m = tl.program_id(0)
-        rows = pid_m * 128 + tl.arange(0, 128)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        pid_m, rows, cols, mask, offs = _token_tile(M, N, BK)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = _swiglu_h(g, u, g_ptr).to(tl.float32)  # h has gate's dtype; padding rows give h = 0
@@ -285,6 +288,23 @@ if _HAVE_TRITON:
         )  # fmt: skip
 
 
+def _token_tiles(
+    kernel: Any, m: int, k: int, device: torch.device, pow2: bool, *args: Any
+) -> tuple[Tensor, Tensor]:
+    """Launch a kernel that makes an (m, k) tensor's token tiles (``_token_tile`` programs, ending in
+    ``quant_triton._quant_cols_store``) from ``args``: ``quant_triton.quantize_cols``'s (qt, st) layout."""
+    rows_qt = -(-m // 128) * 128
+    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=device)
+    st = torch.empty((rows_qt // 128, k), dtype=torch.float32, device=device)
+    cfg = quant_triton.LAUNCH["cols"]
+    if m:
+        kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
+            *args, qt, st, m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"], BK=cfg["bk"],
+            num_warps=cfg["warps"],
+        )  # fmt: skip
+    return qt, st
+
+
 def swiglu_token_tiles(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     """``quant_triton.quantize_cols(silu(gate) * up, pow2)`` bit for bit, from gate and up without h: the
     fused SwiGLU's h token tiles made at down_proj's backward (``ops.TokenTilesLater``) instead of kept from
@@ -292,17 +312,7 @@ def swiglu_token_tiles(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Te
     per element out of the saved activations (module docstring)."""
     k = gate.shape[-1]
     g2, u2 = gate.reshape(-1, k), up.reshape(-1, k)
-    m = g2.shape[0]
-    rows_qt = -(-m // 128) * 128
-    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=gate.device)
-    st = torch.empty((rows_qt // 128, k), dtype=torch.float32, device=gate.device)
-    cfg = quant_triton.LAUNCH["cols"]
-    if m:
-        _swiglu_cols_kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
-            g2, u2, qt, st, m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"], BK=cfg["bk"],
-            num_warps=cfg["warps"],
-        )  # fmt: skip
-    return qt, st
+    return _token_tiles(_swiglu_cols_kernel, g2.shape[0], k, gate.device, pow2, g2, u2)
 
 
 def rms_token_tiles(x2d: Tensor, weight: Tensor, r: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -310,16 +320,7 @@ def rms_token_tiles(x2d: Tensor, weight: Tensor, r: Tensor, pow2: bool) -> tuple
     x2d's dtype, from the input, weight and inverse RMS that the norm's backward keeps (``ops.TokenTilesLater``:
     the FP8 linears after the norm keep no FP8 copy of y)."""
     m, k = x2d.shape
-    rows_qt = -(-m // 128) * 128
-    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=x2d.device)
-    st = torch.empty((rows_qt // 128, k), dtype=torch.float32, device=x2d.device)
-    cfg = quant_triton.LAUNCH["cols"]
-    if m:
-        _rms_cols_kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
-            x2d, weight, r, qt, st, m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"], BK=cfg["bk"],
-            num_warps=cfg["warps"],
-        )  # fmt: skip
-    return qt, st
+    return _token_tiles(_rms_cols_kernel, m, k, x2d.device, pow2, x2d, weight, r)
 
 
 def _rms_launch(k: int) -> tuple[int, int, int]:

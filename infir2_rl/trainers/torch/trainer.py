@@ -184,9 +184,7 @@ class TorchTrainer:
                 # keep three.
                 groups = grouped.group_projections(model)
                 log.info("FP8 q|k|v projections run as one linear in %d attention layers", groups)
-                if getattr(model.config, "_attn_implementation", None) == "sdpa":
-                    # o_proj keeps no FP8 copy of the attention output, which SDPA keeps (fp8/linear.py)
-                    mark_kept_inputs(model)
+                mark_kept_inputs(model)  # o_proj keeps no FP8 copy of the output SDPA keeps (fp8/linear.py)
         # trainer.fused_kernels: RMSNorm and SwiGLU as one Triton kernel each way (fused_layers.py).
         fused_ok = fused_layers.available(self.device) and not true_on_policy
         if trainer_cfg.fused_kernels is True and not fused_ok:
