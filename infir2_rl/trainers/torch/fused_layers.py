@@ -283,11 +283,7 @@ if _HAVE_TRITON:
         # dgate's and dup's token tiles from dh, gate and up (128 tokens x BK features per program): the
         # gradients as _swiglu_bwd_rows_kernel computes them (gate's and up's dtypes), then quantize_cols's
         # arithmetic and layout, so the gradients themselves need not be written.
-        pid_m = tl.program_id(0)
-        rows = pid_m * 128 + tl.arange(0, 128)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        pid_m, rows, cols, mask, offs = _token_tile(M, N, BK)
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
