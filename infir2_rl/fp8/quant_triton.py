@@ -15,20 +15,21 @@ kernel reads its input once and writes exactly what the GEMMs consume:
 * ``quantize_weight``: one scale per 128x128 block; also writes W^T in FP8 for the dgrad GEMM.
 
 A tile or block holding a NaN or an infinity gets scale NaN, as in ``quant.py`` (its docstring says why).
-It is detected with an explicit ``|x| < inf`` count rather than from the amax, because Triton's ``tl.max``
-and ``tl.minimum``/``tl.maximum`` do not propagate NaN (they lower to maxnum/minnum): the amax of a block
-with a NaN is the amax of its finite values, and the clamp maps a NaN to 448.
+Triton's ``tl.max`` does not propagate NaN (it lowers to maxnum), so the amax is taken as the integer max of
+the values' absolute bit patterns, where NaN sorts above inf (``_scale_from_bits``); the engine's decode
+kernels count non-finite values explicitly instead (``_is_nonfinite``). Same scales either way.
 
 ``round_to`` (activation quantizers): quantize ``x.to(round_to)`` - BF16 or FP16, autocast's rounding of an
 FP32 input - rounding each element as it is read instead of a separate cast pass and its copy.
 
 Rows are padded with zeros (scale 1) up to ``pad_rows_to`` (16 for row tiles: cuBLASLt wants M % 16;
 128 for token tiles, a whole tile). Numbers match the eager reference bit for bit: the correctly rounded
-quotient (``_divide_by_scale``: one IEEE division per tile and an FMA correction per element; Triton's
-plain ``/`` on FP32 is an approximate division), clamp, then round-to-nearest-even. Every kernel here and
-the producers that quantize elsewhere (``fused_ops``, ``fp8_gemm``, ``trainers/torch/fused_layers``) use
-``_scale_from_amax`` and ``_divide_by_scale``: one rule, so the engine's codes equal the trainer's. (Token
-tiles of 16-bit input divide each element with ``div_rn`` instead, measured faster there: the same quotients.)
+quotient (one IEEE division per tile and an FMA correction per element, ``_to_e4m3`` / ``_divide_by_scale``;
+Triton's plain ``/`` on FP32 is an approximate division), then round-to-nearest-even with saturation. Every
+kernel here and the producers that quantize elsewhere (``fused_ops``, ``fp8_gemm``,
+``trainers/torch/fused_layers``) use ``_scale_from_amax`` and that division: one rule, so the engine's codes
+equal the trainer's. (The only difference: a non-finite tile's codes, which its NaN scale makes meaningless,
+are NaN here as in ``quant.py`` and -448 in the engine's kernels, which clamp before the cast.)
 """
 
 from __future__ import annotations
@@ -50,22 +51,19 @@ except ImportError:  # pragma: no cover - depends on the install
 _TILE = 128
 # Launch shapes; bench/fp8_linear.py --sweep times the alternatives (docs/performance.md: on an H200 the
 # defaults are within noise of the fastest candidate and were also checked bit for bit with FP32 input).
-# rows: rows per program; cols: columns per program strip; trans_fp8: transpose after the FP8 cast
-# (4x less shared memory for the layout change); dual.split: two kernels instead of one fused pass.
+# rows: rows per program; cols: columns per program strip; dual.split: two kernels instead of one fused pass.
 LAUNCH: dict[str, dict[str, Any]] = {
     "rows": {"bm": 32, "warps": 4},
-    "cols": {"bk": 64, "warps": 4, "trans_fp8": False},
-    "dual": {"split": True, "warps": 4, "trans_fp8": False},
+    "cols": {"bk": 64, "warps": 4},
+    "dual": {"split": True, "warps": 4},
     "weight": {"warps": 8},
 }
 
 # The alternatives bench/fp8_linear.py --sweep times (and tests/test_fp8_gpu.py checks bit for bit).
 LAUNCH_CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "rows": [{"bm": bm, "warps": w} for bm, w in ((16, 4), (32, 4), (64, 4), (32, 2))],
-    "cols": [{"bk": bk, "warps": 4, "trans_fp8": t} for bk in (32, 64, 128) for t in (False, True)]
-    + [{"bk": 32, "warps": 2, "trans_fp8": False}, {"bk": 64, "warps": 2, "trans_fp8": False}],
-    "dual": [{"split": False, "warps": w, "trans_fp8": t} for w in (4, 8) for t in (False, True)]
-    + [{"split": True, "warps": 4, "trans_fp8": False}],
+    "cols": [{"bk": bk, "warps": w} for bk in (32, 64, 128) for w in (2, 4)],
+    "dual": [{"split": False, "warps": w} for w in (4, 8)] + [{"split": True, "warps": 4}],
     "weight": [{"warps": 4}, {"warps": 8}],
 }
 
@@ -129,6 +127,44 @@ if _HAVE_TRITON:
         return tl.where(ax < float("inf"), 0.0, 1.0)
 
     @triton.jit
+    def _abs_bits(v):
+        # |v|'s FP32 bit patterns as int32: ordered as the values are, with NaN above inf (_scale_from_bits).
+        return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    @triton.jit
+    def _scale_from_bits(amax_bits, POW2: tl.constexpr):
+        """``_scale_from_amax`` from the integer max of a tile's ``_abs_bits``. That max orders finite values
+        as the float max does and puts NaN's bits above inf's, so one integer max per element both finds the
+        amax and detects a non-finite value (amax bits >= inf's), where the float max drops NaN and needed a
+        separate count (``_is_nonfinite``; the engine's decode kernels still use it)."""
+        bad = (amax_bits >= 0x7F800000).to(tl.float32)
+        return _scale_from_amax(tl.where(bad > 0, 0.0, amax_bits.to(tl.float32, bitcast=True)), bad, POW2)
+
+    @triton.jit
+    def _tile_scales(v, AXIS: tl.constexpr, POW2: tl.constexpr):
+        """The scales of v's tiles along AXIS (v FP32)."""
+        return _scale_from_bits(tl.max(_abs_bits(v), axis=AXIS), POW2)
+
+    @triton.jit
+    def _to_e4m3(x, s):
+        """x / s correctly rounded, as e4m3 codes (``s``: the tiles' scales, shaped to broadcast against x).
+
+        ``_divide_by_scale``'s arithmetic without its per-element rescaling for tiny scales: a block whose
+        scales are all >= 2^-64 (every real one) takes r = RN(1 / s) and the FMA correction directly; a block
+        with a tinier scale takes ``_divide_by_scale`` (one branch per program, not per element). No clamp:
+        the cast saturates (``cvt.rn.satfinite``), and only x = amax can exceed 448, by an FP32 ulp. A NaN
+        scale (non-finite tile) gives NaN codes, as the eager reference's do."""
+        if tl.min(s) >= 5.421010862427522e-20:  # 2^-64
+            r = tl.broadcast_to(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), x.shape)
+            sb = tl.broadcast_to(s, x.shape)
+            q = x * r
+            e = tl.fma(-q, sb, x)
+            q = tl.where(e == 0.0, q, tl.fma(e, r, q))
+        else:
+            q = _divide_by_scale(x, s)
+        return q.to(tl.float8e4nv)
+
+    @triton.jit
     def _act_quant_kernel(
         x_ptr,
         q_ptr,
@@ -144,7 +180,6 @@ if _HAVE_TRITON:
         ROUND: tl.constexpr,
         DO_ROWS: tl.constexpr,
         DO_COLS: tl.constexpr,
-        TRANS_FP8: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
@@ -160,41 +195,25 @@ if _HAVE_TRITON:
         elif ROUND == 2:
             x = x.to(tl.float16)
         x = x.to(tl.float32)
-        ax = tl.abs(x)
         if DO_ROWS:  # requires BK == 128: one program column is one K-block
-            s = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
-            q = _divide_by_scale(x, s[:, None])
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            s = _tile_scales(x, 1, POW2)
+            q = _to_e4m3(x, s[:, None])
             q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
             tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
         if DO_COLS:  # requires BM == 128: one program row is one token tile
-            _quant_cols_store(
-                x, ax, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr,
-                x_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, BM, BK,
-            )  # fmt: skip
+            _quant_cols_store(x, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2, BM, BK)
 
     @triton.jit
     def _quant_cols_store(
-        x, ax, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr,
-        DIVIDE_PER_TILE: tl.constexpr, POW2: tl.constexpr, TRANS_FP8: tl.constexpr,
-        BM: tl.constexpr, BK: tl.constexpr,
+        x, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        """Token tiles of x (BM = 128 tokens x BK features, FP32 values, ax = |x|), stored transposed
-        (feature k's 128 tokens contiguous) with one scale per feature; ``quantize_cols``'s layout.
-        ``DIVIDE_PER_TILE``: ``_divide_by_scale`` (FP32 input); else ``div_rn`` per element, measured 4-5%
-        faster on 16-bit input (bench/quantizers.py), the same quotients. Also used by the fused SwiGLU's
-        recomputation of h's token tiles (trainers/torch/fused_layers.py)."""
-        sc = _scale_from_amax(tl.max(ax, axis=0), tl.sum(_is_nonfinite(ax), axis=0), POW2)
-        if DIVIDE_PER_TILE:
-            qc = _divide_by_scale(x, sc[None, :])
-        else:
-            qc = tl.math.div_rn(x, tl.broadcast_to(sc[None, :], (BM, BK)))
-        qc = tl.minimum(tl.maximum(qc, -448.0), 448.0)
-        if TRANS_FP8:
-            qc_t = tl.trans(qc.to(tl.float8e4nv))  # (BK, BM): row k of X^T, tokens contiguous
-        else:
-            qc_t = tl.trans(qc).to(tl.float8e4nv)
+        """Token tiles of x (BM = 128 tokens x BK features, FP32 values), stored transposed (feature k's 128
+        tokens contiguous) with one scale per feature; ``quantize_cols``'s layout. The codes are transposed
+        after the cast (a quarter of the bytes through shared memory). Also used by the kernels that make
+        token tiles of a recomputed tensor (trainers/torch/fused_layers.py)."""
+        sc = _tile_scales(x, 0, POW2)
+        qc_t = tl.trans(_to_e4m3(x, sc[None, :]))  # (BK, BM): row k of X^T, tokens contiguous
         t_mask = (cols[:, None] < K) & (rows[None, :] < rows_qt)
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :], qc_t, mask=t_mask)
         tl.store(st_ptr + pid_m * K + cols, sc, mask=cols < K)
@@ -220,19 +239,15 @@ if _HAVE_TRITON:
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
         w = w.to(tl.float32)
-        aw = tl.abs(w)
-        amax = tl.max(tl.max(aw, axis=1), axis=0)
-        bad = tl.sum(tl.sum(_is_nonfinite(aw), axis=1), axis=0)
-        zero = tl.full((1,), 0.0, tl.float32)
-        s = _scale_from_amax(zero + amax, zero + bad, POW2)
-        q = _divide_by_scale(w, s[:, None])
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+        amax_bits = tl.max(tl.max(_abs_bits(w), axis=1), axis=0)
+        s = _scale_from_bits(tl.full((1,), 0, tl.int32) + amax_bits, POW2)
+        q = _to_e4m3(w, s[:, None])
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
         if WRITE_T:  # W^T (K, N) for dgrad: the same values, the same 128x128 grid transposed
             mask_t = (cols[:, None] < K) & (rows[None, :] < N)
             tl.store(
                 qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :],
-                tl.trans(q).to(tl.float8e4nv),
+                tl.trans(q),
                 mask=mask_t,
             )
         tl.store(s_ptr + pid_n * KB + pid_k + tl.arange(0, 1), s)
@@ -298,13 +313,13 @@ def _launch_act(
     st = torch.empty((rows_qt // _TILE, k), dtype=torch.float32, device=dev) if do_cols else None
     if do_rows and do_cols:
         cfg = LAUNCH["dual"]
-        bm, bk, warps, trans_fp8 = _TILE, _TILE, cfg["warps"], cfg["trans_fp8"]
+        bm, bk, warps = _TILE, _TILE, cfg["warps"]
     elif do_cols:
         cfg = LAUNCH["cols"]
-        bm, bk, warps, trans_fp8 = _TILE, cfg["bk"], cfg["warps"], cfg["trans_fp8"]
+        bm, bk, warps = _TILE, cfg["bk"], cfg["warps"]
     else:
         cfg = LAUNCH["rows"]
-        bm, bk, warps, trans_fp8 = cfg["bm"], _TILE, cfg["warps"], False
+        bm, bk, warps = cfg["bm"], _TILE, cfg["warps"]
     grid = (triton.cdiv(max(rows_q, rows_qt), bm), triton.cdiv(k, bk))
     dummy = x2d  # pointer slots of a branch compiled out
     _act_quant_kernel[grid](
@@ -322,7 +337,6 @@ def _launch_act(
         ROUND=round_code,
         DO_ROWS=do_rows,
         DO_COLS=do_cols,
-        TRANS_FP8=trans_fp8,
         BM=bm,
         BK=bk,
         num_warps=warps,

@@ -63,12 +63,7 @@ try:
     import triton
     import triton.language as tl
 
-    from infir2_rl.fp8.quant_triton import (
-        _divide_by_scale,
-        _is_nonfinite,
-        _quant_cols_store,
-        _scale_from_amax,
-    )
+    from infir2_rl.fp8.quant_triton import _quant_cols_store, _tile_scales, _to_e4m3
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -118,10 +113,8 @@ if _HAVE_TRITON:
         # With QUANT, y's 1x128 row tiles: quant_triton.quantize_rows's codes and layout (rows padded to rows_q)
         if QUANT:
             y3 = tl.reshape(y.to(tl.float32), (BM, BK // 128, 128))
-            a3 = tl.abs(y3)
-            s = _scale_from_amax(tl.max(a3, axis=2), tl.sum(_is_nonfinite(a3), axis=2), POW2)  # (BM, BK/128)
-            q = _divide_by_scale(y3, s[:, :, None])
-            q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0), (BM, BK)).to(tl.float8e4nv)
+            s = _tile_scales(y3, 2, POW2)  # (BM, BK/128)
+            q = tl.reshape(_to_e4m3(y3, s[:, :, None]), (BM, BK))
             q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
             kb = tl.arange(0, BK // 128)
@@ -131,7 +124,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _rms_cols_kernel(
         x_ptr, w_ptr, r_ptr, qt_ptr, st_ptr, M, K, rows_qt,
-        POW2: tl.constexpr, TRANS_FP8: tl.constexpr, BK: tl.constexpr,
+        POW2: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         # The norm's output made again from x, r and w (output dtype = x's), in token tiles: 128 tokens x BK
         # features per program, quant_triton.quantize_cols's arithmetic and layout. Padding rows: r = 0, y = 0.
@@ -140,10 +133,7 @@ if _HAVE_TRITON:
         r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
         w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         y = _rms_apply(x.to(tl.float32), r, w, x_ptr).to(x_ptr.dtype.element_ty).to(tl.float32)
-        _quant_cols_store(
-            y, tl.abs(y), rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr,
-            x_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, 128, BK,
-        )  # fmt: skip
+        _quant_cols_store(y, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2, 128, BK)
 
     @triton.jit
     def _rms_bwd_kernel(
@@ -228,10 +218,8 @@ if _HAVE_TRITON:
     def _quant_rows_store(
         v, rows, cols, N, rows_q, pid_n, q_ptr, s_ptr, POW2: tl.constexpr, BM: tl.constexpr
     ):
-        av = tl.abs(v)
-        s = _scale_from_amax(tl.max(av, axis=1), tl.sum(_is_nonfinite(av), axis=1), POW2)
-        q = _divide_by_scale(v, s[:, None])
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        s = _tile_scales(v, 1, POW2)
+        q = _to_e4m3(v, s[:, None])
         q_mask = (rows[:, None] < rows_q) & (cols[None, :] < N)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=q_mask)
         tl.store(s_ptr + pid_n * rows_q + rows, s, mask=rows < rows_q)
@@ -278,7 +266,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _swiglu_grad_cols_kernel(
         dh_ptr, g_ptr, u_ptr, gqt_ptr, gst_ptr, uqt_ptr, ust_ptr, M, N, rows_qt,
-        POW2: tl.constexpr, TRANS_FP8: tl.constexpr, BK: tl.constexpr,
+        POW2: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         # dgate's and dup's token tiles from dh, gate and up (128 tokens x BK features per program): the
         # gradients as _swiglu_bwd_rows_kernel computes them (gate's and up's dtypes), then quantize_cols's
@@ -290,19 +278,13 @@ if _HAVE_TRITON:
         dg, du = _swiglu_grads(dh, g, u, g_ptr, u_ptr)  # padding rows: dh = 0 gives 0
         dg = dg.to(tl.float32)
         du = du.to(tl.float32)
-        _quant_cols_store(
-            dg, tl.abs(dg), rows, cols, N, rows_qt, pid_m, gqt_ptr, gst_ptr,
-            g_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, 128, BK,
-        )  # fmt: skip
-        _quant_cols_store(
-            du, tl.abs(du), rows, cols, N, rows_qt, pid_m, uqt_ptr, ust_ptr,
-            u_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, 128, BK,
-        )  # fmt: skip
+        _quant_cols_store(dg, rows, cols, N, rows_qt, pid_m, gqt_ptr, gst_ptr, POW2, 128, BK)
+        _quant_cols_store(du, rows, cols, N, rows_qt, pid_m, uqt_ptr, ust_ptr, POW2, 128, BK)
 
     @triton.jit
     def _swiglu_cols_kernel(
         g_ptr, u_ptr, qt_ptr, st_ptr, M, N, rows_qt,
-        POW2: tl.constexpr, TRANS_FP8: tl.constexpr, BK: tl.constexpr,
+        POW2: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         # h's token tiles from gate and up: 128 tokens x BK features per program, h rounded as the forward
         # stored it (_swiglu_h), then quant_triton.quantize_cols's arithmetic and layout.
@@ -310,10 +292,7 @@ if _HAVE_TRITON:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = _swiglu_h(g, u, g_ptr).to(tl.float32)  # h has gate's dtype; padding rows give h = 0
-        _quant_cols_store(
-            h, tl.abs(h), rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr,
-            g_ptr.dtype.element_ty == tl.float32, POW2, TRANS_FP8, 128, BK,
-        )  # fmt: skip
+        _quant_cols_store(h, rows, cols, N, rows_qt, pid_m, qt_ptr, st_ptr, POW2, 128, BK)
 
 
 def _token_tiles(
@@ -327,7 +306,7 @@ def _token_tiles(
     cfg = quant_triton.LAUNCH["cols"]
     if m:
         kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
-            *args, qt, st, m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"], BK=cfg["bk"],
+            *args, qt, st, m, k, rows_qt, POW2=pow2, BK=cfg["bk"],
             num_warps=cfg["warps"],
         )  # fmt: skip
     return qt, st
@@ -361,8 +340,7 @@ def swiglu_grad_token_tiles(
     cfg = quant_triton.LAUNCH["cols"]
     if m:
         _swiglu_grad_cols_kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
-            dh, gate, up, *out[0], *out[1], m, k, rows_qt, POW2=pow2, TRANS_FP8=cfg["trans_fp8"],
-            BK=cfg["bk"], num_warps=cfg["warps"],
+            dh, gate, up, *out[0], *out[1], m, k, rows_qt, POW2=pow2, BK=cfg["bk"], num_warps=cfg["warps"],
         )  # fmt: skip
     return out[0], out[1]
 
