@@ -55,7 +55,7 @@ _TILE = 128
 LAUNCH: dict[str, dict[str, Any]] = {
     "rows": {"bm": 32, "warps": 4},
     "cols": {"bk": 64, "warps": 4},
-    "dual": {"split": True, "sub": 32, "warps": 4},
+    "dual": {"split": True, "warps": 4},
     "weight": {"warps": 8},
 }
 
@@ -63,8 +63,7 @@ LAUNCH: dict[str, dict[str, Any]] = {
 LAUNCH_CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "rows": [{"bm": bm, "warps": w} for bm, w in ((16, 4), (32, 4), (64, 4), (32, 2))],
     "cols": [{"bk": bk, "warps": w} for bk in (32, 64, 128) for w in (2, 4)],
-    "dual": [{"split": False, "sub": sub, "warps": w} for sub, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
-    + [{"split": True, "sub": 32, "warps": 4}],
+    "dual": [{"split": False, "warps": w} for w in (4, 8)] + [{"split": True, "warps": 4}],
     "weight": [{"warps": 4}, {"warps": 8}],
 }
 
@@ -167,69 +166,43 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _act_quant_kernel(
-        x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, rows_q, rows_qt,
-        POW2: tl.constexpr, ROUND: tl.constexpr, DO_COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    ):  # fmt: skip
-        """Row tiles of a BM x 128 block (BK == 128), or with DO_COLS token tiles of a 128 x BK block."""
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        qt_ptr,
+        st_ptr,
+        M,
+        K,
+        stride_xm,
+        rows_q,
+        rows_qt,
+        POW2: tl.constexpr,
+        ROUND: tl.constexpr,
+        DO_ROWS: tl.constexpr,
+        DO_COLS: tl.constexpr,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_k * BK + tl.arange(0, BK)
-        x = _load_tile(x_ptr, rows, cols, M, K, stride_xm, ROUND)
-        if DO_COLS:
-            _quant_cols_store(x, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2, BM, BK)
-        else:
-            s = _tile_scales(x, 1, POW2)
-            q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
-            tl.store(
-                q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], _to_e4m3(x, s[:, None]), mask=q_mask
-            )
-            tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
-
-    @triton.jit
-    def _load_tile(x_ptr, rows, cols, M, K, stride_xm, ROUND: tl.constexpr):
-        """x[rows, cols] as FP32 (zeros outside M x K), rounded to BF16 (ROUND 1) or FP16 (2) first."""
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+        in_mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
+        x = tl.load(x_ptrs, mask=in_mask, other=0.0)
         if ROUND == 1:
             x = x.to(tl.bfloat16)
         elif ROUND == 2:
             x = x.to(tl.float16)
-        return x.to(tl.float32)
-
-    @triton.jit
-    def _act_dual_kernel(
-        x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, rows_q, rows_qt,
-        POW2: tl.constexpr, ROUND: tl.constexpr, SUB: tl.constexpr,
-    ):  # fmt: skip
-        """Row and token tiles of one 128 x 128 block of x, read from memory once: pass 1 takes SUB-token
-        slices, writes their row tiles and keeps a running column amax; pass 2 reads the slices again (from
-        L2: the block was just read) and writes their token-tile codes with the block's column scales. 4 bytes
-        of memory traffic per element where the two kernels take 6, with one slice in registers at a time
-        (a whole 128 x 128 FP32 block in registers left few programs per SM: ~1.2 TB/s, docs/performance.md)."""
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        cols = pid_k * 128 + tl.arange(0, 128)
-        cmax = tl.zeros((128,), dtype=tl.int32)
-        for i in tl.static_range(128 // SUB):
-            rows = pid_m * 128 + i * SUB + tl.arange(0, SUB)
-            x = _load_tile(x_ptr, rows, cols, M, K, stride_xm, ROUND)
-            bits = _abs_bits(x)
-            s = _scale_from_bits(tl.max(bits, axis=1), POW2)
+        x = x.to(tl.float32)
+        if DO_ROWS:  # requires BK == 128: one program column is one K-block
+            s = _tile_scales(x, 1, POW2)
+            q = _to_e4m3(x, s[:, None])
             q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
-            tl.store(
-                q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], _to_e4m3(x, s[:, None]), mask=q_mask
-            )
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
             tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
-            cmax = tl.maximum(cmax, tl.max(bits, axis=0))
-        sc = _scale_from_bits(cmax, POW2)
-        for i in tl.static_range(128 // SUB):
-            rows = pid_m * 128 + i * SUB + tl.arange(0, SUB)
-            x = _load_tile(x_ptr, rows, cols, M, K, stride_xm, ROUND)
-            qc_t = tl.trans(_to_e4m3(x, sc[None, :]))  # (128, SUB): these tokens of each feature
-            t_mask = (cols[:, None] < K) & (rows[None, :] < rows_qt)
-            tl.store(qt_ptr + cols[:, None].to(tl.int64) * rows_qt + rows[None, :], qc_t, mask=t_mask)
-        tl.store(st_ptr + pid_m * K + cols, sc, mask=cols < K)
+        if DO_COLS:  # requires BM == 128: one program row is one token tile
+            _quant_cols_store(x, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2, BM, BK)
 
     @triton.jit
     def _quant_cols_store(
@@ -325,8 +298,7 @@ def _launch_act(
     pad_rows_to: int,
     round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Row tiles, token tiles or both (``_act_dual_kernel``) of x2d: (q, s_t, qt, st), None where not asked."""
-    assert x2d.dim() == 2 and (do_rows or do_cols)
+    assert x2d.dim() == 2
     round_code = _round_code(x2d, round_to)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -339,8 +311,18 @@ def _launch_act(
     s_t = torch.empty((kb, rows_q), dtype=torch.float32, device=dev) if do_rows else None
     qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if do_cols else None
     st = torch.empty((rows_qt // _TILE, k), dtype=torch.float32, device=dev) if do_cols else None
+    if do_rows and do_cols:
+        cfg = LAUNCH["dual"]
+        bm, bk, warps = _TILE, _TILE, cfg["warps"]
+    elif do_cols:
+        cfg = LAUNCH["cols"]
+        bm, bk, warps = _TILE, cfg["bk"], cfg["warps"]
+    else:
+        cfg = LAUNCH["rows"]
+        bm, bk, warps = cfg["bm"], _TILE, cfg["warps"]
+    grid = (triton.cdiv(max(rows_q, rows_qt), bm), triton.cdiv(k, bk))
     dummy = x2d  # pointer slots of a branch compiled out
-    args: tuple[Any, ...] = (
+    _act_quant_kernel[grid](
         x2d,
         q if q is not None else dummy,
         s_t if s_t is not None else dummy,
@@ -351,18 +333,14 @@ def _launch_act(
         x2d.stride(0),
         rows_q,
         rows_qt,
+        POW2=pow2,
+        ROUND=round_code,
+        DO_ROWS=do_rows,
+        DO_COLS=do_cols,
+        BM=bm,
+        BK=bk,
+        num_warps=warps,
     )
-    if do_rows and do_cols:
-        cfg = LAUNCH["dual"]
-        grid = (triton.cdiv(max(rows_q, rows_qt), _TILE), kb)
-        _act_dual_kernel[grid](*args, POW2=pow2, ROUND=round_code, SUB=cfg["sub"], num_warps=cfg["warps"])
-    else:
-        cfg = LAUNCH["cols" if do_cols else "rows"]
-        bm, bk = (_TILE, cfg["bk"]) if do_cols else (cfg["bm"], _TILE)
-        grid = (triton.cdiv(max(rows_q, rows_qt), bm), triton.cdiv(k, bk))
-        _act_quant_kernel[grid](
-            *args, POW2=pow2, ROUND=round_code, DO_COLS=do_cols, BM=bm, BK=bk, num_warps=cfg["warps"]
-        )
     return q, s_t, qt, st
 
 
