@@ -191,18 +191,7 @@ def test_fp8_mlp_takes_the_swiglu_quantizations_and_computes_the_same(
             mlp(x.clone().requires_grad_())
         return shapes
 
-    from infir2_rl.fp8 import ops
-
-    marks: list[bool] = []
-    real_offer = ops.offer_grad_quantization
-
-    def recording(dy: torch.Tensor, *args: object) -> None:
-        marks.append(bool(getattr(dy, "_infir2_unwritten", False)))
-        real_offer(dy, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ops, "offer_grad_quantization", recording)
     handed = run()
-    assert marks == [True, True]  # dgate and dup: only their quantizations were written
     assert sorted(calls) == [256, 256]  # x (gate/up's input) and down_proj's output gradient
     # h's token tiles (640 features x 384 tokens) are not kept for backward: made there from gate and up
     assert (640, 384) not in saved_fp8_shapes()

@@ -354,13 +354,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dx = dy.new_zeros(ctx.x_shape) if need_dx else None
             dw = torch.zeros(n, ctx.x_shape[-1], dtype=ctx.w_dtype, device=dy.device) if need_dw else None
         elif ctx.fast:
-            given = _take_given_grad(dy, ctx.pow2)
-            if given is None and getattr(dy, "_infir2_unwritten", False):
-                raise RuntimeError(
-                    "FP8 linear backward: the output gradient's values were never written (its producer "
-                    "quantized it for this linear and skipped the tensor), but that quantization was not found"
-                )
-            dx, dw = _fast_backward(ctx, dy2d, need_dx, need_dw, given)
+            dx, dw = _fast_backward(ctx, dy2d, need_dx, need_dw, _take_given_grad(dy, ctx.pow2))
         else:
             dx, dw = _emulated_backward(ctx, dy2d, need_dx, need_dw)
         if need_db:

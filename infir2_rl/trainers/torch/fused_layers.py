@@ -39,9 +39,6 @@ What the FP8 step keeps for backward (docs/performance.md, "FP8 keeps no copy of
   ``Fp8Plan.skip_h``): their only readers are the planned FP8 linears. The tensors are marked, and an FP8
   linear whose quantization does not match raises (``ops._quantize_input_fast``) rather than read them. Where
   a forward hook could see them (the mismatch probe's taps, ``_hooks_see_output``) they are written.
-* In the backward, dgate's and dup's token tiles come from dh, gate and up in one kernel
-  (``swiglu_grad_token_tiles``), and dgate and dup themselves are not written when they go only to the FP8
-  gate_proj and up_proj (marked; an FP8 backward that finds no quantization for a marked gradient raises).
 
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
 ``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
@@ -249,7 +246,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _swiglu_bwd_rows_kernel(
         dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, N, rows_q,
-        STORE_GRADS: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr,
+        POW2: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(1)
         rows, cols, mask, offs = _row_tile(M, N, pid_n, BM)
@@ -257,29 +254,10 @@ if _HAVE_TRITON:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dg, du = _swiglu_grads(dh, g, u, dg_ptr, du_ptr)
-        if STORE_GRADS:
-            tl.store(dg_ptr + offs, dg, mask=mask)
-            tl.store(du_ptr + offs, du, mask=mask)
+        tl.store(dg_ptr + offs, dg, mask=mask)
+        tl.store(du_ptr + offs, du, mask=mask)
         _quant_rows_store(dg.to(tl.float32), rows, cols, N, rows_q, pid_n, gq_ptr, gs_ptr, POW2, BM)
         _quant_rows_store(du.to(tl.float32), rows, cols, N, rows_q, pid_n, uq_ptr, us_ptr, POW2, BM)
-
-    @triton.jit
-    def _swiglu_grad_cols_kernel(
-        dh_ptr, g_ptr, u_ptr, gqt_ptr, gst_ptr, uqt_ptr, ust_ptr, M, N, rows_qt,
-        POW2: tl.constexpr, BK: tl.constexpr,
-    ):  # fmt: skip
-        # dgate's and dup's token tiles from dh, gate and up (128 tokens x BK features per program): the
-        # gradients as _swiglu_bwd_rows_kernel computes them (gate's and up's dtypes), then quantize_cols's
-        # arithmetic and layout, so the gradients themselves need not be written.
-        pid_m, rows, cols, mask, offs = _token_tile(M, N, BK)
-        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dg, du = _swiglu_grads(dh, g, u, g_ptr, u_ptr)  # padding rows: dh = 0 gives 0
-        dg = dg.to(tl.float32)
-        du = du.to(tl.float32)
-        _quant_cols_store(dg, rows, cols, N, rows_qt, pid_m, gqt_ptr, gst_ptr, POW2, 128, BK)
-        _quant_cols_store(du, rows, cols, N, rows_qt, pid_m, uqt_ptr, ust_ptr, POW2, 128, BK)
 
     @triton.jit
     def _swiglu_cols_kernel(
@@ -320,29 +298,6 @@ def swiglu_token_tiles(gate: Tensor, up: Tensor, pow2: bool) -> tuple[Tensor, Te
     k = gate.shape[-1]
     g2, u2 = gate.reshape(-1, k), up.reshape(-1, k)
     return _token_tiles(_swiglu_cols_kernel, g2.shape[0], k, gate.device, pow2, g2, u2)
-
-
-def swiglu_grad_token_tiles(
-    dh: Tensor, gate: Tensor, up: Tensor, pow2: bool
-) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """``quant_triton.quantize_cols`` of SwiGLU's two input gradients, bit for bit, made from dh, gate and up
-    in one kernel (the gradients themselves are not read)."""
-    k = gate.shape[-1]
-    m = gate.numel() // k
-    rows_qt = -(-m // 128) * 128
-    out = tuple(
-        (
-            torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=gate.device),
-            torch.empty((rows_qt // 128, k), dtype=torch.float32, device=gate.device),
-        )
-        for _ in range(2)
-    )
-    cfg = quant_triton.LAUNCH["cols"]
-    if m:
-        _swiglu_grad_cols_kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
-            dh, gate, up, *out[0], *out[1], m, k, rows_qt, POW2=pow2, BK=cfg["bk"], num_warps=cfg["warps"],
-        )  # fmt: skip
-    return out[0], out[1]
 
 
 def rms_token_tiles(x2d: Tensor, weight: Tensor, r: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -505,20 +460,13 @@ class _SwiGLUFn(torch.autograd.Function):
         plan = ctx.plan
         if n and plan is not None and plan.grads:
             k = gate.shape[-1]
-            # dgate and dup go to gate_proj's and up_proj's backward only (gate and up are those FP8
-            # linears' outputs, not kept with retain_grad), which take these quantizations: then they are not
-            # written. (A caller differentiating with respect to gate or up itself would get them unwritten.)
-            fp8_node = ops._Fp8LinearFn._backward_cls  # type: ignore[attr-defined]
-            skip = all(isinstance(t.grad_fn, fp8_node) and not t.retains_grad for t in (gate, up))
             rows = _rows_quantized(
-                _swiglu_bwd_rows_kernel, 2, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du,
-                STORE_GRADS=not skip,
-            )  # fmt: skip
-            cols = swiglu_grad_token_tiles(dh, gate, up, plan.pow2)
-            for grad, (q, s_t), (qt, st) in zip((dg, du), rows, cols, strict=True):
-                if skip:
-                    grad._infir2_unwritten = True  # type: ignore[attr-defined]
-                ops.offer_grad_quantization(grad, plan.pow2, (q, s_t, qt, st))
+                _swiglu_bwd_rows_kernel, 2, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du
+            )
+            for grad, (q, s_t) in zip((dg, du), rows, strict=True):
+                ops.offer_grad_quantization(
+                    grad, plan.pow2, (q, s_t, *quant_triton.quantize_cols(grad.view(-1, k), plan.pow2))
+                )
         elif n:
             _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
