@@ -16,8 +16,8 @@ kernel reads its input once and writes exactly what the GEMMs consume:
 
 A tile or block holding a NaN or an infinity gets scale NaN, as in ``quant.py`` (its docstring says why).
 Triton's ``tl.max`` does not propagate NaN (it lowers to maxnum), so the amax is taken as the integer max of
-the values' absolute bit patterns, where NaN sorts above inf (``_scale_from_bits``); the engine's decode
-kernels count non-finite values explicitly instead (``_is_nonfinite``). Same scales either way.
+the values' absolute bit patterns, where NaN sorts above inf (``_scale_from_bits``). The block's codes are
+NaN too (no clamp before the saturating cast), as in ``quant.py``.
 
 ``round_to`` (activation quantizers): quantize ``x.to(round_to)`` - BF16 or FP16, autocast's rounding of an
 FP32 input - rounding each element as it is read instead of a separate cast pass and its copy.
@@ -27,9 +27,8 @@ Rows are padded with zeros (scale 1) up to ``pad_rows_to`` (16 for row tiles: cu
 quotient (one IEEE division per tile and an FMA correction per element, ``_to_e4m3`` / ``_divide_by_scale``;
 Triton's plain ``/`` on FP32 is an approximate division), then round-to-nearest-even with saturation. Every
 kernel here and the producers that quantize elsewhere (``fused_ops``, ``fp8_gemm``,
-``trainers/torch/fused_layers``) use ``_scale_from_amax`` and that division: one rule, so the engine's codes
-equal the trainer's. (The only difference: a non-finite tile's codes, which its NaN scale makes meaningless,
-are NaN here as in ``quant.py`` and -448 in the engine's kernels, which clamp before the cast.)
+``trainers/torch/fused_layers``) use ``_tile_scales`` (or ``_scale_from_bits``) and ``_to_e4m3``: one rule,
+so the engine's codes equal the trainer's.
 """
 
 from __future__ import annotations
@@ -122,11 +121,6 @@ if _HAVE_TRITON:
         return tl.where(e == 0.0, q, tl.fma(e, r, q))
 
     @triton.jit
-    def _is_nonfinite(ax):
-        # 1.0 where |x| is NaN or inf: NaN < inf is false. Summed along an axis it counts them.
-        return tl.where(ax < float("inf"), 0.0, 1.0)
-
-    @triton.jit
     def _abs_bits(v):
         # |v|'s FP32 bit patterns as int32: ordered as the values are, with NaN above inf (_scale_from_bits).
         return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -136,7 +130,7 @@ if _HAVE_TRITON:
         """``_scale_from_amax`` from the integer max of a tile's ``_abs_bits``. That max orders finite values
         as the float max does and puts NaN's bits above inf's, so one integer max per element both finds the
         amax and detects a non-finite value (amax bits >= inf's), where the float max drops NaN and needed a
-        separate count (``_is_nonfinite``; the engine's decode kernels still use it)."""
+        separate count of non-finite values per element."""
         bad = (amax_bits >= 0x7F800000).to(tl.float32)
         return _scale_from_amax(tl.where(bad > 0, 0.0, amax_bits.to(tl.float32, bitcast=True)), bad, POW2)
 

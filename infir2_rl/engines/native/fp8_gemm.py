@@ -40,7 +40,7 @@ try:
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.fused_ops import _sum_partials
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _divide_by_scale, _is_nonfinite, _scale_from_amax
+    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -123,10 +123,8 @@ if _HAVE_TRITON:
                 s_x_next = tl.load(xs_ptr + (kb + 1) * xs_rows + rows, mask=(rows < M) & more, other=0.0)
             else:
                 x = x.to(tl.float32)
-                ax = tl.abs(x)
-                s_x = _scale_from_amax(tl.max(ax, axis=1), tl.sum(_is_nonfinite(ax), axis=1), POW2)
-                q = _divide_by_scale(x, s_x[:, None])
-                q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+                s_x = _tile_scales(x, 1, POW2)
+                q = _to_e4m3(x, s_x[:, None])
             w_mask = (cols[None, :] < N) & (ks[:, None] < K)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
             acc += tl.dot(q, w) * s_x[:, None] * s_w[None, :]

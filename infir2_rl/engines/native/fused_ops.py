@@ -36,7 +36,7 @@ try:
 
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _divide_by_scale, _is_nonfinite, _scale_from_amax
+    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -129,10 +129,8 @@ if _HAVE_TRITON:
     @triton.jit
     def _quant_store(y, q_ptr, s_ptr, row, rows_pad, K, tiles, cols, POW2: tl.constexpr):
         """Quantize y (T, 128) FP32 (tiles x 128 columns of one row) and store q and the scales."""
-        ay = tl.abs(y)
-        s = _scale_from_amax(tl.max(ay, axis=1), tl.sum(_is_nonfinite(ay), axis=1), POW2)
-        q = _divide_by_scale(y, s[:, None])
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        s = _tile_scales(y, 1, POW2)
+        q = _to_e4m3(y, s[:, None])
         mask = cols < K
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=mask)  # (padding rows: y = 0 -> q 0, s 1)
         tl.store(s_ptr + tiles * rows_pad + row, s[:, None], mask=tiles * 128 < K)
