@@ -9,7 +9,7 @@ the floor reads "floor %" 100. Cases: activation rows (1x128 along K: fprop X, d
 (1x128 along M, written transposed: wgrad), both (the trainer's X and dY), and 128x128 weight blocks with
 W^T, from BF16 and FP32 (the trainer's masters; FP32 activations are rounded to BF16 as they are read).
 The weight rows count one read of W and the writes of W and W^T (FP32 W^T takes a second, byte-moving kernel,
-``transpose_fp8``, whose 2 bytes per weight are not counted). "rows + cols" counts two reads (two kernels).
+``transpose_fp8``, whose 2 bytes per weight are not counted; "weight, transpose_fp8" times that way for BF16). "rows + cols" counts two reads (two kernels).
 Used for the A/B of one division per tile (bench/ab_patch.sh with BENCH=..., docs/performance.md, session 22).
 """
 
@@ -77,10 +77,25 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in (torch.bfloat16, torch.float32):
             w = torch.randn(n, k, device="cuda", generator=gen).to(dtype) * 0.02
             traffic = n * k * (w.element_size() + 2) + 4 * (n * k // 16384)
-            ms = graph_ms(partial(qt.quantize_weight_with_transpose, w), args.calls, args.reps)
-            gbs = traffic / ms / 1e6
-            label = f"weight + W^T, {str(dtype).removeprefix('torch.')}"
-            print(f"{label:<34} {f'{n}x{k}':>14} {ms:8.4f} {gbs:7.0f} {100 * gbs / (PEAK_TBS * 1e3):7.1f}")
+            dt = str(dtype).removeprefix("torch.")
+            wcases: list[tuple[str, Callable[[], Any]]] = [
+                (f"weight + W^T, {dt}", partial(qt.quantize_weight_with_transpose, w))
+            ]
+            if dtype == torch.bfloat16:  # FP32 always takes the second way
+                wcases.append((f"weight, transpose_fp8, {dt}", partial(_weight_then_transpose, qt, w)))
+            for label, fn in wcases:
+                ms = graph_ms(fn, args.calls, args.reps)
+                gbs = traffic / ms / 1e6
+                print(
+                    f"{label:<34} {f'{n}x{k}':>14} {ms:8.4f} {gbs:7.0f} {100 * gbs / (PEAK_TBS * 1e3):7.1f}"
+                )
+
+
+def _weight_then_transpose(qt: Any, w: torch.Tensor) -> None:
+    """W^T by the byte-moving kernel after quantizing W (FP32 weights' way), not by the weight kernel's
+    transposed store."""
+    q, _ = qt.quantize_weight(w)
+    qt.transpose_fp8(q)
 
 
 if __name__ == "__main__":

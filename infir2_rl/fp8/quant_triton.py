@@ -12,7 +12,8 @@ kernel reads its input once and writes exactly what the GEMMs consume:
 * ``quantize_rows_and_cols``: both, either from one read of each 128x128 tile ("fused") or as the two
   kernels above ("split": 6 bytes of traffic per element instead of 4, but short column strips keep many
   more programs resident: 0.32 ms instead of 0.52 ms at 8192 x 18944 on an H200, see docs/performance.md).
-* ``quantize_weight``: one scale per 128x128 block; also writes W^T in FP8 for the dgrad GEMM.
+* ``quantize_weight``: one scale per 128x128 block; ``quantize_weight_with_transpose`` adds W^T in FP8 for
+  the dgrad GEMM (``transpose_fp8``).
 
 A tile or block holding a NaN or an infinity gets scale NaN, as in ``quant.py`` (its docstring says why).
 Triton's ``tl.max`` does not propagate NaN (it lowers to maxnum), so the amax is taken as the integer max of
@@ -213,19 +214,7 @@ if _HAVE_TRITON:
         tl.store(st_ptr + pid_m * K + cols, sc, mask=cols < K)
 
     @triton.jit
-    def _weight_quant_kernel(
-        w_ptr,
-        q_ptr,
-        qt_ptr,
-        s_ptr,
-        N,
-        K,
-        stride_wn,
-        KB,
-        POW2: tl.constexpr,
-        WRITE_T: tl.constexpr,
-        B: tl.constexpr,
-    ):
+    def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, KB, POW2: tl.constexpr, B: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_n * B + tl.arange(0, B)
@@ -235,15 +224,7 @@ if _HAVE_TRITON:
         w = w.to(tl.float32)
         amax_bits = tl.max(tl.max(_abs_bits(w), axis=1), axis=0)
         s = _scale_from_bits(tl.full((1,), 0, tl.int32) + amax_bits, POW2)
-        q = _to_e4m3(w, s[:, None])
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
-        if WRITE_T:  # W^T (K, N) for dgrad: the same values, the same 128x128 grid transposed
-            mask_t = (cols[:, None] < K) & (rows[None, :] < N)
-            tl.store(
-                qt_ptr + cols[:, None].to(tl.int64) * N + rows[None, :],
-                tl.trans(q),
-                mask=mask_t,
-            )
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], _to_e4m3(w, s[:, None]), mask=mask)
         tl.store(s_ptr + pid_n * KB + pid_k + tl.arange(0, 1), s)
 
     @triton.jit
@@ -375,40 +356,30 @@ def quantize_rows_and_cols(
     return q2, s2, qt2, st2
 
 
-def _launch_weight(
-    w: torch.Tensor, pow2: bool, with_transpose: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks of ``w`` (N, K) -> (w_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))."""
     if w.stride(-1) != 1:
         w = w.contiguous()
     n, k = w.shape
     nb, kb = -(-n // _TILE), -(-k // _TILE)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    qt = torch.empty((k, n), dtype=torch.float8_e4m3fn, device=w.device) if with_transpose else q
     s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     _weight_quant_kernel[(nb, kb)](
-        w, q, qt, s, n, k, w.stride(0), kb, POW2=pow2, WRITE_T=with_transpose, B=_TILE,
-        num_warps=LAUNCH["weight"]["warps"],
-    )  # fmt: skip
-    return q, s, qt
-
-
-def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 blocks of ``w`` (N, K) -> (w_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))."""
-    q, s, _ = _launch_weight(w, pow2_scales, False)
+        w, q, s, n, k, w.stride(0), kb, POW2=pow2_scales, B=_TILE, num_warps=LAUNCH["weight"]["warps"]
+    )
     return q, s
 
 
 def quantize_weight_with_transpose(
     w: torch.Tensor, pow2_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As ``quantize_weight`` plus w_fp8^T (K, N) contiguous for dgrad, from the same read of ``w``.
+    """As ``quantize_weight`` plus w_fp8^T (K, N) contiguous for dgrad, moved as bytes by ``transpose_fp8``.
 
-    FP32 weights are transposed by a second, byte-moving kernel (``transpose_fp8``) instead: on an H200
-    (Triton 3.6, torch 2.11) the fused transposed store returned wrong bytes (NaN in dgrad) for FP32 input
-    while BF16 input was bit-exact; the cause is not established. GPU tests compare both with torch's
-    transpose bit for bit.
+    The weight kernel used to write W^T itself from the same registers (a second, transposed store). On an
+    H100 the two kernels are faster for BF16 weights (2-20% by shape, bench/quantizers.py, docs/performance.md,
+    session 25: Triton routed the BF16 input tile through shared memory for the transposed store and wrote W
+    a byte at a time), and FP32 weights had taken this way since the fused store returned wrong bytes for
+    FP32 input on an H200 (cause not established).
     """
-    if w.dtype == torch.float32:
-        q, s, _ = _launch_weight(w, pow2_scales, False)
-        return q, s, transpose_fp8(q)
-    return _launch_weight(w, pow2_scales, True)
+    q, s = quantize_weight(w, pow2_scales)
+    return q, s, transpose_fp8(q)
