@@ -112,11 +112,15 @@ if _HAVE_TRITON:
         NaN, as the division does. GPU tests: tests/test_producer_quant_gpu.py, tests/test_fp8_gpu.py."""
         tiny = s < 5.421010862427522e-20  # 2^-64
         k = tl.where(tiny, 1.8446744073709552e19, 1.0)  # 2^64
-        s = s * k
-        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        x = x * tl.broadcast_to(k, x.shape)
+        return _corrected_quotient(x * tl.broadcast_to(k, x.shape), s * k)
+
+    @triton.jit
+    def _corrected_quotient(x, s):
+        """RN(x / s) for scales s whose reciprocal is finite and whose remainders do not underflow
+        (``_divide_by_scale`` says when): r = RN(1 / s) per tile, q = RN(x r) and one FMA correction per
+        element, q kept as is where the remainder is exactly zero (so -0 stays -0)."""
+        r = tl.broadcast_to(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), x.shape)
         s = tl.broadcast_to(s, x.shape)
-        r = tl.broadcast_to(r, x.shape)
         q = x * r
         e = tl.fma(-q, s, x)
         return tl.where(e == 0.0, q, tl.fma(e, r, q))
@@ -144,17 +148,13 @@ if _HAVE_TRITON:
     def _to_e4m3(x, s):
         """x / s correctly rounded, as e4m3 codes (``s``: the tiles' scales, shaped to broadcast against x).
 
-        ``_divide_by_scale``'s arithmetic without its per-element rescaling for tiny scales: a block whose
-        scales are all >= 2^-64 (every real one) takes r = RN(1 / s) and the FMA correction directly; a block
-        with a tinier scale takes ``_divide_by_scale`` (one branch per program, not per element). No clamp:
+        ``_divide_by_scale`` without its per-element rescaling for tiny scales: a block whose scales are all
+        >= 2^-64 (every real one) takes ``_corrected_quotient`` directly; a block with a tinier scale takes
+        ``_divide_by_scale`` (one branch per program, not per element). No clamp:
         the cast saturates (``cvt.rn.satfinite``), and only x = amax can exceed 448, by an FP32 ulp. A NaN
         scale (non-finite tile) gives NaN codes, as the eager reference's do."""
         if tl.min(s) >= 5.421010862427522e-20:  # 2^-64
-            r = tl.broadcast_to(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), x.shape)
-            sb = tl.broadcast_to(s, x.shape)
-            q = x * r
-            e = tl.fma(-q, sb, x)
-            q = tl.where(e == 0.0, q, tl.fma(e, r, q))
+            q = _corrected_quotient(x, s)
         else:
             q = _divide_by_scale(x, s)
         return q.to(tl.float8e4nv)

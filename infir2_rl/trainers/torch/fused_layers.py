@@ -284,9 +284,8 @@ def _token_tiles(
     cfg = quant_triton.LAUNCH["cols"]
     if m:
         kernel[(rows_qt // 128, triton.cdiv(k, cfg["bk"]))](
-            *args, qt, st, m, k, rows_qt, POW2=pow2, BK=cfg["bk"],
-            num_warps=cfg["warps"],
-        )  # fmt: skip
+            *args, qt, st, m, k, rows_qt, POW2=pow2, BK=cfg["bk"], num_warps=cfg["warps"]
+        )
     return qt, st
 
 
@@ -442,8 +441,10 @@ class _SwiGLUFn(torch.autograd.Function):
             )  # fmt: skip
             # (grad mode is off inside forward: the plan says whether down_proj's backward will want h's
             # token tiles.) They are made there from gate and up, which this backward keeps anyway.
-            later = ops.TokenTilesLater(functools.partial(swiglu_token_tiles, pow2=plan.pow2), (gate, up))
-            handoff.append((q, s_t, later if plan.h_cols else None, None))
+            later = None
+            if plan.h_cols:
+                later = ops.TokenTilesLater(functools.partial(swiglu_token_tiles, pow2=plan.pow2), (gate, up))
+            handoff.append((q, s_t, later, None))
         elif n:
             _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
                 gate, up, h, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
