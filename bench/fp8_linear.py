@@ -1,6 +1,6 @@
 """BF16 vs blockwise-FP8 linear layers at Qwen2.5-1.5B / 7B shapes (M tokens, default 8192).
 
-    python bench/fp8_linear.py [--m 8192] [--reps 30] [--sweep]
+    python bench/fp8_linear.py [--m 8192] [--reps 30] [--sweep] [--profile]
 
 All times come from CUDA events, median of --reps after warm-up, BF16 and FP8 measured in the same process.
 * ``--sweep`` first times the quantizer launch alternatives (each checked bit for bit against the eager
@@ -15,6 +15,10 @@ All times come from CUDA events, median of --reps after warm-up, BF16 and FP8 me
   Also with q, k and v as one linear: FP8 as the trainer groups them on a GPU (``fp8/grouped.py``), and
   BF16 as one ``nn.Linear`` of N = q + k + v (what a BF16 trainer would fuse); "best" ratios divide the
   faster BF16 layer by the FP8 one.
+* ``--profile``: after the tables, one forward+backward of each model's layer (BF16 with q|k|v as one
+  linear; FP8 grouped, weights re-quantized) under torch.profiler: device time per kernel category and the
+  top kernels, so that each FP8 GEMM (fprop, dgrad, wgrad by cuBLASLt's kernel name) and each quantizer
+  can be set against the BF16 GEMMs it replaces.
 TFLOP/s counts 2MNK per GEMM (forward 1 GEMM, forward+backward 3).
 """
 
@@ -122,6 +126,63 @@ def time_linears(specs: list[tuple[str, int, int, str]], m: int, reps: int) -> d
     return out
 
 
+def profile_layer(specs: list[tuple[str, int, int, str]], m: int, top: int) -> None:
+    """Kernel-time profile of one forward+backward of the layer, BF16 (q|k|v fused) and FP8 (grouped)."""
+    from torch.profiler import ProfilerActivity, profile
+    from train_step import kernel_times, print_kernels, summarize_kernels
+
+    from infir2_rl.fp8.grouped import ProjectionGroup
+
+    bf16 = torch.bfloat16
+    srcs = {src: torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True) for _, _, k, src in specs}
+    (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
+    fused_specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
+    dys = [torch.randn(m, n, device="cuda", dtype=bf16) for _, n, _, _ in specs]
+    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
+    fp8 = _layers(specs, True)
+    group = ProjectionGroup(fp8[:3])  # type: ignore[arg-type]
+    for layer in fp8[:3]:
+        layer._group = group  # type: ignore[assignment]
+    runs = {
+        "BF16, q|k|v as one linear": _runner(
+            _layers(fused_specs, False), [srcs[s] for *_, s in fused_specs], fused_dys, False
+        ),
+        "FP8, q|k|v grouped, weights re-quantized": _runner(fp8, [srcs[s] for *_, s in specs], dys, True),
+    }
+    for title, run in runs.items():
+        cuda_time_ms(run, 3)  # warm: Triton compiles, cuBLASLt heuristics, allocator
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        print_kernels(
+            f"one forward+backward of the layer's linears, {title}",
+            summarize_kernels(kernel_times(prof), top),
+        )
+
+
+def time_gemms(m: int, n: int, k: int, reps: int) -> dict[str, float]:
+    """Each of the three GEMMs alone, BF16 (torch.mm) and FP8 on pre-quantized operands, ms; also wgrad
+    computed transposed (dW^T = X^T dY, the same product with cuBLASLt's operands swapped)."""
+    from infir2_rl.fp8 import gemm, quant_triton
+
+    bf16 = torch.bfloat16
+    x, dy = torch.randn(m, k, device="cuda", dtype=bf16), torch.randn(m, n, device="cuda", dtype=bf16)
+    w = torch.randn(n, k, device="cuda", dtype=bf16) * 0.02
+    wq, ws, wqt = quant_triton.quantize_weight_with_transpose(w)
+    wst = ws.t().contiguous()
+    xq, xs, xtq, xts = quant_triton.quantize_rows_and_cols(x)
+    dq, ds, dtq, dts = quant_triton.quantize_rows_and_cols(dy)
+    return {
+        "bf16 fprop": cuda_time_ms(lambda: x @ w.t(), reps),
+        "bf16 dgrad": cuda_time_ms(lambda: dy @ w, reps),
+        "bf16 wgrad": cuda_time_ms(lambda: dy.t() @ x, reps),
+        "fp8 fprop": cuda_time_ms(lambda: gemm.mm_1x128_128x128(xq, xs, wq, ws, bf16), reps),
+        "fp8 dgrad": cuda_time_ms(lambda: gemm.mm_1x128_128x128(dq, ds, wqt, wst, bf16), reps),
+        "fp8 wgrad": cuda_time_ms(lambda: gemm.mm_1x128_1x128(dtq, dts, xtq, xts, bf16), reps),
+        "fp8 wgrad^T": cuda_time_ms(lambda: gemm.mm_1x128_1x128(xtq, xts, dtq, dts, bf16), reps),
+    }
+
+
 def time_parts(m: int, n: int, k: int, reps: int) -> dict[str, float]:
     """The FP8 GEMMs on pre-quantized operands, and each quantizer alone."""
     from infir2_rl.fp8 import gemm, quant_triton
@@ -158,14 +219,12 @@ def sweep(m: int, reps: int) -> None:
 
     def check(kind: str, i: int) -> bool:
         x, (q, s), (qt_, st_), (wq, ws) = xs[i], refs[i], trefs[i], wrefs[i]
-        if kind in ("rows", "dual"):
-            q2, s2 = qt.quantize_rows_and_cols(x)[:2] if kind == "dual" else qt.quantize_rows(x)
-            if not (same(q2, q) and torch.equal(s2.t(), s)):
-                return False
-        if kind in ("cols", "dual"):
-            qt2, st2 = qt.quantize_rows_and_cols(x)[2:] if kind == "dual" else qt.quantize_cols(x)
-            if not (same(qt2, qt_) and torch.equal(st2.t(), st_)):
-                return False
+        if kind == "rows":
+            q2, s2 = qt.quantize_rows(x)
+            return same(q2, q) and torch.equal(s2.t(), s)
+        if kind == "cols":
+            qt2, st2 = qt.quantize_cols(x)
+            return same(qt2, qt_) and torch.equal(st2.t(), st_)
         if kind == "weight":
             wq2, ws2, wqt2 = qt.quantize_weight_with_transpose(x)
             return same(wq2, wq) and torch.equal(ws2, ws) and same(wqt2, wq.t().contiguous())
@@ -174,11 +233,10 @@ def sweep(m: int, reps: int) -> None:
     ops: dict[str, Callable[[torch.Tensor], object]] = {
         "rows": qt.quantize_rows,
         "cols": qt.quantize_cols,
-        "dual": qt.quantize_rows_and_cols,
         "weight": qt.quantize_weight_with_transpose,
     }
     print(f"# sweep: quantizer launch alternatives, ms at K=3584 / K=18944 (M={m}); * = kept")
-    for kind in ("rows", "cols", "dual", "weight"):  # dual's "split" uses the rows/cols just chosen
+    for kind in ("rows", "cols", "weight"):
         results = []
         for cand in qt.LAUNCH_CANDIDATES[kind]:
             qt.LAUNCH[kind] = dict(cand)
@@ -206,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per case (median reported)")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sweep", action="store_true", help="first pick the fastest quantizer launch shapes")
+    parser.add_argument("--profile", action="store_true", help="also profile one layer forward+backward")
+    parser.add_argument("--profile-top", type=int, default=25, help="--profile: top kernels to print")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/fp8_linear.py needs a CUDA GPU (Hopper, sm90, for the FP8 fast path); none found.")
@@ -265,6 +325,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{best_fwd / t['fp8_grouped_fwd']:6.2f} | {t['bf16_fused_fb']:8.3f} {t['fp8_grouped_fb']:8.3f} "
             f"{best_fb / t['fp8_grouped_fb']:6.2f}"
         )
+    if args.profile:
+        print("\n# each GEMM alone, ms (x = BF16 / FP8); wgrad^T: dW^T = X^T dY, operands swapped")
+        for model in args.models:
+            for name, n, k, _ in layer_specs(*MODELS[model]):
+                if name in ("v_proj", "o_proj", "up_proj"):
+                    continue
+                g = time_gemms(m, n, k, args.reps)
+                cells = " | ".join(
+                    f"{op} {g['bf16 ' + op]:.3f} / {g['fp8 ' + op]:.3f} = {g['bf16 ' + op] / g['fp8 ' + op]:.2f}"
+                    for op in ("fprop", "dgrad", "wgrad")
+                )
+                print(f"{model:<13} {name:<9} {n:>6} {k:>6} | {cells} | wgrad^T {g['fp8 wgrad^T']:.3f}")
+        for model in args.models:
+            print(f"\n## {model}")
+            profile_layer(layer_specs(*MODELS[model]), m, args.profile_top)
     return 0
 
 

@@ -48,7 +48,7 @@ def main() -> None:
         cols = args.kernel == "cols"
         shape = (128, args.block or launch["bk"]) if cols else (args.block or launch["bm"], 128)
         types = {"x_ptr": x_type, "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv"}
-        constexprs = {"POW2": False, "ROUND": 0, "DO_ROWS": not cols, "DO_COLS": cols}
+        constexprs = {"POW2": False, "ROUND": 0, "COLS": cols}
         constexprs |= {"BM": shape[0], "BK": shape[1]}
     names = kernel.arg_names
     signature = {

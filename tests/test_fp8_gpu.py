@@ -126,12 +126,7 @@ def test_every_launch_candidate_is_exact(kind: str, cand: dict, monkeypatch: pyt
     probe = torch.randn(256, 256, device=CUDA)
     run = {"rows": quant_triton.quantize_rows, "cols": quant_triton.quantize_cols}
     try:  # a variant the compiler rejects is skipped here (and excluded by the sweep), never mis-computes
-        run.get(
-            kind,
-            quant_triton.quantize_rows_and_cols
-            if kind == "dual"
-            else quant_triton.quantize_weight_with_transpose,
-        )(probe)
+        run.get(kind, quant_triton.quantize_weight_with_transpose)(probe)
     except Exception as exc:
         pytest.skip(f"{kind} {cand} does not build here: {type(exc).__name__}: {str(exc)[:200]}")
     for m, k, pow2 in [(300, 640, False), (1000, 8960, True), (4096, 3584, False)]:
@@ -141,19 +136,11 @@ def test_every_launch_candidate_is_exact(kind: str, cand: dict, monkeypatch: pyt
         q_ref, s_ref = quantize_activation_eager(x, pow2_scales=pow2)
         x_pad = torch.nn.functional.pad(x, (0, 0, 0, -(-m // 128) * 128 - m))
         qt_ref, st_ref = quantize_activation_eager(x_pad.t().contiguous(), pow2_scales=pow2)
-        if kind in ("rows", "dual"):
-            q, s_t = (
-                quant_triton.quantize_rows_and_cols(x, pow2)[:2]
-                if kind == "dual"
-                else quant_triton.quantize_rows(x, pow2)
-            )
+        if kind == "rows":
+            q, s_t = quant_triton.quantize_rows(x, pow2)
             assert _same_bytes(q[:m], q_ref) and torch.equal(s_t.t()[:m], s_ref)
-        if kind in ("cols", "dual"):
-            qt, st = (
-                quant_triton.quantize_rows_and_cols(x, pow2)[2:]
-                if kind == "dual"
-                else quant_triton.quantize_cols(x, pow2)
-            )
+        if kind == "cols":
+            qt, st = quant_triton.quantize_cols(x, pow2)
             assert _same_bytes(qt, qt_ref) and torch.equal(st.t(), st_ref)
         if kind == "weight":
             w_fp8, w_s, w_t = quant_triton.quantize_weight_with_transpose(x, pow2)
@@ -295,14 +282,10 @@ def test_transpose_fp8_moves_the_same_bytes_as_torch(shape: tuple[int, int]) -> 
     assert _same_bytes(quant_triton.transpose_fp8(q), q.t().contiguous())
 
 
-@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("round_to", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(300, 640), (1000, 1536), (37, 200)])
-def test_quantizers_round_fp32_input_as_a_cast_would(
-    shape: tuple[int, int], round_to: torch.dtype, split: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_quantizers_round_fp32_input_as_a_cast_would(shape: tuple[int, int], round_to: torch.dtype) -> None:
     # round_to (the autocast path of Fp8Linear): the codes and scales of x.to(round_to), from the FP32 x
-    monkeypatch.setitem(quant_triton.LAUNCH, "dual", {**quant_triton.LAUNCH["dual"], "split": split})
     x = torch.randn(*shape, device=CUDA) * 3.0
     rounded = quant_triton.quantize_rows_and_cols(x, False, round_to=round_to)
     copied = quant_triton.quantize_rows_and_cols(x.to(round_to), False)

@@ -9,9 +9,10 @@ kernel reads its input once and writes exactly what the GEMMs consume:
   operand "outer-dim-major" (stride (1, M)); ``s_t.t()`` is then the (M, Kb) view it accepts as is.
 * ``quantize_cols``: 1x128 tiles along the *token* dim, written transposed (K, M_pad) for the wgrad GEMM
   (dW = dY^T X contracts over tokens); the forward keeps only this FP8 copy of X for backward.
-* ``quantize_rows_and_cols``: both, either from one read of each 128x128 tile ("fused") or as the two
-  kernels above ("split": 6 bytes of traffic per element instead of 4, but short column strips keep many
-  more programs resident: 0.32 ms instead of 0.52 ms at 8192 x 18944 on an H200, see docs/performance.md).
+* ``quantize_rows_and_cols``: both, as the two kernels above: 6 bytes of traffic per element where one
+  read of each 128x128 tile would move 4, but every single-pass kernel tried was slower (0.52 against 0.32
+  ms at 8192 x 18944 on an H200, 0.58 against 0.35 on an H100: a program holding a whole tile and its
+  transpose leaves too few programs resident to hide memory latency; docs/performance.md).
 * ``quantize_weight``: one scale per 128x128 block; ``quantize_weight_with_transpose`` adds W^T in FP8 for
   the dgrad GEMM (``transpose_fp8``).
 
@@ -51,11 +52,10 @@ except ImportError:  # pragma: no cover - depends on the install
 _TILE = 128
 # Launch shapes; bench/fp8_linear.py --sweep times the alternatives (docs/performance.md: on an H200 the
 # defaults are within noise of the fastest candidate and were also checked bit for bit with FP32 input).
-# rows: rows per program; cols: columns per program strip; dual.split: two kernels instead of one fused pass.
+# rows: rows per program; cols: columns per program strip.
 LAUNCH: dict[str, dict[str, Any]] = {
     "rows": {"bm": 32, "warps": 4},
     "cols": {"bk": 64, "warps": 4},
-    "dual": {"split": True, "warps": 4},
     "weight": {"warps": 8},
 }
 
@@ -63,7 +63,6 @@ LAUNCH: dict[str, dict[str, Any]] = {
 LAUNCH_CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "rows": [{"bm": bm, "warps": w} for bm, w in ((16, 4), (32, 4), (64, 4), (32, 2))],
     "cols": [{"bk": bk, "warps": w} for bk in (32, 64, 128) for w in (2, 4)],
-    "dual": [{"split": False, "warps": w} for w in (4, 8)] + [{"split": True, "warps": 4}],
     "weight": [{"warps": 4}, {"warps": 8}],
 }
 
@@ -173,8 +172,7 @@ if _HAVE_TRITON:
         rows_qt,
         POW2: tl.constexpr,
         ROUND: tl.constexpr,
-        DO_ROWS: tl.constexpr,
-        DO_COLS: tl.constexpr,
+        COLS: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
@@ -190,14 +188,14 @@ if _HAVE_TRITON:
         elif ROUND == 2:
             x = x.to(tl.float16)
         x = x.to(tl.float32)
-        if DO_ROWS:  # requires BK == 128: one program column is one K-block
+        if COLS:  # token tiles; BM == 128: one program row is one token tile
+            _quant_cols_store(x, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2, BM, BK)
+        else:  # row tiles; BK == 128: one program column is one K-block
             s = _tile_scales(x, 1, POW2)
             q = _to_e4m3(x, s[:, None])
             q_mask = (rows[:, None] < rows_q) & (cols[None, :] < K)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=q_mask)
             tl.store(s_ptr + pid_k * rows_q + rows, s, mask=rows < rows_q)
-        if DO_COLS:  # requires BM == 128: one program row is one token tile
-            _quant_cols_store(x, rows, cols, K, rows_qt, pid_m, qt_ptr, st_ptr, POW2, BM, BK)
 
     @triton.jit
     def _quant_cols_store(
@@ -266,43 +264,33 @@ def _round_code(x: torch.Tensor, round_to: torch.dtype | None) -> int:
 
 
 def _launch_act(
-    x2d: torch.Tensor,
-    pow2: bool,
-    do_rows: bool,
-    do_cols: bool,
-    pad_rows_to: int,
-    round_to: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    x2d: torch.Tensor, pow2: bool, cols: bool, pad_rows_to: int, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row tiles (q, s_t) of ``x2d``, or with ``cols`` its token tiles (qt, st): ``_act_quant_kernel``."""
     assert x2d.dim() == 2
     round_code = _round_code(x2d, round_to)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
     kb = -(-k // _TILE)
-    rows_q = _round_up(m, pad_rows_to) if do_rows else 0
-    rows_qt = _round_up(m, _TILE) if do_cols else 0
     dev = x2d.device
-    q = torch.empty((rows_q, k), dtype=torch.float8_e4m3fn, device=dev) if do_rows else None
-    s_t = torch.empty((kb, rows_q), dtype=torch.float32, device=dev) if do_rows else None
-    qt = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=dev) if do_cols else None
-    st = torch.empty((rows_qt // _TILE, k), dtype=torch.float32, device=dev) if do_cols else None
-    if do_rows and do_cols:
-        cfg = LAUNCH["dual"]
-        bm, bk, warps = _TILE, _TILE, cfg["warps"]
-    elif do_cols:
-        cfg = LAUNCH["cols"]
-        bm, bk, warps = _TILE, cfg["bk"], cfg["warps"]
+    if cols:
+        rows_q, rows_qt = 0, _round_up(m, _TILE)
+        q = torch.empty((k, rows_qt), dtype=torch.float8_e4m3fn, device=dev)
+        s = torch.empty((rows_qt // _TILE, k), dtype=torch.float32, device=dev)
+        bm, bk, warps = _TILE, LAUNCH["cols"]["bk"], LAUNCH["cols"]["warps"]
     else:
-        cfg = LAUNCH["rows"]
-        bm, bk, warps = cfg["bm"], _TILE, cfg["warps"]
+        rows_q, rows_qt = _round_up(m, pad_rows_to), 0
+        q = torch.empty((rows_q, k), dtype=torch.float8_e4m3fn, device=dev)
+        s = torch.empty((kb, rows_q), dtype=torch.float32, device=dev)
+        bm, bk, warps = LAUNCH["rows"]["bm"], _TILE, LAUNCH["rows"]["warps"]
     grid = (triton.cdiv(max(rows_q, rows_qt), bm), triton.cdiv(k, bk))
-    dummy = x2d  # pointer slots of a branch compiled out
+    # The kernel's pointer slots of the other kind are compiled out (``COLS``); x2d stands in for them.
+    row_out, col_out = ((x2d, x2d), (q, s)) if cols else ((q, s), (x2d, x2d))
     _act_quant_kernel[grid](
         x2d,
-        q if q is not None else dummy,
-        s_t if s_t is not None else dummy,
-        qt if qt is not None else dummy,
-        st if st is not None else dummy,
+        *row_out,
+        *col_out,
         m,
         k,
         x2d.stride(0),
@@ -310,13 +298,12 @@ def _launch_act(
         rows_qt,
         POW2=pow2,
         ROUND=round_code,
-        DO_ROWS=do_rows,
-        DO_COLS=do_cols,
+        COLS=cols,
         BM=bm,
         BK=bk,
         num_warps=warps,
     )
-    return q, s_t, qt, st
+    return q, s
 
 
 def quantize_rows(
@@ -326,18 +313,14 @@ def quantize_rows(
     round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along the last dim of ``x2d`` (M, K) -> (q (M_pad, K), s_t (Kb, M_pad))."""
-    q, s_t, _, _ = _launch_act(x2d, pow2_scales, True, False, pad_rows_to, round_to)
-    assert q is not None and s_t is not None
-    return q, s_t
+    return _launch_act(x2d, pow2_scales, False, pad_rows_to, round_to)
 
 
 def quantize_cols(
     x2d: torch.Tensor, pow2_scales: bool = False, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along the first (token) dim of ``x2d`` (M, K) -> (qt (K, M_128), st (M_128/128, K))."""
-    _, _, qt, st = _launch_act(x2d, pow2_scales, False, True, 1, round_to)
-    assert qt is not None and st is not None
-    return qt, st
+    return _launch_act(x2d, pow2_scales, True, 1, round_to)
 
 
 def quantize_rows_and_cols(
@@ -346,14 +329,10 @@ def quantize_rows_and_cols(
     pad_rows_to: int = 16,
     round_to: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both of the above: (q, s_t, qt, st)."""
-    if LAUNCH["dual"]["split"]:
-        q, s_t = quantize_rows(x2d, pow2_scales, pad_rows_to, round_to)
-        qt, st = quantize_cols(x2d, pow2_scales, round_to)
-        return q, s_t, qt, st
-    q2, s2, qt2, st2 = _launch_act(x2d, pow2_scales, True, True, pad_rows_to, round_to)
-    assert q2 is not None and s2 is not None and qt2 is not None and st2 is not None
-    return q2, s2, qt2, st2
+    """Both of the above, one kernel each: (q, s_t, qt, st)."""
+    q, s_t = quantize_rows(x2d, pow2_scales, pad_rows_to, round_to)
+    qt, st = quantize_cols(x2d, pow2_scales, round_to)
+    return q, s_t, qt, st
 
 
 def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
