@@ -154,6 +154,13 @@ class MegatronTrainer:
             self.tp,
             self.dp_size,
         )
+        if self.fp8 and self.spec == "local" and self.device.type == "cuda" and self.rank == 0:
+            log.warning(
+                "megatron backend, local spec, FP8 on a GPU: its FP8 linears run eagerly (no CUDA graphs) and "
+                "are host-bound, measured slower than BF16 at the 1.5B shape, where the torch backend's FP8 runs "
+                "from layer graphs (docs/performance.md, 'Megatron backend'). For speed use "
+                "trainer.backend=torch, or the te spec where Transformer Engine is installed."
+            )
 
     # ------------------------------------------------------------------ weights in and out
     @property
