@@ -131,13 +131,12 @@ class TrainerConfig(_Config):
     # micro-batch shape (at most 16 per kind; others run eagerly); micro-batches, and packed rows, are
     # right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5%
     # padding) so that few shapes occur, and run largest first. Takes the host out of the step (Python
-    # autograd, cuBLASLt setup, launches: eager FP8 is 1.2-1.9x slower than BF16 at 1.5B without it); the
-    # graphs' memory stays reserved between steps: the largest shape's working memory and two FP32
-    # activations per layer, both shared by all shapes. Not with FSDP, gradient checkpointing or
-    # true_on_policy. "auto": on for FP8 trainers where it applies (one CUDA GPU, none of those), and a new
-    # shape after the first is captured only if the free memory looks enough; off for BF16 (eager BF16 is not
-    # host-bound: graphs gain 3-10%, and their reserved pool left a colocated engine at 1.5B out of memory);
-    # true: required (an error where it cannot be); false: eager.
+    # autograd, cuBLASLt setup, launches: at 1.5B x 2,048 tokens the eager step took 2.0x (BF16) and 3.6x
+    # (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved between
+    # steps: the largest shape's working memory and two FP32 activations per layer, both shared by all
+    # shapes. Not with FSDP, gradient checkpointing or true_on_policy. "auto": on where it applies (one CUDA
+    # GPU, none of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
+    # looks enough; true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # Torch backend: RMSNorm and the SwiGLU MLP activation run as one Triton kernel each way
     # (trainers/torch/fused_layers.py) instead of ~5 + ~10 and 2 + 3 torch kernels, saving less for backward;

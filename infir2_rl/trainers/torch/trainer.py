@@ -25,12 +25,13 @@ is decided on the device (optim.step_unless_nonfinite): the host waits once, aft
 Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
 entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
 
-`trainer.cuda_graphs` ("auto", the default: on for an FP8 trainer on one CUDA GPU without FSDP, gradient
-checkpointing or true_on_policy; off elsewhere, BF16 included): the decoder layers' forward and backward of
+`trainer.cuda_graphs` ("auto", the default: on for a trainer on one CUDA GPU without FSDP, gradient
+checkpointing or true_on_policy, BF16 and FP8; off elsewhere): the decoder layers' forward and backward of
 training micro-batches, and their forward in scoring and evaluation, are replayed from CUDA graphs
 (layer_graphs.py); micro-batches (packed rows too) are padded to a length bucket and run largest first,
-gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. Eager FP8
-on a GPU is host-bound, 1.2-2.1x slower than BF16 at 1.5B (docs/performance.md).
+gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. An eager
+step on a GPU is host-bound at small micro-batches: at 1.5B x 2,048 tokens eager BF16 took 2.0x and eager FP8
+3.6x the graphed BF16 step (docs/performance.md).
 
 `trainer.fused_kernels` ("auto": on for CUDA with Triton, not under true_on_policy): the model's RMSNorm and
 SwiGLU MLP modules run one Triton kernel each way (fused_layers.py), and the token scores' softmax work one
@@ -244,10 +245,11 @@ class TorchTrainer:
                 "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy or gradient "
                 f"checkpointing; here: {', '.join(blockers)}"
             )
-        # "auto" graphs FP8 trainers only: eager FP8 is host-bound (1.7x BF16's step at 1.5B x 8K), eager BF16
-        # is not (graphs gain it 3-10%), and the graphs' pool stays reserved, which left a colocated BF16 engine
-        # at 1.5B without memory (docs/performance.md).
-        auto_blockers = blockers + ([] if self.fp8_linears else ["BF16: eager is not host-bound"])
+        # "auto" graphs both precisions (session 26): eager steps are host-bound at small micro-batches (BF16
+        # 2.0x its graphed step at 1.5B x 2K, 1.4x at 4K; FP8 more), and the colocated 1.5B RL run with BF16
+        # graphs reserved less than eager BF16 (51.8 against 60.7 GiB). Until then BF16 stayed eager: its
+        # graphs' pool had left a colocated engine without memory, before the BF16 model and fused kernels.
+        auto_blockers = blockers
         if trainer_cfg.cuda_graphs is True or (trainer_cfg.cuda_graphs == "auto" and not auto_blockers):
             self.layer_graphs = LayerGraphs(self.model, check_memory=trainer_cfg.cuda_graphs == "auto")
         if trainer_cfg.cuda_graphs == "auto" and self.device.type == "cuda":
