@@ -37,9 +37,11 @@ import torch
 
 # hidden, intermediate, kv width (num_key_value_heads * head_dim)
 MODELS = {"Qwen2.5-1.5B": (1536, 8960, 256), "Qwen2.5-7B": (3584, 18944, 512)}
+# (name, N, K, input): a linear of a decoder layer and the name of the tensor it reads
+Spec = tuple[str, int, int, str]
 
 
-def layer_specs(hidden: int, inter: int, kv: int) -> list[tuple[str, int, int, str]]:
+def layer_specs(hidden: int, inter: int, kv: int) -> list[Spec]:
     """(name, N, K, input) for the seven decoder linears; the input names which tensor each one reads."""
     return [
         ("q_proj", hidden, hidden, "x"),
@@ -95,7 +97,7 @@ def time_interleaved(cases: dict[str, Callable[[], object]], reps: int, rounds: 
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def _layers(specs: list[tuple[str, int, int, str]], fp8: bool) -> list[torch.nn.Linear]:
+def _layers(specs: list[Spec], fp8: bool) -> list[torch.nn.Linear]:
     from infir2_rl.fp8.linear import Fp8Linear
 
     cls = Fp8Linear if fp8 else torch.nn.Linear
@@ -121,12 +123,33 @@ def _runner(
     return run
 
 
-def time_linears(specs: list[tuple[str, int, int, str]], m: int, reps: int) -> dict[str, float]:
-    """Forward and forward+backward of the given linears, BF16 vs FP8; inputs shared as named."""
+def _layer_data(specs: list[Spec], m: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Inputs by source name (shared by the linears that read them) and one output gradient per linear."""
     bf16 = torch.bfloat16
     srcs = {src: torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True) for _, _, k, src in specs}
+    return srcs, [torch.randn(m, n, device="cuda", dtype=bf16) for _, n, _, _ in specs]
+
+
+def _qkv_as_one(
+    specs: list[Spec], srcs: dict[str, torch.Tensor], dys: list[torch.Tensor], fp8: list[torch.nn.Linear]
+) -> tuple[list[torch.nn.Linear], list[torch.Tensor], list[torch.Tensor]]:
+    """Group the FP8 q, k, v linears (fp8/grouped.py, as the trainer does on a GPU) and build the BF16 layer
+    with q|k|v as one nn.Linear: its (layers, inputs, output gradients)."""
+    from infir2_rl.fp8.grouped import ProjectionGroup
+
+    group = ProjectionGroup(fp8[:3])  # type: ignore[arg-type]
+    for layer in fp8[:3]:
+        layer._group = group  # type: ignore[assignment]
+    (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
+    fused_specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
+    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
+    return _layers(fused_specs, False), [srcs[s] for *_, s in fused_specs], fused_dys
+
+
+def time_linears(specs: list[Spec], m: int, reps: int) -> dict[str, float]:
+    """Forward and forward+backward of the given linears, BF16 vs FP8; inputs shared as named."""
+    srcs, dys = _layer_data(specs, m)
     inputs = [srcs[src] for *_, src in specs]
-    dys = [torch.randn(m, n, device="cuda", dtype=bf16) for _, n, _, _ in specs]
     plain, fp8 = _layers(specs, False), _layers(specs, True)
     out = time_interleaved(
         {
@@ -141,16 +164,7 @@ def time_linears(specs: list[tuple[str, int, int, str]], m: int, reps: int) -> d
     names = [name for name, *_ in specs]
     if names[:3] != ["q_proj", "k_proj", "v_proj"]:
         return out
-    from infir2_rl.fp8.grouped import ProjectionGroup
-
-    group = ProjectionGroup(fp8[:3])  # type: ignore[arg-type]
-    for layer in fp8[:3]:
-        layer._group = group  # type: ignore[assignment]
-    (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
-    fused_specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
-    fused_inputs = [srcs[s] for *_, s in fused_specs]
-    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
-    fused_bf16 = _layers(fused_specs, False)
+    fused_bf16, fused_inputs, fused_dys = _qkv_as_one(specs, srcs, dys, fp8)
     # BF16 with three q, k, v linears again, in the same rounds, so that "best" compares like with like.
     out |= time_interleaved(
         {
@@ -166,27 +180,16 @@ def time_linears(specs: list[tuple[str, int, int, str]], m: int, reps: int) -> d
     return out
 
 
-def profile_layer(specs: list[tuple[str, int, int, str]], m: int, top: int) -> None:
+def profile_layer(specs: list[Spec], m: int, top: int) -> None:
     """Kernel-time profile of one forward+backward of the layer, BF16 (q|k|v fused) and FP8 (grouped)."""
     from torch.profiler import ProfilerActivity, profile
     from train_step import kernel_times, print_kernels, summarize_kernels
 
-    from infir2_rl.fp8.grouped import ProjectionGroup
-
-    bf16 = torch.bfloat16
-    srcs = {src: torch.randn(m, k, device="cuda", dtype=bf16, requires_grad=True) for _, _, k, src in specs}
-    (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
-    fused_specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
-    dys = [torch.randn(m, n, device="cuda", dtype=bf16) for _, n, _, _ in specs]
-    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
+    srcs, dys = _layer_data(specs, m)
     fp8 = _layers(specs, True)
-    group = ProjectionGroup(fp8[:3])  # type: ignore[arg-type]
-    for layer in fp8[:3]:
-        layer._group = group  # type: ignore[assignment]
+    fused_bf16, fused_inputs, fused_dys = _qkv_as_one(specs, srcs, dys, fp8)
     runs = {
-        "BF16, q|k|v as one linear": _runner(
-            _layers(fused_specs, False), [srcs[s] for *_, s in fused_specs], fused_dys, False
-        ),
+        "BF16, q|k|v as one linear": _runner(fused_bf16, fused_inputs, fused_dys, False),
         "FP8, q|k|v grouped, weights re-quantized": _runner(fp8, [srcs[s] for *_, s in specs], dys, True),
     }
     for title, run in runs.items():
@@ -200,18 +203,28 @@ def profile_layer(specs: list[tuple[str, int, int, str]], m: int, top: int) -> N
         )
 
 
-def time_gemms(m: int, n: int, k: int, reps: int) -> dict[str, float]:
-    """Each of the three GEMMs alone, BF16 (torch.mm) and FP8 on pre-quantized operands, ms; also wgrad
-    computed transposed (dW^T = X^T dY, the same product with cuBLASLt's operands swapped)."""
-    from infir2_rl.fp8 import gemm, quant_triton
+def _gemm_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """BF16 x (M, K), dy (M, N), w (N, K) and their FP8 operands as ops.py hands them to the three GEMMs:
+    (x, dy, w, wq, ws, wqt, wst, xq, xs, xtq, xts, dq, ds, dtq, dts)."""
+    from infir2_rl.fp8 import quant_triton
 
     bf16 = torch.bfloat16
     x, dy = torch.randn(m, k, device="cuda", dtype=bf16), torch.randn(m, n, device="cuda", dtype=bf16)
     w = torch.randn(n, k, device="cuda", dtype=bf16) * 0.02
     wq, ws, wqt = quant_triton.quantize_weight_with_transpose(w)
-    wst = ws.t().contiguous()
-    xq, xs, xtq, xts = quant_triton.quantize_rows_and_cols(x)
-    dq, ds, dtq, dts = quant_triton.quantize_rows_and_cols(dy)
+    return (
+        x, dy, w, wq, ws, wqt, ws.t().contiguous(),
+        *quant_triton.quantize_rows_and_cols(x), *quant_triton.quantize_rows_and_cols(dy),
+    )  # fmt: skip
+
+
+def time_gemms(m: int, n: int, k: int, reps: int) -> dict[str, float]:
+    """Each of the three GEMMs alone, BF16 (torch.mm) and FP8 on pre-quantized operands, ms; also wgrad
+    computed transposed (dW^T = X^T dY, the same product with cuBLASLt's operands swapped)."""
+    from infir2_rl.fp8 import gemm
+
+    bf16 = torch.bfloat16
+    x, dy, w, wq, ws, wqt, wst, xq, xs, xtq, xts, dq, ds, dtq, dts = _gemm_operands(m, n, k)
     return time_interleaved(
         {
             "bf16 fprop": lambda: x @ w.t(),
@@ -231,12 +244,7 @@ def time_parts(m: int, n: int, k: int, reps: int) -> dict[str, float]:
     from infir2_rl.fp8 import gemm, quant_triton
 
     bf16 = torch.bfloat16
-    x, dy = torch.randn(m, k, device="cuda", dtype=bf16), torch.randn(m, n, device="cuda", dtype=bf16)
-    w = torch.randn(n, k, device="cuda", dtype=bf16) * 0.02
-    wq, ws, wqt = quant_triton.quantize_weight_with_transpose(w)
-    wst = ws.t().contiguous()
-    xq, xs, xtq, xts = quant_triton.quantize_rows_and_cols(x)
-    dq, ds, dtq, dts = quant_triton.quantize_rows_and_cols(dy)
+    x, dy, w, wq, ws, wqt, wst, xq, xs, xtq, xts, dq, ds, dtq, dts = _gemm_operands(m, n, k)
     return {
         "gemm": cuda_time_ms(lambda: gemm.mm_1x128_128x128(xq, xs, wq, ws, bf16), reps)
         + cuda_time_ms(lambda: gemm.mm_1x128_128x128(dq, ds, wqt, wst, bf16), reps)

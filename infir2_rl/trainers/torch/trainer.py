@@ -249,15 +249,14 @@ class TorchTrainer:
         # 2.0x its graphed step at 1.5B x 2K, 1.4x at 4K; FP8 more), and the colocated 1.5B RL run with BF16
         # graphs reserved less than eager BF16 (51.8 against 60.7 GiB). Until then BF16 stayed eager: its
         # graphs' pool had left a colocated engine without memory, before the BF16 model and fused kernels.
-        auto_blockers = blockers
-        if trainer_cfg.cuda_graphs is True or (trainer_cfg.cuda_graphs == "auto" and not auto_blockers):
+        if trainer_cfg.cuda_graphs is True or (trainer_cfg.cuda_graphs == "auto" and not blockers):
             self.layer_graphs = LayerGraphs(self.model, check_memory=trainer_cfg.cuda_graphs == "auto")
         if trainer_cfg.cuda_graphs == "auto" and self.device.type == "cuda":
             log.info(
                 "trainer.cuda_graphs=auto: %s",
                 "decoder layers replayed from CUDA graphs"
                 if self.layer_graphs
-                else f"eager ({', '.join(auto_blockers)})",
+                else f"eager ({', '.join(blockers)})",
             )
         # Packed rows under the layer graphs are padded to a few lengths (scoring.score_tokens).
         self.packed_length: Callable[[int], int] | None = (
