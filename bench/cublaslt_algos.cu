@@ -90,6 +90,7 @@ static void run(cublasLtHandle_t lt, const Problem& p, void* ws, size_t ws_size)
            flops / t[10] / 1e9, tile, stages, splitk, swizzle, custom, res[i].workspaceSize);
   }
   if (got > 0) printf("  -> heuristic's first %.4f ms, fastest %.4f ms (algo %d)\n", first, best, best_i);
+  cudaEventDestroy(e0); cudaEventDestroy(e1);
   cudaFree(A); cudaFree(B); cudaFree(D); cudaFree(sA); cudaFree(sB);
   cublasLtMatmulPreferenceDestroy(pref); cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb);
   cublasLtMatrixLayoutDestroy(ld); cublasLtMatmulDescDestroy(op);
