@@ -116,7 +116,8 @@ def host_ops(prof: Any, top: int = 12) -> list[tuple[str, float, int]]:
 def category(kernel: str, op: str) -> str:
     """Category of a kernel from its name and the op that launched it (the top-kernel list shows the result)."""
     k, o = kernel.lower(), op.lower()
-    if "quant" in k and "dequant" not in k:  # our Triton kernels: _act_quant_kernel, _weight_quant_kernel
+    # our Triton kernels: _act_quant_kernel, _weight_quant_kernel, _weight_blocks_kernel (in the optimizer step)
+    if ("quant" in k and "dequant" not in k) or "_weight_blocks" in k:
         return "quantization (Triton)"
     # cuBLASLt's FP8 kernels: "..._qqtst_..." (1x128 x 128x128) and "..._qqsss_..." (1x128 x 1x128) on sm90.
     # Inside CUDA graphs kernels are named from their own names only (the launching op is the graph).
@@ -274,12 +275,14 @@ def run_mode(
             grouped.ungroup_projections(trainer.model)
     cfg = AutoConfig.from_pretrained(path)
     batch = sft_batch(args.batch, args.seq, cfg.vocab_size)
-    units, loss_fn = num_target_tokens(batch), SftLossFn()
+    # --micro-batches N: one optimizer step over N micro-batches (the batch N times), as gradient accumulation.
+    units, loss_fn = num_target_tokens(batch) * args.micro_batches, SftLossFn()
+    batches = [batch] * args.micro_batches
     times, skipped, losses = [], 0, []
     for i in range(args.warmup + args.steps):
         sync(device)
         start = time.perf_counter()
-        stats = trainer.train_step([batch], loss_fn, units)
+        stats = trainer.train_step(batches, loss_fn, units)
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -297,7 +300,7 @@ def run_mode(
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     # What the process holds: CUDA graphs keep their memory pool reserved between replays.
     reserved_gb = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * args.micro_batches
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attn_width = cfg.num_attention_heads * head_dim
     # Weights of every matmul (q, k, v, o, gate, up, down per layer, and the lm_head), from the config so
@@ -307,7 +310,10 @@ def run_mode(
         cfg.hidden_size * (2 * attn_width + 2 * kv_width) + 3 * cfg.hidden_size * cfg.intermediate_size
     )
     n_matmul = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
-    flops = 6 * n_matmul * tokens + 6 * args.batch * args.seq**2 * cfg.num_hidden_layers * attn_width
+    flops = (
+        6 * n_matmul * tokens
+        + 6 * args.batch * args.micro_batches * args.seq**2 * cfg.num_hidden_layers * attn_width
+    )
     step_s = statistics.median(times)
     out: dict[str, Any] = {
         "fp8": fp8,
@@ -342,7 +348,7 @@ def run_mode(
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         sync(device)
         with profile(activities=activities) as prof:
-            trainer.train_step([batch], loss_fn, units)
+            trainer.train_step(batches, loss_fn, units)
             sync(device)
         out["profile"] = summarize_kernels(kernel_times(prof), top=args.profile_top)
         out["profile"]["host_top"] = host_ops(prof)
@@ -357,6 +363,9 @@ def run_mode(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches per optimizer step (the batch repeated)"
+    )
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode (median reported)")

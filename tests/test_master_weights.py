@@ -152,3 +152,76 @@ def test_one_segment_per_decoder_layer_and_gradients_allocated_as_they_arrive(tm
     trainer.train_step([batch], SftLossFn(), num_target_tokens(batch))
     assert seen == [True]
     assert all(seg.grads is None for seg in masters.segments)  # released after the step (eager)
+
+
+def test_fp8_linears_keep_their_fp8_weights_beside_the_masters(tmp_path: Path) -> None:
+    from infir2_rl.fp8.linear import Fp8Linear
+    from infir2_rl.fp8.quant import quantize_weight_blockwise
+
+    model = init_model(tmp_path / "model", preset="tiny")
+    trainer = _trainer(model, "bfloat16", fp8=True)
+    masters = trainer.master_weights
+    assert masters is not None
+    linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    regions = [seg.fp8 for seg in masters.segments if seg.fp8 is not None]
+    assert len(regions) == len(trainer.model.model.layers)  # type: ignore[union-attr]
+    kept = {id(m.kept_fp8.w_fp8.untyped_storage()) for m in linears if m.kept_fp8 is not None}
+    assert all(m.kept_fp8 is not None for m in linears)
+    assert sum(r.codes.numel() for r in regions) == sum(m.weight.numel() for m in linears)
+
+    def assert_fresh() -> None:
+        for m in linears:
+            w_fp8, scale_inv = m.export_fp8()
+            assert m.kept_fp8 is not None and w_fp8 is m.kept_fp8.w_fp8  # the buffers, not a copy
+            ref_w, ref_s = quantize_weight_blockwise(m.weight.detach())
+            assert torch.equal(w_fp8.view(torch.uint8), ref_w.view(torch.uint8)) and torch.equal(
+                scale_inv, ref_s
+            )
+
+    assert_fresh()
+    paths = make_data(tmp_path / "data", num_sft=8, num_rl=4, num_test=4)
+    examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
+    batch = to_token_batch(examples[:8], trainer.tokenizer.pad_token_id)
+    before = [m.export_fp8()[0].clone() for m in linears]
+    trainer.train_step([batch], SftLossFn(), num_target_tokens(batch))
+    assert_fresh()  # torch's AdamW on CPU: the trainer marks them stale, the next use quantizes again
+    assert any(
+        not torch.equal(a.view(torch.uint8), m.export_fp8()[0].view(torch.uint8))
+        for a, m in zip(before, linears)
+    )
+    # A checkpoint load writes the masters through views whose writes the parameters' version counters miss.
+    sd = {k: v.clone() for k, v in masters.state_dict(trainer.model).items()}
+    for k in sd:
+        if k.endswith("q_proj.weight"):
+            sd[k].mul_(2.0)
+    masters.load_state_dict(trainer.model, sd)
+    assert_fresh()
+    assert len(kept) == len(regions)  # one FP8 buffer per decoder layer
+
+
+def test_q_k_v_kept_one_after_another_run_as_one_view() -> None:
+    from infir2_rl.fp8 import grouped
+    from infir2_rl.fp8.linear import Fp8Linear
+
+    torch.manual_seed(0)
+    attn = nn.Module()
+    for name, rows in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
+        setattr(attn, name, Fp8Linear(128, rows))
+    masters = MasterWeights(attn)
+    assert grouped.group_projections(attn) == 1
+    group = attn.q_proj._group
+    assert group is not None
+    stacked = group._fp8_weight()
+    parts = [m.export_fp8() for m in group.members]
+    # The stack is the kept buffers themselves (no copy), equal to the members' FP8 weights stacked.
+    region = masters.segments[0].fp8
+    assert region is not None and stacked.w_fp8.data_ptr() == region.codes.data_ptr()
+    assert torch.equal(stacked.w_fp8.view(torch.uint8), torch.cat([w for w, _ in parts]).view(torch.uint8))
+    assert torch.equal(stacked.scale_inv, torch.cat([s for _, s in parts]))
+    x = torch.randn(4, 128, requires_grad=True)
+    outs = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    sum(o.square().sum() for o in outs).backward()
+    assert all(
+        m.main_grad is not None and m.main_grad.abs().sum() > 0
+        for m in (attn.q_proj.weight, attn.v_proj.weight)
+    )

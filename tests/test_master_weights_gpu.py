@@ -81,3 +81,52 @@ def test_flat_adamw_updates_as_torchs_fused_adamw() -> None:
             again.state[m]["exp_avg_sq"], ref_opt.state[p]["exp_avg_sq"], rtol=0, atol=0
         )
     assert all(v.abs().sum() > 0 for _, v in again.moments)  # the loaded values are in the buffers it reads
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_flat_adamw_writes_the_fp8_weights_of_the_masters_it_steps(pow2: bool) -> None:
+    from infir2_rl.fp8 import quant_triton
+    from infir2_rl.fp8.linear import Fp8Linear
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)  # 300 and 200 rows, 96 and 300 columns: partial 128x128 blocks at both edges
+        return nn.Sequential(
+            Fp8Linear(96, 300, pow2_scales=pow2),
+            nn.LayerNorm(300),
+            Fp8Linear(300, 200, bias=False, pow2_scales=pow2),
+        ).cuda()
+
+    cfg = OptimizerConfig(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+    reference = model()
+    ref_params = list(reference.parameters())
+    ref_opt = build_optimizer(ref_params, cfg)
+    fp8_model = model()
+    masters = MasterWeights(fp8_model)
+    opt = build_optimizer(masters.optimizer_params, cfg, masters)
+    assert isinstance(opt, FlatAdamW) and opt.keeps_fp8
+    linears = [m for m in fp8_model.modules() if isinstance(m, Fp8Linear)]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(4):
+        grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in ref_params]
+        if step == 2:
+            grads[0][0, 0] = float("inf")  # skipped: masters and FP8 weights stay as they were
+        before = [m.export_fp8()[0].clone() for m in linears]
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g.clone()
+        masters.ensure_grads()
+        for m, g in zip(masters.optimizer_params, grads, strict=True):
+            assert m.grad is not None
+            m.grad.copy_(g)
+        ref_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        step_unless_nonfinite(ref_opt, ref_params, ref_norm, grad_clip=1.0)
+        step_unless_nonfinite(opt, masters.optimizer_params, masters.grad_norm(), grad_clip=1.0)
+        for p, m in zip(ref_params, masters.optimizer_params, strict=True):
+            torch.testing.assert_close(m, p.detach(), rtol=2e-6, atol=1e-7)
+        for lin, old in zip(linears, before, strict=True):
+            assert lin.refresh_fp8() is False  # fresh: the optimizer wrote them
+            w_fp8, scale_inv = lin.export_fp8()
+            ref_w, ref_s = quant_triton.quantize_weight(lin.weight.detach(), pow2)
+            assert torch.equal(w_fp8.view(torch.uint8), ref_w.view(torch.uint8))
+            assert torch.equal(scale_inv, ref_s)
+            assert torch.equal(w_fp8.view(torch.uint8), old.view(torch.uint8)) == (step == 2)
+        masters.zero_grad()

@@ -53,6 +53,23 @@ class _StackedWeight(torch.autograd.Function):
         return tuple(dw.split(ctx.rows, dim=0))
 
 
+def _adjacent_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The row stack of contiguous 2-D ``parts`` of one width as a view, when each starts in their common
+    storage where the one before it ends; else None."""
+    first = parts[0]
+    offset, width = first.storage_offset(), first.shape[1]
+    for p in parts:
+        if (
+            p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or p.storage_offset() != offset
+            or p.shape[1] != width
+            or not p.is_contiguous()
+        ):
+            return None
+        offset += p.numel()
+    return first.as_strided((sum(p.shape[0] for p in parts), width), (width, 1))
+
+
 class ProjectionGroup:
     """Linears that read one input, run as one FP8 linear (module docstring)."""
 
@@ -80,6 +97,18 @@ class ProjectionGroup:
 
     def _fp8_weight(self) -> Fp8Weight:
         parts = tuple(m._fp8_weight() for m in self.members)
+        if all(m.kept_fp8 is not None for m in self.members):
+            # Kept FP8 weights (Fp8Linear.keep_fp8_in) laid out one after another, as MasterWeights lays out
+            # q, k and v: their stack is a view of the same buffers, which the optimizer keeps current.
+            w_fp8, scale_inv = (
+                _adjacent_view([p.w_fp8 for p in parts]),
+                _adjacent_view([p.scale_inv for p in parts]),
+            )
+            if w_fp8 is not None and scale_inv is not None:
+                return Fp8Weight(w_fp8, scale_inv)
+            self._stacked = None  # kept buffers change in place: a stacked copy would go stale unseen
+            with torch.autocast(parts[0].w_fp8.device.type, enabled=False):
+                return Fp8Weight(torch.cat([p.w_fp8 for p in parts]), torch.cat([p.scale_inv for p in parts]))
         capturing = parts[0].w_fp8.is_cuda and torch.cuda.is_current_stream_capturing()
         if (
             not capturing

@@ -3,7 +3,9 @@
 * ``Fp8Linear``: a drop-in ``nn.Linear`` for training. Its Parameters (the master weight, FP32 or BF16, and
   the bias) are unchanged; each forward quantizes the weight in 128x128 blocks (cached until the weight
   changes) and runs fprop/dgrad/wgrad in blockwise FP8 (``ops.py``). ``export_fp8()`` returns the exact
-  bytes and scales the forward used, which is what weight sync sends to the rollout engines.
+  bytes and scales the forward used, which is what weight sync sends to the rollout engines. Given buffers
+  of its own (``keep_fp8_in``: the trainer's FP32 masters do, trainers/torch/master_weights.py), it keeps
+  the FP8 weight there, where the optimizer can write it as it updates the master and CUDA graphs read it.
 * ``Fp8InferenceLinear``: W8A8 for rollout. Holds only the FP8 weight and its FP32 ``weight_scale_inv``
   (the checkpoint format), quantizes activations per 1x128 tile at run time.
 * ``fp8_disabled(model)``: a context in which every ``Fp8Linear`` runs as a plain linear on its master
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from infir2_rl.fp8 import gemm, quant_triton
+from infir2_rl.fp8 import gemm, ops, quant_triton
 from infir2_rl.fp8.ops import Fp8Weight, fp8_linear, fp8_linear_forward
 from infir2_rl.fp8.quant import FP8_DTYPE, quantize_weight_blockwise
 
@@ -47,6 +49,14 @@ class Fp8Linear(nn.Linear):
     CUDA default here: checked in torch 2.13, ``_version`` stays put) bypass the version counter: call
     ``invalidate_fp8_cache()`` after them (the trainers do, after every optimizer step). The cache holds 1 byte per weight; the
     GPU dgrad's W^T is made by each backward and freed after it (``ops._fast_backward``).
+
+    Kept FP8 weight (``keep_fp8_in(w_fp8, scale_inv)``): the quantization lives in those buffers instead of
+    the cache, stamped with the weight's version and storage. A forward that finds the stamp stale quantizes
+    into them in place; an optimizer that writes them itself as it updates the master (the flat AdamW,
+    trainers/flat_adamw.py) stamps them with ``mark_fp8_fresh``, and then no forward quantizes at all. A CUDA
+    graph captured over the forward reads the buffers, so whoever replays it checks the stamps first
+    (``refresh_fp8``; trainers/torch/layer_graphs.py does, once per micro-batch), and a capture that finds
+    them stale refuses.
     """
 
     def __init__(
@@ -68,6 +78,9 @@ class Fp8Linear(nn.Linear):
         # True where the input's producer keeps it for its own backward (the attention's output, o_proj's
         # input: ``mark_kept_inputs``): the weight gradient's token tiles are then made from it at backward.
         self.input_kept = False
+        # The kept FP8 weight (keep_fp8_in) and the weight key it was made from (None: stale).
+        self._kept: Fp8Weight | None = None
+        self._kept_key: tuple[int, int] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, pow2_scales: bool = False) -> Fp8Linear:
@@ -84,8 +97,66 @@ class Fp8Linear(nn.Linear):
 
     def invalidate_fp8_cache(self) -> None:
         self._fp8_cache = None
+        self._kept_key = None
         if self._group is not None:
             self._group.invalidate()
+
+    def keep_fp8_in(self, w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Keep the FP8 weight in these buffers from now on: ``w_fp8`` (N, K) float8_e4m3fn and ``scale_inv``
+        (ceil(N/128), ceil(K/128)) FP32, both contiguous on the weight's device (class docstring)."""
+        n, k = self.out_features, self.in_features
+        shapes = ((n, k), (_ceil_div(n, 128), _ceil_div(k, 128)))
+        if (
+            (w_fp8.dtype, scale_inv.dtype) != (FP8_DTYPE, torch.float32)
+            or (tuple(w_fp8.shape), tuple(scale_inv.shape)) != shapes
+            or not (w_fp8.is_contiguous() and scale_inv.is_contiguous())
+            or w_fp8.device != self.weight.device
+        ):
+            raise ValueError(
+                f"keep_fp8_in: expected contiguous {FP8_DTYPE} {shapes[0]} and float32 {shapes[1]} on "
+                f"{self.weight.device}, got {w_fp8.dtype} {tuple(w_fp8.shape)} and {scale_inv.dtype} "
+                f"{tuple(scale_inv.shape)} on {w_fp8.device}"
+            )
+        self._kept, self._kept_key = Fp8Weight(w_fp8, scale_inv), None
+        self._fp8_cache = None
+
+    @property
+    def kept_fp8(self) -> Fp8Weight | None:
+        """The buffers given to ``keep_fp8_in``, or None."""
+        return self._kept
+
+    def _kept_stamp(self) -> tuple[int, int]:
+        # The kept buffers fix the device, dtype, shape and pow2 setting: the version and storage suffice (a
+        # shorter key than _weight_key: it is checked for every linear before each graphed micro-batch).
+        w = self.weight
+        return (w._version, w.data_ptr())
+
+    def mark_fp8_fresh(self) -> None:
+        """The kept FP8 weight is the quantization of the weight as it is now (its writer says so)."""
+        self._kept_key = self._kept_stamp()
+        if self._kept is not None:
+            ops.forget_dequantized(self._kept.w_fp8)
+
+    @torch.no_grad()
+    def refresh_fp8(self) -> bool:
+        """Quantize the weight into the kept buffers if their stamp is stale; returns whether it did.
+
+        The buffers are written without a version bump (a Triton kernel, or a copy through ``.data``): the
+        kept weights of a layer are views of one buffer sharing one version counter, so a bump for k_proj's
+        would fail the backward of q_proj, which saved its own, unchanged, view. Readers that cache by version
+        are told directly (``mark_fp8_fresh``)."""
+        if self._kept is None or self._kept_key == self._kept_stamp():
+            return False
+        w = self.weight.detach()
+        kept = self._kept
+        if gemm.fast_path_ok(w, self.out_features, self.in_features):
+            quant_triton.quantize_weight(w, self.pow2_scales, out=(kept.w_fp8, kept.scale_inv))
+        else:
+            w_fp8, scale_inv = quantize_weight_blockwise(w, pow2_scales=self.pow2_scales)
+            kept.w_fp8.data.copy_(w_fp8)
+            kept.scale_inv.data.copy_(scale_inv)
+        self.mark_fp8_fresh()
+        return True
 
     @torch.no_grad()
     def _fp8_weight(self) -> Fp8Weight:
@@ -96,7 +167,17 @@ class Fp8Linear(nn.Linear):
                 "Fp8Linear: the weight is an FSDP shard outside a forward; export with "
                 "TorchTrainer.export_weights() or call export_fp8() from a forward hook"
             )
-        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = self.weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self._kept is not None:
+            if not capturing:
+                self.refresh_fp8()
+            elif self._kept_key != self._kept_stamp():
+                raise RuntimeError(
+                    "Fp8Linear: a CUDA graph capture found the kept FP8 weight stale (refresh_fp8 before "
+                    "capturing: the graph reads the buffers, it does not quantize)"
+                )
+            return self._kept
+        if capturing:
             # Inside a CUDA graph capture (trainers/torch/layer_graphs.py) the quantization is recorded, so
             # every replay quantizes the weight as it is then; caching the captured tensors would hand graph
             # memory to later eager code.

@@ -176,6 +176,12 @@ def _take_given_grad(dy: torch.Tensor, pow2: bool) -> tuple[Any, ...] | None:
 _dequant_cache: dict[int, tuple[Any, int, Any, int, torch.Tensor]] = {}
 
 
+def forget_dequantized(w_fp8: torch.Tensor) -> None:
+    """Drop the dequantized copy of ``w_fp8``: its bytes were rewritten without a version bump (kept FP8
+    weights, ``Fp8Linear.keep_fp8_in``)."""
+    _dequant_cache.pop(id(w_fp8), None)
+
+
 def _dequantized_weight(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     key = id(w_fp8)
     hit = _dequant_cache.get(key)

@@ -226,6 +226,30 @@ if _HAVE_TRITON:
         tl.store(s_ptr + pid_n * KB + pid_k + tl.arange(0, 1), s)
 
     @triton.jit
+    def _weight_blocks_kernel(
+        w_ptr, q_ptr, s_ptr, blocks_ptr, start, POW2: tl.constexpr, ALIGNED: tl.constexpr, B: tl.constexpr
+    ):  # fmt: skip
+        """``_weight_quant_kernel`` for many weights in one flat buffer: program i quantizes the 128x128 block
+        of row i of ``blocks`` (weight offset in ``w_ptr``, N, K, block row, block column, scale index); the
+        codes go to the weight's offset minus ``start`` in ``q_ptr``. ``ALIGNED``: every offset, K and
+        ``start`` are multiples of 16, which the kernel cannot see in values it loads; without the hints its
+        loads and stores were not vectorized (1.7x the per-weight kernel's time at 1.5B, H100)."""
+        row = blocks_ptr + tl.program_id(0).to(tl.int64) * 6
+        base, n, k = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+        bi, bj, si = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
+        if ALIGNED:
+            base, k, start = tl.multiple_of(base, 16), tl.multiple_of(k, 16), tl.multiple_of(start, 16)
+        rows = bi * B + tl.arange(0, B)
+        cols = bj * B + tl.arange(0, B)
+        mask = (rows[:, None] < n) & (cols[None, :] < k)
+        offs = base + rows[:, None] * k + cols[None, :]
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        amax_bits = tl.max(tl.max(_abs_bits(w), axis=1), axis=0)
+        s = _scale_from_bits(tl.full((1,), 0, tl.int32) + amax_bits, POW2)
+        tl.store(q_ptr + (offs - start), _to_e4m3(w, s[:, None]), mask=mask)
+        tl.store(s_ptr + si + tl.arange(0, 1), s)
+
+    @triton.jit
     def _transpose_bytes_kernel(x_ptr, y_ptr, R, C, B: tl.constexpr):
         # y (C, R) = x (R, C)^T for 1-byte elements, one B x B tile per program.
         rows = tl.program_id(0) * B + tl.arange(0, B)
@@ -335,18 +359,53 @@ def quantize_rows_and_cols(
     return q, s_t, qt, st
 
 
-def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 blocks of ``w`` (N, K) -> (w_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))."""
+def quantize_weight(
+    w: torch.Tensor, pow2_scales: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks of ``w`` (N, K) -> (w_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128))), written
+    into ``out`` (two contiguous tensors of those shapes and dtypes) when given."""
     if w.stride(-1) != 1:
         w = w.contiguous()
     n, k = w.shape
     nb, kb = -(-n // _TILE), -(-k // _TILE)
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    if out is None:
+        q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    else:
+        q, s = out
+        if (q.shape, s.shape, q.dtype, s.dtype) != (
+            (n, k),
+            (nb, kb),
+            torch.float8_e4m3fn,
+            torch.float32,
+        ) or not (q.is_contiguous() and s.is_contiguous()):
+            raise ValueError(f"quantize_weight: out must be contiguous e4m3 {(n, k)} and float32 {(nb, kb)}")
     _weight_quant_kernel[(nb, kb)](
         w, q, s, n, k, w.stride(0), kb, POW2=pow2_scales, B=_TILE, num_warps=LAUNCH["weight"]["warps"]
     )
     return q, s
+
+
+def quantize_weight_blocks(
+    flat: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    blocks: torch.Tensor,
+    start: int,
+    pow2_scales: bool,
+    aligned: bool = False,
+) -> None:
+    """``quantize_weight`` of many weights stored one after another in ``flat`` (FP32), in one launch: row i
+    of ``blocks`` (int64, (n, 6)) names a 128x128 block (weight offset in ``flat``, N, K, block row, block
+    column, index in ``scales``); its codes go to ``codes`` at the weight's offset minus ``start``.
+    ``aligned``: every weight offset, K and ``start`` are multiples of 16 (vectorized loads and stores).
+    ``trainers/torch/master_weights.Fp8Region`` builds the table."""
+    if blocks.shape[0] == 0:
+        return
+    _weight_blocks_kernel[(blocks.shape[0],)](
+        flat, codes, scales, blocks, start, POW2=pow2_scales, ALIGNED=aligned, B=_TILE,
+        num_warps=LAUNCH["weight"]["warps"],
+    )  # fmt: skip
 
 
 def quantize_weight_with_transpose(

@@ -8,6 +8,13 @@ segment reads a master, its gradient and moments once and writes the master, the
 parameters with a BF16 copy, the front of the buffer) the copy: 30 bytes per parameter, no other pass. The clip coefficient and the non-finite flag are read by the
 kernel from the device (no host synchronization); with the flag set it changes nothing.
 
+After the update, a segment's FP8 decoder linears (the back of it, ``master_weights.Fp8Region``) are quantized
+into their kept FP8 weights by one more launch (``quant_triton.quantize_weight_blocks``: the bytes and scales
+``quantize_weight`` gives, 5 bytes per weight), so that no forward quantizes them again: the old way quantized
+every weight in every micro-batch's forward. A kernel that also did the update, one program per 128x128 block
+(29 bytes per weight instead of 33), ran at ~1.9 TB/s against this kernel pair's ~2.5 and took longer (H100,
+``bench/flat_adamw.py``, session 27).
+
 The arithmetic is torch's fused AdamW's (``ATen/native/cuda/fused_adam_utils.cuh``, ADAMW mode, FP32 opmath):
 ``p -= lr * wd * p; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 p -= (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps)`` with g the clipped gradient (clipping multiplies first, as
@@ -31,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from infir2_rl.fp8 import quant_triton
 
 if TYPE_CHECKING:
     from infir2_rl.trainers.torch.master_weights import Segment
@@ -97,6 +106,8 @@ class FlatAdamW(torch.optim.AdamW):
         if not available(device):
             raise RuntimeError(f"FlatAdamW needs a CUDA device with Triton, got {device}")
         self.segments = list(segments)
+        # The FP8 linears' kept FP8 weights are written by step() (the trainer need not invalidate them).
+        self.keeps_fp8 = any(seg.fp8 is not None for seg in self.segments)
         # The moments, one pair per segment, made at the first step as torch's AdamW makes them (so that they
         # are not held through the first forward).
         self.moments: list[tuple[Tensor, Tensor]] = []
@@ -132,13 +143,19 @@ class FlatAdamW(torch.optim.AdamW):
         skip = torch.zeros_like(one) if skip is None else skip.float()
         lr = float(group["lr"])
         step_size, bc2_sqrt = lr / (1.0 - beta1**self.steps), math.sqrt(1.0 - beta2**self.steps)
+        hyper = (lr, beta1, beta2, group["eps"], group["weight_decay"], step_size, bc2_sqrt)
         for seg, (exp_avg, exp_avg_sq) in zip(self.segments, self.moments, strict=True):
             n = seg.flat.numel()
             _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
                 seg.flat, seg.ensure_grads(), exp_avg, exp_avg_sq, seg.copy, n, seg.copy.numel(), coef, skip,
-                lr, beta1, beta2, group["eps"], group["weight_decay"], step_size, bc2_sqrt,
-                BLOCK=_BLOCK, num_warps=8,
+                *hyper, BLOCK=_BLOCK, num_warps=8,
             )  # fmt: skip
+            if seg.fp8 is not None:  # the updated FP8 masters into their kept FP8 weights
+                fp8 = seg.fp8
+                quant_triton.quantize_weight_blocks(
+                    seg.flat, fp8.codes, fp8.scales, fp8.blocks, fp8.start, fp8.pow2, fp8.aligned
+                )
+                fp8.mark_fresh()
         self._step_t.add_(1.0 - skip)  # state["step"] counts applied updates, as torch's fused AdamW
 
     def rewind(self) -> None:

@@ -124,7 +124,7 @@ class _HfReplica:
     def autocast(self) -> AbstractContextManager[Any]:
         return self._autocast()
 
-    def invalidate_fp8_cache(self) -> None:
+    def fp8_step_boundary(self) -> None:
         pass
 
 

@@ -44,7 +44,7 @@ class TrainerRank(Protocol):
 
     def autocast(self) -> AbstractContextManager[Any]: ...
 
-    def invalidate_fp8_cache(self) -> None: ...
+    def fp8_step_boundary(self) -> None: ...
 
 
 HF_DIR = "hf"
@@ -232,7 +232,7 @@ def generate_greedy(
     if trainer.fsdp:  # every rank runs as many generate() calls as the busiest one
         chunks += [[[tok.pad_token_id]]] * (D.all_reduce_max_int(len(chunks), trainer.device) - len(chunks))
     trainer.model.eval()
-    trainer.invalidate_fp8_cache()
+    trainer.fp8_step_boundary()
     results: list[list[int]] = []
     for chunk in chunks:
         width = max(len(p) for p in chunk)

@@ -19,8 +19,12 @@ training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``
   master_weights.py: into the master's gradient, ``main_grad``, in FP32). Those tensors must therefore
   stay the same tensors from capture on: the trainer zeroes them in place (``zero_grad(set_to_none=False)``)
   and every replay checks their identity (``GradsReplaced`` otherwise, never a silent write to freed memory).
-* FP8: ``Fp8Linear`` skips its weight cache while a capture runs, so the weight quantization is part of the
-  forward graph and each replay quantizes the current master weights.
+* FP8: an ``Fp8Linear`` with a kept FP8 weight (the trainer's FP32 masters give each one: master_weights.py)
+  is read from those buffers by the graph, which the flat AdamW rewrites as it steps the masters; each
+  micro-batch's first replay quantizes any that are stale first (``Fp8Linear.refresh_fp8``: after a
+  checkpoint load, or with another optimizer). Without kept buffers ``Fp8Linear`` skips its weight cache
+  while a capture runs, so the weight quantization is part of the forward graph and each replay quantizes
+  the current master weights.
 * All shapes share one memory pool. That is safe here because one micro-batch replays every layer's forward
   and backward of one shape before any other shape replays, and each buffer a graph reads is written by the
   same micro-batch's replays (or copied in) first. It is also what keeps many shapes affordable: the trainer
@@ -64,6 +68,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from infir2_rl.fp8.linear import Fp8Linear
 from infir2_rl.graph_capture import capture, warmup_stream
 
 log = logging.getLogger(__name__)
@@ -194,6 +199,7 @@ class LayerGraphs:
         self._boundary_sets: list[_Boundaries] = []  # a larger shape after smaller ones adds a set
         self._eager: list[Callable[..., Tensor]] = [layer.forward for layer in self.layers]
         self._params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        self._fp8 = [m for layer in self.layers for m in layer.modules() if isinstance(m, Fp8Linear)]
         self._all_params = [p for params in self._params for p in params]
         self._shapes: dict[tuple[Any, ...], _ShapeGraphs] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -322,6 +328,8 @@ class LayerGraphs:
         kwargs: dict[str, Any],
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
+        for m in self._fp8:  # the graphs read kept FP8 weights as they are (module docstring)
+            m.refresh_fp8()
         if not graphs.forward_only:  # the backward graphs add into the .grad tensors of their capture
             self._check_grads(graphs)
         graphs.cos.copy_(position_embeddings[0])

@@ -15,6 +15,12 @@ those the forward computes with, then those it only quantizes (the FP8 decoder l
   of ``copy``, which ``copy_to_model`` (or the flat AdamW, trainers/flat_adamw.py) rounds the masters into
   after each update; a quantized parameter stays FP32 and *is* its view of ``flat`` (a BF16 copy would cost
   2 bytes per weight and round it twice before FP8).
+* ``fp8`` (``Fp8Region``, when the segment has FP8 linears): their FP8 weights and scales, in the order of
+  their masters, which each ``Fp8Linear`` keeps there (``keep_fp8_in``). The flat AdamW writes them as it
+  updates the masters (trainers/flat_adamw.py), so no forward quantizes a weight again: the FP8 step at
+  1.5B had quantized every decoder weight from its FP32 master in each micro-batch's forward (3.2 ms of a
+  129 ms step at 4,096 tokens, H100). q, k and v lie one after another, so their stack is a view
+  (fp8/grouped.py).
 * ``grads`` (FP32): gradients accumulate in FP32, as before. Each parameter's gradient of a backward (BF16,
   or FP32 from an FP8 wgrad) is added into its master's gradient (``param.main_grad``, a view of ``grads``)
   as soon as autograd has it (a post-accumulate-grad hook) and dropped. The first gradient of a segment
@@ -63,6 +69,54 @@ def _accumulate_into_main_grad(param: Tensor) -> None:
 
 
 @dataclass
+class Fp8Region:
+    """The FP8 weights of a segment's FP8 linears (the back of ``flat``, from ``start``): ``codes`` holds each
+    weight's e4m3 bytes at its master's offset minus ``start``, ``scales`` the 128x128 blocks' FP32 scales
+    one weight after another, and ``blocks`` one row per 128x128 block for the flat AdamW's kernel: (master
+    offset in ``flat``, N, K, block row, block column, scale index)."""
+
+    start: int
+    codes: Tensor
+    scales: Tensor
+    blocks: Tensor
+    linears: list[Fp8Linear]
+    pow2: bool
+    aligned: bool  # every offset, K and start a multiple of 16 (quant_triton.quantize_weight_blocks)
+
+    @staticmethod
+    def build(flat: Tensor, start: int, linears: list[tuple[Fp8Linear, int]]) -> Fp8Region:
+        """For ``linears`` given as (module, master offset in ``flat``), in offset order from ``start``."""
+        pow2 = {m.pow2_scales for m, _ in linears}
+        if len(pow2) != 1:
+            raise ValueError("MasterWeights: FP8 linears of one segment must share pow2_scales")
+        grids = [(-(-m.out_features // 128), -(-m.in_features // 128)) for m, _ in linears]
+        codes = torch.empty(flat.numel() - start, dtype=torch.float8_e4m3fn, device=flat.device)
+        scales = torch.empty(sum(nb * kb for nb, kb in grids), dtype=torch.float32, device=flat.device)
+        rows = []
+        s_off = 0
+        for (m, offset), (nb, kb) in zip(linears, grids, strict=True):
+            n, k = m.out_features, m.in_features
+            m.keep_fp8_in(
+                codes[offset - start : offset - start + n * k].view(n, k),
+                scales[s_off : s_off + nb * kb].view(nb, kb),
+            )
+            index = torch.arange(nb * kb, dtype=torch.int64)
+            fixed = torch.tensor([offset, n, k], dtype=torch.int64).expand(nb * kb, 3)
+            rows.append(
+                torch.cat([fixed, (index // kb)[:, None], (index % kb)[:, None], s_off + index[:, None]], 1)
+            )
+            s_off += nb * kb
+        blocks = torch.cat(rows).to(flat.device)
+        aligned = start % 16 == 0 and all(off % 16 == 0 and m.in_features % 16 == 0 for m, off in linears)
+        return Fp8Region(start, codes, scales, blocks, [m for m, _ in linears], pow2.pop(), aligned)
+
+    def mark_fresh(self) -> None:
+        """The codes and scales are the quantization of the masters as they are now (the flat AdamW wrote them)."""
+        for m in self.linears:
+            m.mark_fp8_fresh()
+
+
+@dataclass
 class Segment:
     """The masters of a group of parameters (a decoder layer, or the rest) in flat buffers (module docstring)."""
 
@@ -70,6 +124,7 @@ class Segment:
     copy: Tensor  # the computed parameters' BF16 values (the model's), the front of ``flat`` rounded
     slots: list[tuple[nn.Parameter, Tensor, int]]  # (parameter, its master, offset in flat)
     grads: Tensor | None = None
+    fp8: Fp8Region | None = None  # the FP8 linears' kept FP8 weights (the back of flat)
 
     def ensure_grads(self) -> Tensor:
         """The FP32 gradient buffer, allocated (zeroed) and bound to the parameters if it was released."""
@@ -110,16 +165,21 @@ class MasterWeights:
                 f"MasterWeights: parameters must start FP32, got {sorted({str(p.dtype) for _, p in named})}"
             )
         computed = {id(p) for p in computed_params(model)}
+        fp8_linears = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
         groups: dict[str, list[nn.Parameter]] = {}
         for name, p in named:
             groups.setdefault(_segment_of(name), []).append(p)
         with torch.no_grad():
-            self.segments = [self._segment(params, computed, dtype) for params in groups.values()]
+            self.segments = [
+                self._segment(params, computed, dtype, fp8_linears) for params in groups.values()
+            ]
         master_of = {id(p): m for seg in self.segments for p, m, _ in seg.slots}
         self.optimizer_params: list[Tensor] = [master_of[id(p)] for _, p in named]
 
     @staticmethod
-    def _segment(params: list[nn.Parameter], computed: set[int], dtype: torch.dtype) -> Segment:
+    def _segment(
+        params: list[nn.Parameter], computed: set[int], dtype: torch.dtype, fp8_linears: dict[int, Fp8Linear]
+    ) -> Segment:
         layout = [p for p in params if id(p) in computed] + [p for p in params if id(p) not in computed]
         n_copy = sum(p.numel() for p in params if id(p) in computed)
         device = params[0].device
@@ -143,6 +203,9 @@ class MasterWeights:
             seg.slots.append((p, master, offset))
             offset += n
         seg.copy_to_model()
+        kept = [(fp8_linears[id(p)], off) for p, _, off in seg.slots if id(p) in fp8_linears]
+        if kept:
+            seg.fp8 = Fp8Region.build(seg.flat, n_copy, kept)
         return seg
 
     @torch.no_grad()
@@ -194,3 +257,7 @@ class MasterWeights:
         if missing:
             raise KeyError(f"MasterWeights: no saved value for {missing[:5]}")
         self.copy_to_model()
+        for seg in self.segments:  # the kept FP8 weights are the old masters' (a copy into a master view
+            if seg.fp8 is not None:  # does not move the parameter's version counter)
+                for m in seg.fp8.linears:
+                    m.invalidate_fp8_cache()

@@ -390,11 +390,17 @@ class TorchTrainer:
         return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2))
 
     def invalidate_fp8_cache(self) -> None:
-        # FSDP may refill unsharded parameters in place without a version bump: never trust the cache
-        # across a step boundary.
         for m in self.model.modules():
             if isinstance(m, Fp8Linear):
                 m.invalidate_fp8_cache()
+
+    def fp8_step_boundary(self) -> None:
+        """Forget the FP8 weights at a step boundary, unless the optimizer keeps them current. FSDP may refill
+        unsharded parameters in place without a version bump, and torch's fused AdamW updates the weights
+        without one; the flat AdamW quantizes each FP8 linear's master into its kept FP8 weight as it updates
+        it (trainers/flat_adamw.py), so they stay valid and no forward quantizes them again."""
+        if not (isinstance(self.optimizer, FlatAdamW) and self.optimizer.keeps_fp8):
+            self.invalidate_fp8_cache()
 
     # ------------------------------------------------------------------ TrainerBackend
     def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
@@ -432,7 +438,7 @@ class TorchTrainer:
             )
         start = time.perf_counter()
         self.model.train()
-        self.invalidate_fp8_cache()
+        self.fp8_step_boundary()
         if self.master_weights is not None and self.layer_graphs is not None:
             self.master_weights.ensure_grads()  # the graphs add into it (eager: allocated by the first gradient)
         # Loss weight of FSDP2's averaging reduce-scatter: undo its division by world size.
@@ -464,9 +470,9 @@ class TorchTrainer:
         skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, self.optimizer_cfg.grad_clip)
         if self.master_weights is not None and not isinstance(self.optimizer, FlatAdamW):
             self.master_weights.copy_to_model()  # (FlatAdamW writes the BF16 copy as it updates)
-        # The fused AdamW (CUDA) updates the weights without bumping their version counters, so the FP8
+        # Torch's fused AdamW (CUDA) updates the weights without bumping their version counters, so the FP8
         # weight caches cannot see the update: without this the next export sent the pre-update FP8 bytes.
-        self.invalidate_fp8_cache()
+        self.fp8_step_boundary()
         if skipped:
             self.num_skipped += 1
             log.warning("step %d: gradient norm is %s: update skipped", self.step + 1, grad_norm.item())
@@ -532,7 +538,7 @@ class TorchTrainer:
         self, batches: Sequence[TokenBatch], temperature: float = 1.0, fp8: bool = True
     ) -> list[Tensor]:
         self.model.eval()
-        self.invalidate_fp8_cache()
+        self.fp8_step_boundary()
         with contextlib.nullcontext() if fp8 else fp8_disabled(self.model):
             out = self._forward_logprobs(batches, temperature)
         self.model.train()
@@ -569,7 +575,7 @@ class TorchTrainer:
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
         """(sum over micro-batches of loss x units, units) on this rank, without gradients."""
         self.model.eval()
-        self.invalidate_fp8_cache()
+        self.fp8_step_boundary()
         total, units = 0.0, 0
         items = self._padded(batches)
         for batch in (items[i] for i in self._graph_order(items)):
