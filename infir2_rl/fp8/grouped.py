@@ -17,7 +17,9 @@ quantization of it; a member called with another input computes the group again.
 gradients: the outputs are column slices of one output (the narrow ones copied, so that the attention keeping
 v for backward does not keep q and k), the biases are concatenated, and the weight handed
 to the FP8 linear is a stand-in (``_StackedWeight``) whose backward splits dW by rows: the FP8 linear reads
-only its quantization, which is the members' FP8 weights stacked (kept per member quantization).
+only its quantization, which is the members' FP8 weights stacked (kept per member quantization; a view, not a
+copy, when the members keep their FP8 weights one after another: ``Fp8Linear.keep_fp8_in``, as the trainer's
+FP32 masters lay them out).
 """
 
 from __future__ import annotations

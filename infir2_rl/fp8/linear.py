@@ -194,7 +194,9 @@ class Fp8Linear(nn.Linear):
         return Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=self.pow2_scales))
 
     def export_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`` exactly as forward uses them."""
+        """``(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`` exactly as forward uses them.
+        With kept buffers these are the buffers themselves, rewritten by the next optimizer step like every
+        other parameter a weight sync reads."""
         fp8w = self._fp8_weight()
         return fp8w.w_fp8, fp8w.scale_inv
 
