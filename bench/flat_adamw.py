@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from fp8_linear import cuda_time_ms
 from torch import nn
 
 SHAPES = {  # hidden, kv rows, intermediate
@@ -39,18 +40,6 @@ def _layer(hidden: int, kv: int, inter: int) -> nn.Module:
     }.items():
         setattr(layer, name, Fp8Linear(k, n, bias=bias))
     return layer.cuda()
-
-
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,11 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     linears = [m for m in layer.modules() if isinstance(m, Fp8Linear)]
     n = seg.flat.numel()
     n_fp8 = sum(m.weight.numel() for m in linears)
+    no_fp8 = type(seg)(
+        flat=seg.flat, copy=seg.copy, slots=seg.slots, grads=seg.grads
+    )  # the same, no Fp8Region
     plain = flat_adamw.FlatAdamW(
-        masters.optimizer_params, [seg], lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1
+        masters.optimizer_params, [no_fp8], lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1
     )
-    plain_seg = type(seg)(flat=seg.flat, copy=seg.copy, slots=seg.slots, grads=seg.grads)  # no FP8 region
-    plain.segments = [plain_seg]
 
     def per_weight() -> None:  # what each micro-batch's forward did before the FP8 weights were kept
         for m in linears:
@@ -110,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(5):  # rounds: each case in turn, so that clock drift hits all alike
         for name, (fn, _) in cases.items():
-            results[name].append(_median_ms(fn, args.reps))
+            results[name].append(cuda_time_ms(fn, args.reps, warmup=0))
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; one {args.model} decoder layer, "
         f"{n / 1e6:.2f}M parameters ({n_fp8 / 1e6:.2f}M in FP8 linears); median of 5 rounds x {args.reps}"

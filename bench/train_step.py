@@ -341,7 +341,7 @@ def run_mode(
         "loss_first_last": [losses[0], losses[-1]],
     }
     if args.saved and not graphs:
-        out["saved"] = saved_activations(trainer, batch, loss_fn, units, args.saved)
+        out["saved"] = saved_activations(trainer, batch, loss_fn, num_target_tokens(batch), args.saved)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

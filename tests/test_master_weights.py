@@ -165,7 +165,7 @@ def test_fp8_linears_keep_their_fp8_weights_beside_the_masters(tmp_path: Path) -
     linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
     regions = [seg.fp8 for seg in masters.segments if seg.fp8 is not None]
     assert len(regions) == len(trainer.model.model.layers)  # type: ignore[union-attr]
-    kept = {id(m.kept_fp8.w_fp8.untyped_storage()) for m in linears if m.kept_fp8 is not None}
+    kept = {m.kept_fp8.w_fp8.untyped_storage().data_ptr() for m in linears if m.kept_fp8 is not None}
     assert all(m.kept_fp8 is not None for m in linears)
     assert sum(r.codes.numel() for r in regions) == sum(m.weight.numel() for m in linears)
 

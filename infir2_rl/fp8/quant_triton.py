@@ -219,11 +219,16 @@ if _HAVE_TRITON:
         cols = pid_k * B + tl.arange(0, B)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], mask=mask, other=0.0)
-        w = w.to(tl.float32)
+        q, s = _weight_block(w.to(tl.float32), POW2)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + pid_n * KB + pid_k + tl.arange(0, 1), s)
+
+    @triton.jit
+    def _weight_block(w, POW2: tl.constexpr):
+        """A 128x128 weight block (FP32, zeros where masked) -> (e4m3 codes, its scale as a 1-element tensor)."""
         amax_bits = tl.max(tl.max(_abs_bits(w), axis=1), axis=0)
         s = _scale_from_bits(tl.full((1,), 0, tl.int32) + amax_bits, POW2)
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], _to_e4m3(w, s[:, None]), mask=mask)
-        tl.store(s_ptr + pid_n * KB + pid_k + tl.arange(0, 1), s)
+        return _to_e4m3(w, s[:, None]), s
 
     @triton.jit
     def _weight_blocks_kernel(
@@ -243,10 +248,8 @@ if _HAVE_TRITON:
         cols = bj * B + tl.arange(0, B)
         mask = (rows[:, None] < n) & (cols[None, :] < k)
         offs = base + rows[:, None] * k + cols[None, :]
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        amax_bits = tl.max(tl.max(_abs_bits(w), axis=1), axis=0)
-        s = _scale_from_bits(tl.full((1,), 0, tl.int32) + amax_bits, POW2)
-        tl.store(q_ptr + (offs - start), _to_e4m3(w, s[:, None]), mask=mask)
+        q, s = _weight_block(tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32), POW2)
+        tl.store(q_ptr + (offs - start), q, mask=mask)
         tl.store(s_ptr + si + tl.arange(0, 1), s)
 
     @triton.jit

@@ -12,7 +12,7 @@ After the update, a segment's FP8 decoder linears (the back of it, ``master_weig
 into their kept FP8 weights by one more launch (``quant_triton.quantize_weight_blocks``: the bytes and scales
 ``quantize_weight`` gives, 5 bytes per weight), so that no forward quantizes them again: the old way quantized
 every weight in every micro-batch's forward. A kernel that also did the update, one program per 128x128 block
-(29 bytes per weight instead of 33), ran at ~1.9 TB/s against this kernel pair's ~2.5 and took longer (H100,
+(29 bytes per weight instead of 33), ran at ~1.9 TB/s against this kernel pair's ~2.5-2.9 and took longer (H100,
 ``bench/flat_adamw.py``, session 27).
 
 The arithmetic is torch's fused AdamW's (``ATen/native/cuda/fused_adam_utils.cuh``, ADAMW mode, FP32 opmath):
