@@ -22,6 +22,7 @@ path with one loud warning, and callers emulate (same numbers up to accumulation
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from typing import Any
 
@@ -142,7 +143,68 @@ def _device_supported(device_index: int) -> bool:
             stacklevel=3,
         )
         return False
+    _check_accumulate(device_index)  # here, with the fast path's check: before any CUDA graph capture
     return True
+
+
+# The wgrad added into an FP32 gradient by the GEMM (``cublaslt.add_mm_1x128_1x128``): checked per device with
+# the fast path; ``INFIR2_FUSED_WGRAD=0`` turns it off (the weight gradient is then returned and added apart).
+FUSED_WGRAD_ENV = "INFIR2_FUSED_WGRAD"
+_accumulate: dict[int, bool] = {}
+
+
+def _accumulate_check(device: torch.device) -> str | None:
+    """Why ``cublaslt.add_mm_1x128_1x128`` cannot stand for ``mm_1x128_1x128`` plus an FP32 add, or None: the
+    two must give the same bits (same algorithm, one FP32 rounding of acc + C)."""
+    from infir2_rl.fp8 import cublaslt
+
+    gen = torch.Generator(device=device).manual_seed(4321)
+    m, n, k = 640, 256, 384  # tokens (5 tiles), out and in features
+    dy = torch.randn(m, n, device=device, generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+    dytq, dyts = quant_triton.quantize_cols(dy)
+    xtq, xts = quant_triton.quantize_cols(x)
+    start = torch.randn(n, k, device=device, generator=gen)
+    ref = start + mm_1x128_1x128(dytq, dyts, xtq, xts, torch.float32)
+    out = start.clone()
+    cublaslt.add_mm_1x128_1x128(out, dytq, dyts, xtq, xts)
+    if not torch.equal(out, ref):
+        return f"differs from scaled_mm + add (max abs diff {(out - ref).abs().max().item():.3g})"
+    return None
+
+
+def fused_wgrad_requested() -> bool:
+    """False when ``INFIR2_FUSED_WGRAD`` is ``0``, ``false``, ``off`` or ``no`` (for A/B benchmarks): weight
+    gradients are then returned and added apart, in FP8 (``ops.WGRAD_INTO``) and BF16 (``MainGradLinear``)."""
+    return os.environ.get(FUSED_WGRAD_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _check_accumulate(device_index: int) -> None:
+    reason: str | None = None
+    if not fused_wgrad_requested():
+        _accumulate[device_index] = False
+        return
+    try:
+        with torch.cuda.device(device_index):
+            reason = _accumulate_check(torch.device("cuda", device_index))
+    except Exception as exc:  # e.g. no libcublasLt found, or an older cuBLASLt without VEC128 scaling
+        reason = f"raised {type(exc).__name__}: {exc}"
+    if reason is not None:
+        warnings.warn(
+            f"FP8 wgrad accumulation in the GEMM DISABLED on cuda:{device_index}: cuBLASLt with beta = 1 {reason}. "
+            "Weight gradients are returned and added into the FP32 gradients apart: same numbers, slower.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _accumulate[device_index] = reason is None
+
+
+def accumulate_ok(device: torch.device) -> bool:
+    """True when the FP8 wgrad on ``device`` may add into an FP32 gradient inside the GEMM (ops.WGRAD_INTO)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_supported(index) and _accumulate.get(index, False)
 
 
 def fast_path_ok(t: torch.Tensor, n: int, k: int) -> bool:

@@ -16,7 +16,8 @@ tensor object, version, grad mode and autocast state), as ``ops._quantize_input_
 quantization of it; a member called with another input computes the group again. Autograd routes the
 gradients: the outputs are column slices of one output (the narrow ones copied, so that the attention keeping
 v for backward does not keep q and k), the biases are concatenated, and the weight handed
-to the FP8 linear is a stand-in (``_StackedWeight``) whose backward splits dW by rows: the FP8 linear reads
+to the FP8 linear is a stand-in (``_StackedWeight``) whose backward splits dW by rows (or, where the members'
+FP32 gradients lie one after another, the wgrad adds into their stack inside the GEMM: ``ops.WGRAD_INTO``): the FP8 linear reads
 only its quantization, which is the members' FP8 weights stacked (kept per member quantization; a view, not a
 copy, when the members keep their FP8 weights one after another: ``Fp8Linear.keep_fp8_in``, as the trainer's
 FP32 masters lay them out).
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from infir2_rl.fp8.linear import Fp8Linear
-from infir2_rl.fp8.ops import Fp8Weight
+from infir2_rl.fp8.ops import WGRAD_INTO, Fp8Weight
 
 GROUPS = (("q_proj", "k_proj", "v_proj"),)
 
@@ -48,11 +49,28 @@ class _StackedWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *weights: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.rows = [w.shape[0] for w in weights]
+        ctx.set_materialize_grads(False)  # no dW when the wgrad added it into the members' gradients
         return _placeholder(weights[0], sum(ctx.rows))
 
     @staticmethod
-    def backward(ctx: Any, dw: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dw: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if dw is None:
+            return (None,) * len(ctx.rows)
         return tuple(dw.split(ctx.rows, dim=0))
+
+
+def _stacked_wgrad_into(stand_in: torch.Tensor) -> torch.Tensor | None:
+    """``ops.WGRAD_INTO`` of a ``_StackedWeight`` stand-in: the row stack of its members' gradient targets
+    when each member has one and they lie one after another (the trainer's FP32 masters lay q, k and v out
+    so, and their gradients alike); else None, and dW is returned and split."""
+    targets = []
+    for w in stand_in._infir2_members:  # type: ignore[attr-defined]
+        get = getattr(w, WGRAD_INTO, None)
+        target = get(w) if get is not None else None
+        if target is None:
+            return None
+        targets.append(target)
+    return _adjacent_view(targets)
 
 
 def _adjacent_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -152,6 +170,9 @@ class ProjectionGroup:
                     self._pending = None
                 return out
         weight = _StackedWeight.apply(*(m.weight for m in self.members))  # no grad_fn if none needs one
+        if all(hasattr(m.weight, WGRAD_INTO) for m in self.members):
+            weight._infir2_members = [m.weight for m in self.members]
+            setattr(weight, WGRAD_INTO, _stacked_wgrad_into)
         bias = None
         if self.has_bias:  # the master biases as they are
             with torch.autocast(x.device.type, enabled=False):

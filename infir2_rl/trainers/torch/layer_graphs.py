@@ -509,16 +509,23 @@ class LayerGraphs:
         graphs.grads = [grad_target(p) for p in self._all_params]  # type: ignore[misc]
 
         # Warm-up on a side stream: Triton compiles, cuBLAS(Lt) handles and workspaces, and the FP8
-        # self-check happen here, not inside a capture. Gradients go to autograd.grad's outputs, not .grad.
+        # self-check happen here, not inside a capture. Gradients go to autograd.grad's outputs, not .grad,
+        # except an FP8 wgrad that adds into its master's gradient inside the GEMM (fp8/ops.py WGRAD_INTO):
+        # those gradients (which may hold this step's earlier micro-batches) are put back after the warm-up.
         side = warmup_stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in range(n):
+                targets = [t for t in map(grad_target, self._params[i]) if t is not None]
+                kept = [t.clone() for t in targets]
                 for _ in range(WARMUP_ITERS):
                     x = torch.randn_like(hidden).requires_grad_()
                     out = self._run_eager(i, x, mask, pe, kwargs)
                     torch.autograd.grad(out, (x, *self._params[i]), torch.randn_like(out), allow_unused=True)
                     del x, out
+                for t, before in zip(targets, kept, strict=True):
+                    t.copy_(before)
+                del kept
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
@@ -551,8 +558,8 @@ class LayerGraphs:
                     if g is not None and target is not None:
                         into.append(target)
                         add.append(g)
-                if into:  # a BF16 gradient adds into an FP32 master's gradient in FP32
-                    torch._foreach_add_(into, add)
+                if into:  # a BF16 gradient adds into an FP32 master's gradient in FP32 (an FP8 wgrad that
+                    torch._foreach_add_(into, add)  # added itself inside its GEMM returned None: fp8/ops.py)
                 assert grads[0] is not None
                 grad_bufs[i].copy_(grads[0])
             outs[i] = None  # the captured autograd graph is no longer needed: its memory returns to the pool

@@ -23,7 +23,10 @@ those the forward computes with, then those it only quantizes (the FP8 decoder l
   (fp8/grouped.py).
 * ``grads`` (FP32): gradients accumulate in FP32, as before. Each parameter's gradient of a backward (BF16,
   or FP32 from an FP8 wgrad) is added into its master's gradient (``param.main_grad``, a view of ``grads``)
-  as soon as autograd has it (a post-accumulate-grad hook) and dropped. The first gradient of a segment
+  as soon as autograd has it (a post-accumulate-grad hook) and dropped. On a GPU the linears' weight
+  gradients skip that: an FP8 linear's wgrad adds into ``main_grad`` inside its GEMM (``ops.WGRAD_INTO``:
+  cuBLASLt with beta = 1), and each ``nn.Linear`` with a BF16 weight becomes a ``MainGradLinear`` whose dW
+  GEMM does the same (``torch.addmm`` with an FP32 output): no dW is written and read again. The first gradient of a segment
   allocates its buffer, so a backward allocates gradients layer by layer as it frees activations, as autograd
   did (one buffer for the model, allocated with the first gradient, raised the FP8 step's peak by 2.6 GiB at
   1.5B). ``release_grads`` frees them between eager steps (as ``zero_grad(set_to_none=True)`` did). The CUDA
@@ -42,11 +45,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from infir2_rl.fp8 import gemm
 from infir2_rl.fp8.linear import Fp8Linear
+from infir2_rl.fp8.ops import WGRAD_INTO
 
 
 def computed_params(model: nn.Module) -> list[nn.Parameter]:
@@ -56,15 +63,67 @@ def computed_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in quantized]
 
 
-def _accumulate_into_main_grad(param: Tensor) -> None:
-    """A parameter's gradient of one backward, added into its master's FP32 gradient and dropped."""
+def _main_grad_of(param: Tensor) -> Tensor:
+    """The parameter's master's FP32 gradient, its segment's buffer allocated if this is the first gradient of
+    the step. Also each FP8 linear weight's ``ops.WGRAD_INTO``: its GPU wgrad adds dW here inside the GEMM."""
     if getattr(param, "main_grad", None) is None:
         segment = param._infir2_segment()  # type: ignore[attr-defined]
         if segment is None:
             raise RuntimeError("MasterWeights: a gradient for a parameter whose masters are gone")
         segment.ensure_grads()  # the segment's first gradient of this step
-    assert param.grad is not None
-    param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+    return param.main_grad  # type: ignore[attr-defined,no-any-return]
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """``x W^T + b`` for a BF16 weight with an FP32 master: the dW GEMM adds into the master's gradient itself
+    (``torch.addmm`` with an FP32 output and beta = 1: FP32 accumulation and one rounding) and no BF16 dW is
+    returned. Autograd's dW was a BF16 tensor (rounded once more) that the hook then added: 10 bytes of
+    traffic per weight and micro-batch against 8, 4.5 ms at the 1.5B shape and 8,192 tokens, H100
+    (``bench/wgrad_accumulate.py``). The FP8 linears do the same with cuBLASLt (fp8/ops.py ``WGRAD_INTO``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.param = weight  # the Parameter itself (saved tensors come back without its attributes)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            target = _main_grad_of(ctx.param)
+            torch.addmm(target, dy2d.t(), x.reshape(-1, x.shape[-1]), out_dtype=torch.float32, out=target)
+        db = dy2d.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, None, db
+
+
+class MainGradLinear(nn.Linear):
+    """An ``nn.Linear`` whose BF16 weight has an FP32 master (``MasterWeights`` switches the class): on a GPU its
+    weight gradient is added into the master's by the GEMM (``_LinearIntoMainGrad``); elsewhere, or when the
+    dtypes differ from what it expects, it is a plain ``nn.Linear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        dtype = (
+            torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        )
+        if not (x.is_cuda and w.requires_grad and torch.is_grad_enabled() and w.dtype == dtype):
+            return super().forward(x)
+        if self.bias is not None and self.bias.dtype != dtype:
+            return super().forward(x)
+        out = _LinearIntoMainGrad.apply(x.to(dtype), w, self.bias)
+        assert isinstance(out, Tensor)
+        return out
+
+
+def _accumulate_into_main_grad(param: Tensor) -> None:
+    """A parameter's gradient of one backward, added into its master's FP32 gradient and dropped. None when
+    its GEMM added it already (``WGRAD_INTO``): torch runs this hook for an undefined gradient too."""
+    if param.grad is None:
+        return
+    _main_grad_of(param).add_(param.grad)
     param.grad = None
 
 
@@ -174,6 +233,12 @@ class MasterWeights:
                 self._segment(params, computed, dtype, fp8_linears) for params in groups.values()
             ]
         master_of = {id(p): m for seg in self.segments for p, m, _ in seg.slots}
+        for module in model.modules():  # BF16 linears: dW added into the master's gradient by the GEMM
+            if not gemm.fused_wgrad_requested():
+                break
+            if type(module) is nn.Linear and id(module.weight) in computed and id(module.weight) in master_of:
+                module.__class__ = MainGradLinear
+                setattr(module.weight, WGRAD_INTO, _main_grad_of)
         self.optimizer_params: list[Tensor] = [master_of[id(p)] for _, p in named]
 
     @staticmethod
@@ -200,6 +265,8 @@ class MasterWeights:
             # segment into a cycle through C++ hook storage, which Python's collector cannot see.
             p._infir2_segment = weakref.ref(seg)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            if id(p) in fp8_linears:  # its GPU wgrad adds into main_grad inside the GEMM (fp8/ops.py)
+                setattr(p, WGRAD_INTO, _main_grad_of)
             seg.slots.append((p, master, offset))
             offset += n
         seg.copy_to_model()

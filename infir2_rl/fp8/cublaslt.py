@@ -1,0 +1,241 @@
+"""The FP8 weight gradient added into an FP32 gradient by the GEMM itself: cuBLASLt with beta = 1, via ctypes.
+
+Why: with FP32 masters (trainers/torch/master_weights.py) each FP8 linear's weight gradient dW = dY^T X came
+out of ``F.scaled_mm`` as a new FP32 tensor, which the layer graphs then added into the master's gradient
+(``main_grad``): 16 bytes of memory traffic per weight element and micro-batch (write dW, read dW and
+``main_grad``, write ``main_grad``) where the GEMM's own epilogue needs 8 (read and write ``main_grad``).
+``F.scaled_mm`` has no accumulate (beta) argument, so this module calls ``cublasLtMatmul`` directly, with the
+operands, scale modes and layouts ``gemm.mm_1x128_1x128`` gives torch, and ``C = D = main_grad``, beta = 1.
+The sum is the same FP32 value: alpha = beta = 1, so the epilogue rounds acc + C once, as the add did.
+
+Nothing is compiled: the functions come from the ``libcublasLt`` torch has already loaded (found through
+``/proc/self/maps``; ``INFIR2_CUBLASLT`` names another file). Descriptors and the heuristic's algorithm are
+cached per problem; the workspace is one 1 MiB buffer per device (torch's size, so the heuristic picks the
+algorithm ``F.scaled_mm`` runs), allocated on first use (outside any CUDA graph capture: the layer graphs warm
+up eagerly first). A call is capturable: it runs on torch's current
+stream and reads alpha and beta from host memory at capture time.
+
+Enum values are cuBLASLt's (cublasLt.h, CUDA 12.9 and 13); ``tests/test_fp8_cublaslt_gpu.py`` checks the
+result against ``F.scaled_mm`` plus an add, bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+
+import torch
+
+_CUDA_R_32F = 0
+_CUDA_R_8F_E4M3 = 28
+_CUBLAS_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
+_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
+_SCALE_VEC128_32F = 4
+_PREF_MAX_WORKSPACE_BYTES = 1
+_WORKSPACE_BYTES = 1 << 20  # torch's cuBLASLt workspace size (so: the same algorithm as F.scaled_mm)
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+class CublasLtError(RuntimeError):
+    pass
+
+
+def _library_path() -> str:
+    given = os.environ.get("INFIR2_CUBLASLT")
+    if given:
+        return given
+    torch.cuda.current_blas_handle()  # makes sure torch's CUDA BLAS libraries are loaded
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if os.path.basename(path).startswith("libcublasLt.so"):
+                return path
+    raise CublasLtError("no libcublasLt is loaded in this process (set INFIR2_CUBLASLT to its path)")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(_library_path())
+    vp, sz, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    protos = {
+        "cublasLtCreate": [ctypes.POINTER(vp)],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i32, i32],
+        "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatrixLayoutCreate": [
+            ctypes.POINTER(vp),
+            i32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+        ],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+        "cublasLtMatmulAlgoGetHeuristic": [
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            i32,
+            ctypes.POINTER(_HeuristicResult),
+            ctypes.POINTER(i32),
+        ],  # fmt: skip
+        "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
+    }
+    for name, args in protos.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = i32
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{what} returned cuBLAS status {status}")
+
+
+class _Problem:
+    """One GEMM shape's descriptors and algorithm (kept for the process: a few per linear shape)."""
+
+    def __init__(self, handle: ctypes.c_void_p, m: int, n: int, k: int, scales: tuple[int, int]) -> None:
+        lib = _lib()
+        self.op = ctypes.c_void_p()
+        _check(
+            lib.cublasLtMatmulDescCreate(ctypes.byref(self.op), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
+            "DescCreate",
+        )
+        for attr, value in (
+            (_DESC_TRANSA, _OP_T),
+            (_DESC_TRANSB, _OP_N),
+            (_DESC_A_SCALE_MODE, _SCALE_VEC128_32F),
+            (_DESC_B_SCALE_MODE, _SCALE_VEC128_32F),
+        ):
+            v = ctypes.c_int32(value)
+            _check(
+                lib.cublasLtMatmulDescSetAttribute(self.op, attr, ctypes.byref(v), 4),
+                f"DescSetAttribute {attr}",
+            )
+        self.set_scales(*scales)  # the heuristic refuses VEC128 scaling without scale pointers (status 7)
+        # Column-major: A is K x m (read transposed), B is K x n, C = D is m x n.
+        self.la, self.lb, self.ld = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        _check(
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.la), _CUDA_R_8F_E4M3, k, m, k), "LayoutCreate A"
+        )
+        _check(
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.lb), _CUDA_R_8F_E4M3, k, n, k), "LayoutCreate B"
+        )
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.ld), _CUDA_R_32F, m, n, m), "LayoutCreate D")
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        ws = ctypes.c_size_t(_WORKSPACE_BYTES)
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
+            "PreferenceSetAttribute",
+        )
+        result, count = _HeuristicResult(), ctypes.c_int(0)
+        _check(
+            lib.cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                self.op,
+                self.la,
+                self.lb,
+                self.ld,
+                self.ld,
+                pref,
+                1,
+                ctypes.byref(result),
+                ctypes.byref(count),
+            ),
+            "AlgoGetHeuristic",
+        )
+        if count.value < 1:
+            raise CublasLtError(f"cuBLASLt has no algorithm for the accumulating FP8 wgrad m={m} n={n} k={k}")
+        self.algo = result.algo
+        self.workspace_size = result.workspace_size
+
+    def set_scales(self, a_scale: int, b_scale: int) -> None:
+        lib = _lib()
+        for attr, address in ((_DESC_A_SCALE_POINTER, a_scale), (_DESC_B_SCALE_POINTER, b_scale)):
+            ptr = ctypes.c_void_p(address)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.op, attr, ctypes.byref(ptr), 8), "scale pointer")
+
+
+_lock = threading.Lock()
+_handles: dict[int, ctypes.c_void_p] = {}
+_workspaces: dict[int, torch.Tensor] = {}
+_problems: dict[tuple[int, int, int, int], _Problem] = {}
+_ONE = ctypes.c_float(1.0)
+
+
+def _handle_and_workspace(device: int) -> tuple[ctypes.c_void_p, torch.Tensor]:
+    with _lock:
+        if device not in _handles:
+            handle = ctypes.c_void_p()
+            _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+            _handles[device] = handle
+            _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+        return _handles[device], _workspaces[device]
+
+
+def add_mm_1x128_1x128(
+    out: torch.Tensor,
+    a_fp8: torch.Tensor,
+    a_scale_t: torch.Tensor,
+    b_fp8: torch.Tensor,
+    b_scale_t: torch.Tensor,
+) -> None:
+    """``out += (A * sA) @ (B * sB)^T`` in FP32, in place: A (M, K) e4m3 with a_scale_t (Kb, M); B (N, K) e4m3
+    with b_scale_t (Kb, N); out (M, N) FP32 contiguous. The operands of ``gemm.mm_1x128_1x128`` (the wgrad:
+    M, N the weight's out and in features, K the tokens)."""
+    m_rows, k = a_fp8.shape
+    n_cols = b_fp8.shape[0]
+    if out.dtype != torch.float32 or tuple(out.shape) != (m_rows, n_cols) or not out.is_contiguous():
+        raise ValueError(f"add_mm_1x128_1x128: out must be FP32 ({m_rows}, {n_cols}) contiguous, got {out.dtype} "
+                         f"{tuple(out.shape)}")  # fmt: skip
+    for name, t in (("a", a_fp8), ("b", b_fp8), ("a_scale_t", a_scale_t), ("b_scale_t", b_scale_t)):
+        if not t.is_contiguous():
+            raise ValueError(f"add_mm_1x128_1x128: {name} must be contiguous")
+    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    handle, workspace = _handle_and_workspace(device)
+    # torch's row-major out (M, N) is cuBLAS's column-major D (N x M): cuBLAS's A is our B, its B our A.
+    key = (device, n_cols, m_rows, k)
+    problem = _problems.get(key)
+    if problem is None:
+        problem = _Problem(handle, n_cols, m_rows, k, (b_scale_t.data_ptr(), a_scale_t.data_ptr()))
+        _problems[key] = problem
+    lib = _lib()
+    stream = torch.cuda.current_stream(out.device).cuda_stream
+    with _lock:  # the scale pointers live in the shared descriptor
+        problem.set_scales(b_scale_t.data_ptr(), a_scale_t.data_ptr())
+        _check(
+            lib.cublasLtMatmul(
+                handle, problem.op, ctypes.byref(_ONE),
+                ctypes.c_void_p(b_fp8.data_ptr()), problem.la,
+                ctypes.c_void_p(a_fp8.data_ptr()), problem.lb,
+                ctypes.byref(_ONE), ctypes.c_void_p(out.data_ptr()), problem.ld,
+                ctypes.c_void_p(out.data_ptr()), problem.ld,
+                ctypes.byref(problem.algo), ctypes.c_void_p(workspace.data_ptr()), problem.workspace_size,
+                ctypes.c_void_p(stream),
+            ),
+            "cublasLtMatmul",
+        )  # fmt: skip

@@ -1,0 +1,115 @@
+"""On a Hopper GPU: the FP8 wgrad that adds into an FP32 gradient inside the GEMM (``fp8/cublaslt.py``, cuBLASLt
+with beta = 1, called through ctypes) gives the bits of ``F.scaled_mm`` followed by an FP32 add: alone, in an
+``Fp8Linear`` whose weight names its gradient target (``ops.WGRAD_INTO``), and for q|k|v grouped over the
+trainer's FP32 masters, whose gradients it adds into as one stacked view. Skipped without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from infir2_rl.fp8 import cublaslt, gemm, quant_triton
+from infir2_rl.fp8.grouped import group_projections
+from infir2_rl.fp8.linear import Fp8Linear
+from infir2_rl.fp8.ops import WGRAD_INTO
+from infir2_rl.trainers.torch.master_weights import MasterWeights
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs a Hopper GPU (blockwise FP8 in cuBLASLt)",
+    ),
+]
+
+
+def _device_index() -> int:
+    index = torch.cuda.current_device()
+    assert gemm.fast_path_ok(torch.empty(1, device="cuda"), 128, 128)  # runs the device checks once
+    return index
+
+
+@pytest.mark.parametrize(("n", "k", "tokens"), [(256, 384, 640), (1536, 1536, 1000), (208, 96, 77)])
+def test_accumulating_gemm_equals_scaled_mm_plus_an_add(n: int, k: int, tokens: int) -> None:
+    assert gemm.accumulate_ok(torch.device("cuda", _device_index()))
+    gen = torch.Generator(device="cuda").manual_seed(n + k + tokens)
+    target = torch.randn(n, k, device="cuda", generator=gen)
+    ref = target.clone()
+    for _ in range(2):  # twice: micro-batches adding into one gradient
+        dy = torch.randn(tokens, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+        x = torch.randn(tokens, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        dytq, dyts = quant_triton.quantize_cols(dy)
+        xtq, xts = quant_triton.quantize_cols(x)
+        ref += gemm.mm_1x128_1x128(dytq, dyts, xtq, xts, torch.float32)
+        cublaslt.add_mm_1x128_1x128(target, dytq, dyts, xtq, xts)
+        assert torch.equal(target, ref)
+    with pytest.raises(ValueError, match="FP32"):
+        cublaslt.add_mm_1x128_1x128(target.bfloat16(), dytq, dyts, xtq, xts)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_adds_its_weight_gradient_into_the_named_target(bias: bool) -> None:
+    _device_index()
+    torch.manual_seed(0)
+    plain = Fp8Linear(384, 256, bias=bias).cuda()
+    into = Fp8Linear(384, 256, bias=bias).cuda()
+    into.load_state_dict(plain.state_dict())
+    start = torch.randn(256, 384, device="cuda")
+    target = start.clone()
+    calls = []
+
+    def wgrad_into(weight: torch.Tensor) -> torch.Tensor:
+        calls.append(weight)
+        return target
+
+    setattr(into.weight, WGRAD_INTO, wgrad_into)
+    x = torch.randn(4, 160, 384, device="cuda")
+    dy = torch.randn(4, 160, 256, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for layer in (plain, into):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xi)
+        y.backward(dy)
+        outs.append((y, xi.grad))
+    assert calls == [into.weight]
+    assert into.weight.grad is None  # added where it belongs, not returned
+    assert plain.weight.grad is not None
+    assert torch.equal(target, start + plain.weight.grad)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    if bias:
+        assert torch.equal(into.bias.grad, plain.bias.grad)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = Fp8Linear(256, 256)
+        self.k_proj = Fp8Linear(256, 128)
+        self.v_proj = Fp8Linear(256, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+
+
+def test_grouped_qkv_adds_into_the_masters_stacked_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    index = _device_index()
+    torch.manual_seed(0)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for fused in (False, True):
+        monkeypatch.setitem(gemm._accumulate, index, fused)
+        torch.manual_seed(1)
+        model = _Attention().cuda()
+        assert group_projections(model) == 1
+        masters = MasterWeights(model)
+        for _ in range(2):  # two micro-batches into one gradient
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = model(x)
+            y.backward(dy)
+        assert all(p.grad is None for p in model.parameters())  # every gradient went into the masters'
+        grads[fused] = [m.grad.clone() for m in masters.optimizer_params]
+    for a, b in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(a, b)
