@@ -21,6 +21,9 @@ that the GPU's clocks, which fall as it heats, weigh on every case alike.
   linear; FP8 grouped, weights re-quantized) under torch.profiler: device time per kernel category and the
   top kernels, so that each FP8 GEMM (fprop, dgrad, wgrad by cuBLASLt's kernel name) and each quantizer
   can be set against the BF16 GEMMs it replaces.
+* ``--as-trained``: only the decoder layer as the trainer holds it on a GPU (FP32 masters, kept FP8 weights,
+  q|k|v grouped, every weight gradient added into its master's FP32 gradient by its GEMM: fp8/ops.py
+  ``WGRAD_INTO``, ``MainGradLinear``), BF16 with three q, k, v linears and with one, forward + backward.
 TFLOP/s counts 2MNK per GEMM (forward 1 GEMM, forward+backward 3).
 """
 
@@ -180,6 +183,56 @@ def time_linears(specs: list[Spec], m: int, reps: int) -> dict[str, float]:
     return out
 
 
+def _trained_layer(specs: list[Spec], fp8: bool, qkv_as_one: bool) -> tuple[torch.nn.ModuleList, list[str]]:
+    """The layer's linears as the trainer holds them on a GPU: FP32 masters (``MasterWeights``: BF16
+    ``MainGradLinear`` modules, or ``Fp8Linear`` with kept FP8 weights), each weight gradient added into its
+    master's FP32 gradient by its GEMM; q|k|v grouped (FP8) or one nn.Linear (BF16) when ``qkv_as_one``.
+    Returns the modules (in a ModuleList) and the input name each reads."""
+    from infir2_rl.fp8.grouped import group_projections
+    from infir2_rl.fp8.linear import Fp8Linear
+    from infir2_rl.trainers.torch.master_weights import MasterWeights
+
+    if qkv_as_one and not fp8:
+        (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
+        specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
+    cls = Fp8Linear if fp8 else torch.nn.Linear
+    torch.manual_seed(0)
+    attn = torch.nn.Module()  # the parent that group_projections looks for q_proj, k_proj, v_proj in
+    layers = []
+    for name, n, k, _ in specs:
+        layer = cls(k, n, bias=False, device="cuda")
+        setattr(attn, name, layer)
+        layers.append(layer)
+    if fp8 and qkv_as_one:
+        assert group_projections(attn) == 1
+    out = torch.nn.ModuleList(layers)
+    out.masters = MasterWeights(torch.nn.ModuleList([attn]))  # type: ignore[assignment]  # kept alive with out
+    return out, [src for *_, src in specs]
+
+
+def _backward_as_trained(
+    layers: torch.nn.ModuleList, inputs: list[torch.Tensor], dys: list[torch.Tensor]
+) -> None:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outs = [layer(x) for layer, x in zip(layers, inputs, strict=True)]
+    torch.autograd.backward(outs, dys)
+
+
+def time_as_trained(specs: list[Spec], m: int, reps: int) -> dict[str, float]:
+    """Forward + backward of the layer as the trainer runs it (``_trained_layer``, BF16 autocast, the
+    gradients into the masters' and the inputs'), BF16 (three q, k, v linears or one) against FP8 grouped."""
+    srcs, dys = _layer_data(specs, m)
+    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
+    cases: dict[str, Callable[[], object]] = {}
+    for key, fp8, as_one in (("bf16_3", False, False), ("bf16_1", False, True), ("fp8", True, True)):
+        layers, names = _trained_layer(specs, fp8, as_one)
+        inputs = [srcs[name] for name in names]
+        cases[key] = functools.partial(
+            _backward_as_trained, layers, inputs, fused_dys if as_one and not fp8 else dys
+        )
+    return time_interleaved(cases, reps)
+
+
 def profile_layer(specs: list[Spec], m: int, top: int) -> None:
     """Kernel-time profile of one forward+backward of the layer, BF16 (q|k|v fused) and FP8 (grouped)."""
     from torch.profiler import ProfilerActivity, profile
@@ -317,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="first pick the fastest quantizer launch shapes")
     parser.add_argument("--profile", action="store_true", help="also profile one layer forward+backward")
     parser.add_argument("--profile-top", type=int, default=25, help="--profile: top kernels to print")
+    parser.add_argument(
+        "--as-trained",
+        action="store_true",
+        help="only the layers as the trainer runs them: FP32 masters, weight gradients added into them",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/fp8_linear.py needs a CUDA GPU (Hopper, sm90, for the FP8 fast path); none found.")
@@ -332,6 +390,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | M={m} | ms, median of {args.reps}")
     if args.sweep:
         sweep(m, args.reps)
+    if args.as_trained:
+        print("# one decoder layer's linears as trained: FP32 masters (BF16 copies / kept FP8 weights), BF16")
+        print(
+            "# autocast, each dW added into its master's FP32 gradient by its GEMM; best = faster BF16 / FP8"
+        )
+        print(f"{'model':<13} | {'bf16 3 q,k,v':>12} {'bf16 q|k|v':>10} {'fp8 grouped':>11} | {'best x':>6}")
+        for model in args.models:
+            t = time_as_trained(layer_specs(*MODELS[model]), m, args.reps)
+            best = min(t["bf16_3"], t["bf16_1"])
+            print(
+                f"{model:<13} | {t['bf16_3']:12.3f} {t['bf16_1']:10.3f} {t['fp8']:11.3f} | {best / t['fp8']:6.2f}"
+            )
+        return 0
     print(
         f"{'model':<13} {'layer':<9} {'N':>6} {'K':>6} | {'bf16 fwd':>8} {'fp8 fwd':>8} {'x':>5} | "
         f"{'bf16 f+b':>8} {'fp8 f+b':>8} {'x':>5} | {'W cached':>8} {'x':>5} | {'TF/s bf16':>9} {'fp8':>5} | "
