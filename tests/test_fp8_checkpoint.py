@@ -16,6 +16,7 @@ from infir2_rl.fp8.checkpoint import cast_checkpoint, fp8_state_from_model, load
 from infir2_rl.fp8.cli import build_parser, cast_fp8_main
 from infir2_rl.fp8.linear import Fp8InferenceLinear, swap_to_fp8_training
 from infir2_rl.fp8.quant import FP8_DTYPE, dequantize_weight_blockwise, quantize_weight_blockwise
+from infir2_rl.trainers.torch.master_weights import MainGradLinear, MasterWeights
 
 
 def _tiny_qwen2() -> nn.Module:
@@ -147,7 +148,12 @@ def test_fp8_state_from_model_matches_cast_bytes(bf16_dir: Path, fp8_dir: Path) 
     trained = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
     swap_to_fp8_training(trained)  # FP8 trainer: export_fp8 bytes
     loaded = load_fp8_model(fp8_dir, dtype=torch.bfloat16)  # inference modules: their buffers
-    for model in (plain, trained, loaded):
+    # A BF16 trainer with FP32 masters (the GPU default): its decoder linears become MainGradLinear, which
+    # the export must still quantize (an exact-type check once sent them as BF16).
+    with_masters = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
+    masters = MasterWeights(with_masters)
+    assert type(with_masters.model.layers[0].mlp.up_proj) is MainGradLinear and masters.segments
+    for model in (plain, trained, loaded, with_masters):
         state = dict(fp8_state_from_model(model))
         assert set(state) == set(on_disk)
         for name, tensor in on_disk.items():

@@ -257,7 +257,8 @@ def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterato
     for name, module in model.named_modules():
         if isinstance(module, (Fp8Linear, Fp8InferenceLinear)):
             fp8_modules[name] = module
-        elif type(module) is nn.Linear and name.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
+        elif isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
+            # nn.Linear or a subclass that computes the same (MasterWeights' MainGradLinear); Fp8Linear is above
             plain.add(name)
     for key, tensor in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
