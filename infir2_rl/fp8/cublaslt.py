@@ -11,9 +11,9 @@ The sum is the same FP32 value: alpha = beta = 1, so the epilogue rounds acc + C
 Nothing is compiled: the functions come from the ``libcublasLt`` torch has already loaded (found through
 ``/proc/self/maps``; ``INFIR2_CUBLASLT`` names another file). Descriptors and the heuristic's algorithm are
 cached per problem; the workspace is one 1 MiB buffer per device (torch's size, so the heuristic picks the
-algorithm ``F.scaled_mm`` runs), allocated on first use (outside any CUDA graph capture: the layer graphs warm
-up eagerly first). A call is capturable: it runs on torch's current
-stream and reads alpha and beta from host memory at capture time.
+algorithm ``F.scaled_mm`` runs), allocated by the first call, which is ``gemm``'s per-device check (before any
+CUDA graph capture). A call is capturable: it runs on torch's current stream and passes alpha and beta from
+host memory, read when the call is made (or captured).
 
 Enum values are cuBLASLt's (cublasLt.h, CUDA 12.9 and 13); ``tests/test_fp8_cublaslt_gpu.py`` checks the
 result against ``F.scaled_mm`` plus an add, bit for bit.
