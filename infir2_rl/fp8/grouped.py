@@ -15,9 +15,9 @@ output in one ``Fp8Linear.run`` and keeps the others' outputs for their calls wi
 tensor object, version, grad mode and autocast state), as ``ops._quantize_input_fast`` keeps one
 quantization of it; a member called with another input computes the group again. Autograd routes the
 gradients: the outputs are column slices of one output (the narrow ones copied, so that the attention keeping
-v for backward does not keep q and k), the biases are concatenated, and the weight handed
-to the FP8 linear is a stand-in (``_StackedWeight``) whose backward splits dW by rows (or, where the members'
-FP32 gradients lie one after another, the wgrad adds into their stack inside the GEMM: ``ops.WGRAD_INTO``): the FP8 linear reads
+v for backward does not keep q and k), the biases are concatenated, and the weight handed to the FP8 linear
+is a stand-in (``_StackedWeight``) whose backward splits dW by rows (or, where the members' FP32 gradients lie
+one after another, the wgrad adds into their stack inside the GEMM: ``ops.WGRAD_INTO``). The FP8 linear reads
 only its quantization, which is the members' FP8 weights stacked (kept per member quantization; a view, not a
 copy, when the members keep their FP8 weights one after another: ``Fp8Linear.keep_fp8_in``, as the trainer's
 FP32 masters lay them out).
