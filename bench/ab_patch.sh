@@ -12,8 +12,6 @@
 # run's whole output goes to OUT_DIR/A1.log, B1.log, ...; its last AB_TAIL lines (default 30) are printed.
 # The tree is left as it was found. Examples: bench/patches/ (docs/performance.md, sessions 21 and 22).
 set -eu
-# A and B time their own FP8 GEMM choices (a choice cached on disk by one would be taken by the other).
-export INFIR2_GEMM_CACHE=${INFIR2_GEMM_CACHE:-off}
 patch_file=${1:?usage: bash bench/ab_patch.sh PATCH OUT_DIR [rollout.py flags...]}
 out=${2:?usage: bash bench/ab_patch.sh PATCH OUT_DIR [rollout.py flags...]}
 shift 2

@@ -48,7 +48,7 @@ def main() -> None:
     if args.config:
         choice: Choice = fp8_gemm.GemmConfig(*map(int, args.config.split(",")))
     else:
-        choice = Fp8GemmChooser(False, cache=False).pick(rows, wq, ws, None, torch.bfloat16)
+        choice = Fp8GemmChooser(False).pick(rows, wq, ws, None, torch.bfloat16)
     print(f"{args.gemm} M {args.m} N {n} K {k}: {choice}")
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
     for name, fn in (

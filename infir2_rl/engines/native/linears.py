@@ -23,13 +23,9 @@ The GEMM (``FusedLinear.__call__``):
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
-import os
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -97,75 +93,6 @@ def run_fp8(
     return y if isinstance(y, Tensor) else fp8_gemm.sum_partials(y)
 
 
-CACHE_ENV = "INFIR2_GEMM_CACHE"
-
-
-def default_cache_path() -> Path | None:
-    """Where the chooser keeps its picks: ``INFIR2_GEMM_CACHE`` (a file; ``off`` or ``0`` keeps none), else
-    ``$XDG_CACHE_HOME/infir2_rl/fp8_gemm_choices.json`` (``~/.cache`` without XDG_CACHE_HOME)."""
-    value = os.environ.get(CACHE_ENV)
-    if value is not None:
-        if value.strip().lower() in ("", "0", "off", "false", "no"):
-            return None
-        return Path(value).expanduser()
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "infir2_rl" / "fp8_gemm_choices.json"
-
-
-@functools.cache
-def _kernel_source_hash() -> str:
-    """The candidates and the kernel they launch: choices timed for other code are not taken."""
-    return hashlib.sha256(Path(fp8_gemm.__file__).read_bytes()).hexdigest()[:16]
-
-
-def cache_section(device: torch.device) -> str:
-    """The part of the cache a choice holds for: this GPU model and SM count, torch, Triton, our kernels."""
-    props = torch.cuda.get_device_properties(device)
-    triton_version = getattr(fp8_gemm.triton, "__version__", "none") if fp8_gemm._HAVE_TRITON else "none"
-    return (
-        f"{props.name} sm{props.major}{props.minor} x{props.multi_processor_count} | torch {torch.__version__} | "
-        f"triton {triton_version} | kernels {_kernel_source_hash()}"
-    )
-
-
-class ChoiceCache:
-    """The chooser's picks on disk, one JSON object per ``section`` (``cache_section``), so that the next process
-    on the same kind of GPU takes them without timing every candidate (step 1 of an FP8 RL run spent ~20 s
-    there, compiling and timing each decode shape's Triton launch shapes). A file that cannot be read or
-    written costs a warning and the timing, nothing else; writes go through a temporary file and a rename."""
-
-    def __init__(self, path: Path, section: str) -> None:
-        self.path, self.section = path, section
-        self.entries: dict[str, str] = dict(self._read().get(section, {}))
-
-    def _read(self) -> dict[str, dict[str, str]]:
-        if not self.path.exists():
-            return {}
-        try:
-            data = json.loads(self.path.read_text())
-            if not isinstance(data, dict):
-                raise ValueError(f"a JSON object was expected, got {type(data).__name__}")
-            return data
-        except (OSError, ValueError) as exc:
-            logger.warning("FP8 GEMM choice cache %s not read (%s): choices are timed again", self.path, exc)
-            return {}
-
-    def get(self, key: str) -> str | None:
-        return self.entries.get(key)
-
-    def put(self, key: str, choice: str) -> None:
-        self.entries[key] = choice
-        try:
-            data = self._read()  # other processes may have added theirs
-            data.setdefault(self.section, {}).update(self.entries)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            logger.warning("FP8 GEMM choice cache %s not written: %s", self.path, exc)
-
-
 class Fp8GemmChooser:
     """Picks, per GEMM shape and input kind, the fastest FP8 implementation on this GPU.
 
@@ -177,15 +104,10 @@ class Fp8GemmChooser:
     sizes (``bench/decode_gemm.py``, docs/performance.md).
     """
 
-    def __init__(self, pow2_scales: bool, cache: bool = True) -> None:
-        """``cache``: take and keep choices in the on-disk cache (``default_cache_path``, ``ChoiceCache``);
-        off, every choice is timed (benchmarks that print the candidates' times)."""
+    def __init__(self, pow2_scales: bool) -> None:
         self.pow2_scales = pow2_scales
         self.choice: dict[tuple[int, int, int, bool], Choice] = {}
         self.timings: dict[tuple[int, int, int, bool], dict[str, float]] = {}
-        self.cached = 0  # choices taken from the cache
-        self._use_cache = cache
-        self._cache: ChoiceCache | None = None
 
     @staticmethod
     def _time(
@@ -220,14 +142,6 @@ class Fp8GemmChooser:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))
 
-    def _cache_for(self, device: torch.device) -> ChoiceCache | None:
-        if self._use_cache and self._cache is None:
-            path = default_cache_path()
-            self._use_cache = path is not None
-            if path is not None:
-                self._cache = ChoiceCache(path, cache_section(device))
-        return self._cache
-
     @staticmethod
     def bucket(m: int, prequant: bool) -> int:
         """The M a choice is kept under. Decode input (producer-quantized) comes in the few padded batch
@@ -245,17 +159,6 @@ class Fp8GemmChooser:
         options: list[Choice] = [*fp8_gemm.candidates(m, prequant)]
         if cublas_gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
             options.insert(0, _CUBLAS)
-        cache = self._cache_for(w.device)
-        cache_key = (
-            f"m {key[0]} n {key[1]} k {key[2]} {'fp8' if prequant else 'bf16'} input pow2 {self.pow2_scales}"
-        )
-        cached = cache.get(cache_key) if cache is not None else None
-        taken = next((o for o in options if str(o) == cached), None)
-        if taken is not None:
-            self.choice[key] = taken
-            self.cached += 1
-            logger.info("FP8 GEMM (M bucket, N, K, prequantized) %s: %s (from the choice cache)", key, taken)
-            return taken
         times = {}
         copies = [(w, s)] + [(w.clone(), s.clone()) for _ in range(self.cold_copies(w, s) - 1)]
         for option in options:
@@ -274,8 +177,6 @@ class Fp8GemmChooser:
         best = min(times, key=lambda name: times[name])
         self.choice[key] = next(o for o in options if str(o) == best)
         self.timings[key] = times
-        if cache is not None:
-            cache.put(cache_key, best)
         logger.info(
             "FP8 GEMM (M bucket, N, K, prequantized) %s, timed at M %d: %s %.1f us (cuBLAS %s us)",
             key, m, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
