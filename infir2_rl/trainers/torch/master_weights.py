@@ -26,10 +26,10 @@ those the forward computes with, then those it only quantizes (the FP8 decoder l
   as soon as autograd has it (a post-accumulate-grad hook) and dropped. On a GPU the linears' weight
   gradients skip that: an FP8 linear's wgrad adds into ``main_grad`` inside its GEMM (``ops.WGRAD_INTO``:
   cuBLASLt with beta = 1), and each ``nn.Linear`` with a BF16 weight becomes a ``MainGradLinear`` whose dW
-  GEMM does the same (``torch.addmm`` with an FP32 output): no dW is written and read again. The first gradient of a segment
-  allocates its buffer, so a backward allocates gradients layer by layer as it frees activations, as autograd
-  did (one buffer for the model, allocated with the first gradient, raised the FP8 step's peak by 2.6 GiB at
-  1.5B). ``release_grads`` frees them between eager steps (as ``zero_grad(set_to_none=True)`` did). The CUDA
+  GEMM does the same (``torch.addmm`` with an FP32 output): no dW is written and read again. The first
+  gradient of a segment allocates its buffer, so a backward allocates gradients layer by layer as it frees
+  activations, as autograd did (one buffer for the model, allocated with the first gradient, raised the FP8
+  step's peak by 2.6 GiB at 1.5B). ``release_grads`` frees them between eager steps (as ``zero_grad(set_to_none=True)`` did). The CUDA
   layer graphs add into these views themselves (layer_graphs.py), so they need them before capture and keep
   them (``ensure_grads``).
 
@@ -233,12 +233,14 @@ class MasterWeights:
                 self._segment(params, computed, dtype, fp8_linears) for params in groups.values()
             ]
         master_of = {id(p): m for seg in self.segments for p, m, _ in seg.slots}
-        for module in model.modules():  # BF16 linears: dW added into the master's gradient by the GEMM
-            if not gemm.fused_wgrad_requested():
-                break
-            if type(module) is nn.Linear and id(module.weight) in computed and id(module.weight) in master_of:
-                module.__class__ = MainGradLinear
-                setattr(module.weight, WGRAD_INTO, _main_grad_of)
+        if gemm.fused_wgrad_requested():  # BF16 linears: dW added into the master's gradient by the GEMM
+            for module in model.modules():
+                if (
+                    type(module) is nn.Linear
+                    and id(module.weight) in master_of
+                    and id(module.weight) in computed
+                ):
+                    module.__class__ = MainGradLinear
         self.optimizer_params: list[Tensor] = [master_of[id(p)] for _, p in named]
 
     @staticmethod
