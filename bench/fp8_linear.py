@@ -143,10 +143,19 @@ def _qkv_as_one(
     group = ProjectionGroup(fp8[:3])  # type: ignore[arg-type]
     for layer in fp8[:3]:
         layer._group = group  # type: ignore[assignment]
+    fused_specs = _qkv_specs(specs)
+    return _layers(fused_specs, False), [srcs[s] for *_, s in fused_specs], _qkv_grads(dys)
+
+
+def _qkv_specs(specs: list[Spec]) -> list[Spec]:
+    """The layer's specs with q, k and v as one linear of N = q + k + v."""
     (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
-    fused_specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
-    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
-    return _layers(fused_specs, False), [srcs[s] for *_, s in fused_specs], fused_dys
+    return [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
+
+
+def _qkv_grads(dys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The output gradients for ``_qkv_specs``: q's, k's and v's side by side."""
+    return [torch.cat(dys[:3], dim=-1), *dys[3:]]
 
 
 def time_linears(specs: list[Spec], m: int, reps: int) -> dict[str, float]:
@@ -193,8 +202,7 @@ def _trained_layer(specs: list[Spec], fp8: bool, qkv_as_one: bool) -> tuple[torc
     from infir2_rl.trainers.torch.master_weights import MasterWeights
 
     if qkv_as_one and not fp8:
-        (_, q, k, src), (_, kv, _, _) = specs[0], specs[1]
-        specs = [("qkv_proj", q + 2 * kv, k, src), *specs[3:]]
+        specs = _qkv_specs(specs)
     cls = Fp8Linear if fp8 else torch.nn.Linear
     torch.manual_seed(0)
     attn = torch.nn.Module()  # the parent that group_projections looks for q_proj, k_proj, v_proj in
@@ -222,7 +230,7 @@ def time_as_trained(specs: list[Spec], m: int, reps: int) -> dict[str, float]:
     """Forward + backward of the layer as the trainer runs it (``_trained_layer``, BF16 autocast, the
     gradients into the masters' and the inputs'), BF16 (three q, k, v linears or one) against FP8 grouped."""
     srcs, dys = _layer_data(specs, m)
-    fused_dys = [torch.cat(dys[:3], dim=-1), *dys[3:]]
+    fused_dys = _qkv_grads(dys)
     cases: dict[str, Callable[[], object]] = {}
     for key, fp8, as_one in (("bf16_3", False, False), ("bf16_1", False, True), ("fp8", True, True)):
         layers, names = _trained_layer(specs, fp8, as_one)

@@ -18,23 +18,19 @@ from __future__ import annotations
 import argparse
 
 import torch
-from fp8_linear import time_interleaved
+from fp8_linear import MODELS as FP8_LINEAR_MODELS
+from fp8_linear import layer_specs, time_interleaved
 
-SHAPES = {  # (name, out features, in features, linears of that shape per layer), layers
-    "1.5b": (
-        [("q/o", 1536, 1536, 2), ("k/v", 256, 1536, 2), ("gate/up", 8960, 1536, 2), ("down", 1536, 8960, 1)],
-        28,
-    ),
-    "7b": (
-        [
-            ("q/o", 3584, 3584, 2),
-            ("k/v", 512, 3584, 2),
-            ("gate/up", 18944, 3584, 2),
-            ("down", 3584, 18944, 1),
-        ],
-        28,
-    ),
-}
+MODELS = {"1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B"}  # fp8_linear.MODELS' shapes; both have 28 layers
+LAYERS = 28
+
+
+def _linears(model: str) -> list[tuple[str, int, int, int]]:
+    """(names, out features, in features, how many per layer) for each distinct linear shape of a layer."""
+    by_shape: dict[tuple[int, int], list[str]] = {}
+    for name, n, k, _ in layer_specs(*FP8_LINEAR_MODELS[MODELS[model]]):
+        by_shape.setdefault((n, k), []).append(name.removesuffix("_proj"))
+    return [("/".join(names), n, k, len(names)) for (n, k), names in by_shape.items()]
 
 
 def _one_linear(t: int, n: int, k: int, reps: int) -> tuple[dict[str, float], str]:
@@ -73,14 +69,14 @@ def _one_linear(t: int, n: int, k: int, reps: int) -> tuple[dict[str, float], st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(SHAPES), default="1.5b")
+    parser.add_argument("--model", choices=sorted(MODELS), default="1.5b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/wgrad_accumulate.py needs a CUDA GPU (cuBLASLt blockwise FP8)")
     torch.manual_seed(0)
-    linears, n_layers = SHAPES[args.model]
+    linears, n_layers = _linears(args.model), LAYERS
     totals = dict.fromkeys(("fp8 old", "fp8 new", "bf16 old", "bf16 new"), 0.0)
     print(f"{args.model}, {args.tokens} tokens, ms per call (median of interleaved rounds)")
     print(
