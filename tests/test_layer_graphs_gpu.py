@@ -1,7 +1,7 @@
 """On one CUDA GPU: ``trainer.cuda_graphs`` (decoder layers replayed from CUDA graphs) trains and scores as
 the eager trainer does, in BF16 and FP8, over micro-batches of two shapes and several optimizer steps, padded
 or packed (varlen offsets copied into the graphs' buffer for rows of other compositions), and refuses to write gradients into replaced ``.grad`` tensors or to back-propagate through an overwritten
-forward. "auto" turns the graphs on for an FP8 trainer on one GPU, not for BF16.
+forward. "auto" turns the graphs on for both precisions on one GPU.
 Skipped on CPU."""
 
 from __future__ import annotations

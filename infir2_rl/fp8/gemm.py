@@ -90,6 +90,16 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _wgrad_operands(
+    device: torch.device, gen: torch.Generator, m: int, n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random wgrad operands for the self-checks: dY (m, n) and X (m, k) in BF16, quantized in 1x128 tiles
+    along the m tokens (``quantize_cols``): codes and scales of dY^T, then of X^T."""
+    dy = torch.randn(m, n, device=device, generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+    return (*quant_triton.quantize_cols(dy), *quant_triton.quantize_cols(x))
+
+
 def _self_check(device: torch.device) -> str | None:
     """Run each GEMM layout once on random data; return why the fast path is unusable, or None."""
     gen = torch.Generator(device=device).manual_seed(1234)
@@ -105,9 +115,7 @@ def _self_check(device: torch.device) -> str | None:
         if not err < 1e-2:
             return f"1x128 x 128x128 scaled_mm ({out_dtype}) differs from emulation (rel err {err:.3g})"
     # Token-dim quantized operands as in wgrad: contract over m.
-    xtq, xts = quant_triton.quantize_cols(x)
-    yt = torch.randn(m, n, device=device, generator=gen, dtype=torch.bfloat16)
-    ytq, yts = quant_triton.quantize_cols(yt)
+    ytq, yts, xtq, xts = _wgrad_operands(device, gen, m, n, k)
     ref2 = dequantize_activation(ytq, yts.t()) @ dequantize_activation(xtq, xts.t()).t()
     for out_dtype in (torch.bfloat16, torch.float32):
         err = _rel_err(mm_1x128_1x128(ytq, yts, xtq, xts, out_dtype), ref2)
@@ -160,10 +168,7 @@ def _accumulate_check(device: torch.device) -> str | None:
 
     gen = torch.Generator(device=device).manual_seed(4321)
     m, n, k = 640, 256, 384  # tokens (5 tiles), out and in features
-    dy = torch.randn(m, n, device=device, generator=gen, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
-    dytq, dyts = quant_triton.quantize_cols(dy)
-    xtq, xts = quant_triton.quantize_cols(x)
+    dytq, dyts, xtq, xts = _wgrad_operands(device, gen, m, n, k)
     start = torch.randn(n, k, device=device, generator=gen)
     ref = start + mm_1x128_1x128(dytq, dyts, xtq, xts, torch.float32)
     out = start.clone()

@@ -423,8 +423,9 @@ def _fast_backward(
     if need_dw:
         assert xtq is not None and xts is not None
         into = _wgrad_target(ctx)
-        if into is not None and xtq.is_contiguous() and dytq.is_contiguous():
-            cublaslt.add_mm_1x128_1x128(into, dytq, dyts.contiguous(), xtq, xts.contiguous())  # dW stays None
+        if into is not None:  # dW is added into its FP32 target by the GEMM and stays None
+            operands = (t.contiguous() for t in (dytq, dyts, xtq, xts))
+            cublaslt.add_mm_1x128_1x128(into, *operands)
         else:
             dw = gemm.mm_1x128_1x128(dytq, dyts, xtq, xts, _gpu_out_dtype(ctx.w_dtype)).to(ctx.w_dtype)
     return dx, dw
