@@ -91,3 +91,33 @@ def test_after_a_refusal_no_later_shape_of_that_kind_is_captured(
     with torch.no_grad():  # forward-only shapes are another kind, with their own refusal
         graphs._capture_or_none(("scoring",), small, None, pe)
     assert captured == [(2, 64, 64)]
+
+
+def test_training_and_forward_only_shapes_have_caps_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training shapes are capped at 64 (a padded RL-shaped batch meets ~47, and FP8 past the cap runs eagerly,
+    host-bound), forward-only shapes at 16 (each keeps two activations of its own)."""
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=False)
+    assert (graphs.max_shapes, graphs.max_forward_only_shapes) == (64, 16)
+    graphs.max_shapes, graphs.max_forward_only_shapes = 3, 2
+    captured: list[tuple[str, int]] = []
+
+    def fake(kind: str) -> object:
+        def run(hidden: torch.Tensor, *args: object) -> object:
+            captured.append((kind, hidden.shape[0]))
+            return type("G", (), {"forward_only": kind == "scoring"})()
+
+        return run
+
+    monkeypatch.setattr(graphs, "_capture", fake("training"))
+    monkeypatch.setattr(graphs, "_capture_forward_only", fake("scoring"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    pe = (torch.zeros(1), torch.zeros(1))
+    for rows in range(1, 6):
+        graphs._capture_or_none(("train", rows), torch.zeros(rows, 64, 8), None, pe)
+        with torch.no_grad():
+            graphs._capture_or_none(("score", rows), torch.zeros(rows, 64, 8), None, pe)
+    assert [r for kind, r in captured if kind == "training"] == [1, 2, 3]
+    assert [r for kind, r in captured if kind == "scoring"] == [1, 2]

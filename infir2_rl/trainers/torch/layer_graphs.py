@@ -6,8 +6,9 @@ Functions, sets up cuBLASLt for each scaled_mm and launches dozens of kernels, s
 them. Replaying each layer's forward and backward from a CUDA graph takes that host work out; what stays
 eager is the embedding, the final norm, the token scores, the loss and the optimizer.
 
-How, for one input shape (captured on its first use, at most ``max_shapes`` shapes; the trainer pads its
-training micro-batches to a length bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
+How, for one input shape (captured on its first use, at most ``max_shapes`` training and
+``max_forward_only_shapes`` forward-only shapes; the trainer pads its training micro-batches to a length
+bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
 
 * Forward graphs of layers 0..n-1 are captured in that order, layer i ending with a copy of its output into
   the buffer layer i+1 reads; backward graphs in reverse, layer i copying its input gradient where layer
@@ -186,11 +187,23 @@ class _Replay(torch.autograd.Function):
 class LayerGraphs:
     """Replays ``model``'s decoder layers from CUDA graphs when it trains (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, max_shapes: int = 16, check_memory: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_shapes: int = 64,
+        max_forward_only_shapes: int = 16,
+        check_memory: bool = False,
+    ) -> None:
         if not torch.cuda.is_available():
             raise ValueError("trainer.cuda_graphs needs a CUDA device")
         self.layers = list(decoder_layers(model))
-        self.max_shapes = max_shapes  # per kind: training shapes, and shapes without gradients
+        # Shapes captured at most, per kind. Training: 64, since a padded RL-shaped batch meets ~47 shapes, and
+        # micro-batches past the cap run eagerly, where FP8 is host-bound (docs/performance.md, session 29:
+        # with 16, padded FP8 took 0.74-0.84x BF16's time; with all 47 graphed, 1.03x). Each training shape
+        # costs ~0.8 s of capture once and ~no memory (the pool and the buffers between layers are shared).
+        # Forward-only shapes keep two activations each, so their cap stays lower.
+        self.max_shapes = max_shapes
+        self.max_forward_only_shapes = max_forward_only_shapes
         # check_memory ("auto" mode): before each shape after the first, compare the free memory with what
         # the first capture took (scaled by size) and run eagerly rather than risk running out.
         self.check_memory = check_memory
@@ -368,10 +381,11 @@ class LayerGraphs:
     ) -> _ShapeGraphs | None:
         forward_only = not torch.is_grad_enabled()
         kind = "forward-only" if forward_only else "training"
-        if sum(g.forward_only == forward_only for g in self._shapes.values()) >= self.max_shapes:
+        cap = self.max_forward_only_shapes if forward_only else self.max_shapes
+        if sum(g.forward_only == forward_only for g in self._shapes.values()) >= cap:
             self._warn_once(
                 f"shapes-{kind}",
-                f"{self.max_shapes} {kind} input shapes captured already; micro-batches of other shapes run "
+                f"{cap} {kind} input shapes captured already; micro-batches of other shapes run "
                 f"eagerly (this one: {tuple(hidden.shape)})",
             )
             return None
