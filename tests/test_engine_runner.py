@@ -77,6 +77,26 @@ def test_runner_path_gives_the_eager_paths_samples_with_fewer_slots_than_rows(mo
     assert runner.num_decode_steps > 0
 
 
+def test_prompts_over_one_prefill_budget_are_admitted_together(model_dir: Path) -> None:
+    """When the waiting prompts exceed one prefill's token budget, the scheduler runs several prefills before
+    decoding, so every row decodes in one batch (before, half of them decoded 16 steps alone first), and the
+    samples are those of the eager path."""
+    runner = NativeEngine(
+        str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="runner", max_batch_size=8
+    )
+    params = SamplingParams(temperature=0.9, max_new_tokens=6)
+    requests = [
+        GenerateRequest(f"r{i}", list(range(5, 15 + i)), n=1, params=params, seed=i) for i in range(8)
+    ]
+    scheduler = runner._scheduler
+    scheduler.max_prefill_tokens = 48  # 4 prompts of 10-17 tokens per prefill
+    got = runner.generate(requests)
+    assert scheduler.tally["prefills"] == 3 and scheduler.tally["rows"] == 8
+    assert dict(scheduler.steps_by_size) == {8: 5}  # 5 steps after the first token, all 8 rows at once
+    eager = NativeEngine(str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="eager")
+    _assert_same(eager.generate(requests), got)
+
+
 def test_fp8_runner_log_probs_equal_the_fp8_trainer_forward(model_dir: Path) -> None:
     # FP8: the runner's fused GEMMs sum in another order than the eager path's, which can flip the e4m3
     # rounding of one activation element at a near-tie (test_engine_native.py: single log-probs move by up
