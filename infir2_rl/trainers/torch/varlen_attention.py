@@ -157,7 +157,7 @@ def graph_max_len(longest: int, padded_to: int) -> int:
     whole length, 10,240, ran 80 per slot where 3 work, and packed 1.5B RL training ran 3% slower than padded
     (H100, bench/rl_1p5b.sh). The bound is part of the graphs' key, so it takes two values per row length,
     not one per longest sequence: a power of two >= the longest (at least 512) gave the RL-shaped batch of
-    bench/train_packed.py more than the 16 shapes the graphs hold, and FP8 packed there 1.01x BF16 (this
+    bench/train_packed.py more than the 16 shapes the graphs then held, and FP8 packed there 1.01x BF16 (this
     rule: 12 shapes, 1.05x; docs/performance.md, "Packed micro-batches")."""
     short = min(padded_to, max(128, -(-padded_to // 8 // 128) * 128))
     return short if longest <= short else padded_to
