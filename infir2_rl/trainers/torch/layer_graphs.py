@@ -199,7 +199,7 @@ class LayerGraphs:
         self.layers = list(decoder_layers(model))
         # Shapes captured at most, per kind. Training: 64, since a padded RL-shaped batch meets ~47 shapes, and
         # micro-batches past the cap run eagerly, where FP8 is host-bound (docs/performance.md, session 29:
-        # with 16, padded FP8 took 0.74-0.84x BF16's time; with all 47 graphed, 1.03x). Each training shape
+        # with 16, padded FP8 ran at 0.74-0.84x BF16's tokens/s; with all 47 graphed, 1.02-1.03x). Each shape
         # costs ~0.8 s of capture once and ~no memory (the pool and the buffers between layers are shared).
         # Forward-only shapes keep two activations each, so their cap stays lower.
         self.max_shapes = max_shapes
