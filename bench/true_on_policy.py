@@ -13,7 +13,9 @@ pushes them), then
   FP8 also the K3 of the same samples scored by the trainer with its FP8 off (the mixed setup), so issue 20's
   fast-mode ratios (unified / BF16, mixed / unified) come out of one run.
 
-Prints one line per (precision, mode) and the time ratios true_on_policy / fast; ``--out`` writes JSON.
+Prints one line per (precision, mode), the time ratios true_on_policy / fast and FP8 / BF16 per mode (step =
+rollout + score + train); ``--out`` writes JSON. ``--modes ... true_on_policy_eager`` adds the trainer
+without its CUDA graphs (``trainer.cuda_graphs=false``), for an A/B in one process.
 Default shape: Qwen2.5-1.5B with its 151,936-token vocabulary, random weights (``bench/train_step.py``'s
 model directory). ``--tiny`` runs the tiny preset (a GPU smoke run in seconds).
 
@@ -40,7 +42,7 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def run(path: Path, fp8: bool, true_on_policy: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from infir2_rl.algo.advantages import grpo_advantages
     from infir2_rl.algo.loss_fns import GrpoLoss
     from infir2_rl.algo.mismatch import mismatch_metrics
@@ -51,9 +53,11 @@ def run(path: Path, fp8: bool, true_on_policy: bool, args: argparse.Namespace) -
     from infir2_rl.types import GenerateRequest, SamplingParams
     from infir2_rl.weight_sync.buckets import build_buckets
 
+    true_on_policy = mode.startswith("true_on_policy")
+    graphs: bool | str = False if mode == "true_on_policy_eager" else "auto"
     trainer = TorchTrainer(
         ModelConfig(path=str(path)),
-        TrainerConfig(micro_batch_size=args.micro_batch),
+        TrainerConfig(micro_batch_size=args.micro_batch, cuda_graphs=graphs),
         OptimizerConfig(lr=1e-7, min_lr=0.0),
         fp8=fp8,
         total_steps=10,
@@ -148,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed generate calls after the warm-up one")
     parser.add_argument("--micro-batch", type=int, default=16, help="sequences per trainer forward")
     parser.add_argument("--precisions", nargs="+", default=["bf16", "unified_fp8"])
-    parser.add_argument("--modes", nargs="+", default=["fast", "true_on_policy"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["fast", "true_on_policy"],
+        choices=["fast", "true_on_policy", "true_on_policy_eager"],
+        help="true_on_policy_eager: the trainer without its CUDA graphs (trainer.cuda_graphs=false), the "
+        "true_on_policy trainer before session 30",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     for precision in args.precisions:
         for mode in args.modes:
-            r = run(path, precision == "unified_fp8", mode == "true_on_policy", args)
+            r = run(path, precision == "unified_fp8", mode, args)
             results[f"{precision}/{mode}"] = r
             mm = r["mismatch"]
             print(
@@ -190,15 +201,24 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"fast mode: K3 unified FP8 / BF16 {k3['fp8'] / k3['bf16']:.1f}x, mixed / unified FP8 {mixed / k3['fp8']:.1f}x"
         )
+    keys = ("rollout_s", "score_s", "train_s")
+
+    def medians(r: dict[str, Any]) -> dict[str, float]:
+        out = {k: statistics.median(r[k]) for k in keys}
+        return out | {"step_s": sum(out.values())}
+
     for precision in args.precisions:
-        fast, tp = results.get(f"{precision}/fast"), results.get(f"{precision}/true_on_policy")
-        if fast and tp:
-            keys = ("rollout_s", "score_s", "train_s")
-            ratio = {k: statistics.median(tp[k]) / statistics.median(fast[k]) for k in keys}
-            print(
-                f"{precision}: true_on_policy / fast time: "
-                + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items())
-            )
+        fast = results.get(f"{precision}/fast")
+        for mode in ("true_on_policy", "true_on_policy_eager"):
+            tp = results.get(f"{precision}/{mode}")
+            if fast and tp:
+                a, b = medians(tp), medians(fast)
+                print(f"{precision}: {mode} / fast time: " + ", ".join(f"{k} {a[k] / b[k]:.2f}x" for k in a))
+    for mode in args.modes:  # FP8 against BF16 in each mode (> 1: FP8 takes longer)
+        bf16_r, fp8_r = results.get(f"bf16/{mode}"), results.get(f"unified_fp8/{mode}")
+        if bf16_r and fp8_r:
+            a, b = medians(fp8_r), medians(bf16_r)
+            print(f"{mode}: unified FP8 / BF16 time: " + ", ".join(f"{k} {a[k] / b[k]:.2f}x" for k in a))
     if args.out:
         args.out.write_text(
             json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)

@@ -337,8 +337,8 @@ def test_context_parallelism_is_refused_when_the_config_loads() -> None:
 
 
 def test_cuda_graphs_refuses_what_a_captured_graph_cannot_hold() -> None:
-    """trainer.cuda_graphs: one line at load for megatron, several workers, checkpointing, true_on_policy;
-    packed micro-batches are graphed (their varlen offsets are a static buffer: layer_graphs.py)."""
+    """trainer.cuda_graphs: one line at load for megatron, several workers, checkpointing; packed
+    micro-batches and true_on_policy are graphed (their varlen offsets are a static buffer: layer_graphs.py)."""
     from infir2_rl.config.stage import RlStageConfig, SftStageConfig
 
     with pytest.raises(ValueError, match="cuda_graphs=true is the torch backend's"):
@@ -351,8 +351,9 @@ def test_cuda_graphs_refuses_what_a_captured_graph_cannot_hold() -> None:
         SftStageConfig.model_validate(
             {"trainer": {"cuda_graphs": True}, "model": {"gradient_checkpointing": True}}
         )
-    with pytest.raises(ValueError, match="cuda_graphs=true needs true_on_policy=false"):
-        RlStageConfig.model_validate({"trainer": {"cuda_graphs": True}, "true_on_policy": True})
+    # true_on_policy: the graphs replay its invariant walk's layers (trainers/torch/invariant_scoring.py)
+    both = RlStageConfig.model_validate({"trainer": {"cuda_graphs": True}, "true_on_policy": True})
+    assert both.trainer.cuda_graphs is True and both.true_on_policy
     assert SftStageConfig.model_validate({"trainer": {"cuda_graphs": True}}).trainer.cuda_graphs
 
 

@@ -115,3 +115,29 @@ def test_the_stage_setting_refuses_what_is_not_built(overrides: dict, message: s
     with pytest.raises(ValidationError, match=message):
         RlStageConfig(true_on_policy=True, **overrides)
     assert RlStageConfig(true_on_policy=True).true_on_policy
+
+
+def test_the_walk_runs_each_decoder_layer_through_the_given_function(model_dir: Path) -> None:
+    """``score_tokens(layers=...)`` is how the trainer's CUDA graphs run the walk's layers (LayerGraphs.call):
+    each layer once, in order, with the same result as the walk's own eager layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ids = torch.randint(10, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    select = torch.ones_like(ids, dtype=torch.bool)
+    forwards = invariant_scoring.layer_forwards(model)
+    calls: list[int] = []
+
+    def layers(i: int, hidden: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        calls.append(i)
+        assert hidden.shape == (2, 16, model.config.hidden_size)
+        return forwards[i](hidden, **kwargs)
+
+    given, _ = invariant_scoring.score_tokens(
+        model, ids, select, temperature=1.0, need_entropy=False, layers=layers
+    )
+    own, _ = invariant_scoring.score_tokens(model, ids, select, temperature=1.0, need_entropy=False)
+    assert calls == list(range(model.config.num_hidden_layers))
+    assert torch.equal(given, own)
+    with pytest.raises(ValueError, match="no attention mask or KV cache"):
+        forwards[0](torch.zeros(1, 4, model.config.hidden_size), attention_mask=torch.ones(1, 4))

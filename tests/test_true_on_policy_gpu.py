@@ -143,12 +143,12 @@ def test_the_decode_steps_fused_kernels_compute_the_walks_ops_bit_for_bit(
     assert torch.equal(fused8[:, heads * dim :], ops.fp8_mm(walk_x, k8, ks, None, False)[:37])
 
 
-def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool):  # type: ignore[no-untyped-def]
+def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool, graphs: bool | str = "auto"):  # type: ignore[no-untyped-def]
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     return TorchTrainer(
         ModelConfig(path=str(model_dir)),
-        TrainerConfig(micro_batch_size=8),
+        TrainerConfig(micro_batch_size=8, cuda_graphs=graphs),
         OptimizerConfig(),
         fp8=fp8,
         total_steps=1,
@@ -182,11 +182,15 @@ def _round(trainer, engine, version: int, temperature: float, fp8: bool):  # typ
     return scored, tokens
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
-def test_trainer_log_probs_equal_the_engine_bit_for_bit(model_dir: Path, fp8: bool) -> None:
+def test_trainer_log_probs_equal_the_engine_bit_for_bit(model_dir: Path, fp8: bool, graphs: bool) -> None:
+    """Eager, and with the trainer's decoder layers replayed from CUDA graphs (the GPU default), which capture
+    the walk's layers for scoring (forward only) and for training."""
     from infir2_rl.engines.native.engine import NativeEngine
 
-    trainer = _trainer(model_dir, fp8, True)
+    trainer = _trainer(model_dir, fp8, True, graphs)
+    assert (trainer.layer_graphs is not None) == graphs
     engine = NativeEngine(str(model_dir), fp8=fp8, max_batch_size=8, true_on_policy=True)
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
 
@@ -200,6 +204,49 @@ def test_trainer_log_probs_equal_the_engine_bit_for_bit(model_dir: Path, fp8: bo
         # An optimizer step (fused AdamW on CUDA) before the next round's push: its bytes reach both sides.
         trainer.train_step(tokens, SftLossFn(), sum(num_target_tokens(t) for t in tokens))
     assert scored > 500
+    if graphs:  # both kinds captured and replayed, not run eagerly past them
+        kinds = {g.forward_only for g in trainer.layer_graphs._shapes.values()}
+        assert kinds == {False, True} and trainer.layer_graphs.replays >= 8
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
+def test_graphed_walk_trains_as_the_eager_walk(model_dir: Path, fp8: bool) -> None:
+    """One step's gradients over the same micro-batches, eager and from the graphs: the same loss (the forward
+    is bit-equal) and the same gradients up to the backward's algorithm choices (cuBLAS and SDPA may pick
+    others inside a capture)."""
+    from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+    from infir2_rl.types import TokenBatch
+
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for rows, length in ((8, 64), (8, 72), (5, 64)):  # bucket lengths: the graphed step pads nothing
+        ids = torch.randint(10, 300, (rows, length), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, length // 2 :] = 0  # a shorter row
+        batches.append(TokenBatch(input_ids=ids, attention_mask=mask, loss_mask=mask.clone().float()))
+    units = sum(num_target_tokens(b) for b in batches)
+    grads, losses = [], []
+    for graphs in (False, True):
+        trainer = _trainer(model_dir, fp8, True, graphs)
+        seen: dict[str, torch.Tensor] = {}
+        norm = trainer._grad_norm
+
+        def grab(trainer=trainer, seen=seen, norm=norm):  # type: ignore[no-untyped-def]
+            seen.update(
+                {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+            )
+            return norm()
+
+        trainer._grad_norm = grab
+        losses.append(trainer.train_step(batches, SftLossFn(), units).loss)
+        assert (trainer.layer_graphs is not None and trainer.layer_graphs.replays == 3) == graphs
+        grads.append(seen)
+        del trainer
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    for name, eager in grads[0].items():
+        rel = (grads[1][name] - eager).norm() / eager.norm().clamp_min(1e-12)
+        assert rel < 1e-2, f"{name}: relative gradient difference {rel:.2e}"
 
 
 def test_fast_mode_is_not_bit_equal(model_dir: Path) -> None:

@@ -121,21 +121,23 @@ class TrainerConfig(_Config):
     # Torch backend: run each micro-batch as one packed row of its real tokens (no padding computed; attention
     # stays within each sequence: varlen flash attention on CUDA, a block-diagonal mask elsewhere). Same loss
     # and gradients as padded up to rounding; pays when lengths differ a lot (RL responses: 1.44x BF16 and
-    # 1.78x FP8 tokens/s on a 256-sequence batch at 1.5B, docs/performance.md). "auto": packed where varlen
+    # 1.48x FP8 tokens/s on a 256-sequence batch at 1.5B, where padding computed 1.44x the real tokens,
+    # docs/performance.md). "auto": packed where varlen
     # flash attention runs (torch backend on a CUDA GPU, BF16/FP16 compute, not true_on_policy), padded
     # elsewhere (CPU: the block-diagonal mask costs more than the padding it saves); true: packed everywhere
     # (the mask on CPU); false: padded.
     pack_sequences: bool | Literal["auto"] = "auto"
     # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
     # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
-    # micro-batch shape (at most 16 per kind; others run eagerly); micro-batches, and packed rows, are
-    # right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling, at most 12.5%
-    # padding) so that few shapes occur, and run largest first. Takes the host out of the step (Python
-    # autograd, cuBLASLt setup, launches: at 1.5B x 2,048 tokens the eager step took 2.0x (BF16) and 3.6x
-    # (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved between
-    # steps: the largest shape's working memory and two FP32 activations per layer, both shared by all
-    # shapes. Not with FSDP, gradient checkpointing or true_on_policy. "auto": on where it applies (one CUDA
-    # GPU, none of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
+    # micro-batch shape (at most 64 training and 16 forward-only; others run eagerly); micro-batches, and
+    # packed rows, are right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling,
+    # at most 12.5% padding) so that few shapes occur, and run largest first. Takes the host out of the step
+    # (Python autograd, cuBLASLt setup, launches: at 1.5B x 2,048 tokens the eager step took 2.0x (BF16) and
+    # 3.6x (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved
+    # between steps: the largest shape's working memory and two activations per layer, both shared by all
+    # shapes. Under true_on_policy the graphs replay its invariant walk's layers (log-probs stay bit-equal to
+    # the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (one CUDA GPU,
+    # neither of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
     # looks enough; true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # Torch backend: RMSNorm and the SwiGLU MLP activation run as one Triton kernel each way

@@ -137,10 +137,6 @@ class _StageBase(_Config):
                 )
             if self.model.gradient_checkpointing:
                 graph_problems.append("model.gradient_checkpointing=false")
-            if getattr(self, "true_on_policy", False):
-                graph_problems.append(
-                    "true_on_policy=false (its scoring walk does not run the layers' forwards)"
-                )
             if graph_problems:
                 raise ValueError("trainer.cuda_graphs=true needs " + "; ".join(graph_problems))
         dp = t.data_parallel_size

@@ -24,6 +24,7 @@ gradient checkpointing and FSDP are not applied to it (the trainer refuses FSDP 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 # attend(layer index, q (N, H, D), k (N, KVH, D), v (N, KVH, D)) -> (N, H * D), all rotated already.
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+LayerAttend = Callable[[Tensor, Tensor, Tensor], Tensor]  # the same for one layer
 
 
 def check_model(model: nn.Module) -> None:
@@ -86,29 +88,56 @@ def linear(x: Tensor, module: nn.Module) -> Tensor:
     raise TypeError(f"true_on_policy: no invariant GEMM for {type(module).__name__}")
 
 
+def decoder_layer(
+    layer: Any,
+    config: Any,
+    h_N: Tensor,
+    positions_N: Tensor,
+    attend: LayerAttend,
+    cos: Tensor,
+    sin: Tensor,
+) -> Tensor:
+    """One decoder layer of the walk: the residual stream h (N, E) BF16 in, out. The trainer runs each layer
+    through this function (from CUDA graphs on a GPU: ``trainers/torch/invariant_scoring.py``), the engine's
+    prefill through ``hidden_states``; both compute the same ops in the same order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    eps = float(config.rms_norm_eps)
+    n = h_N.shape[0]
+    x = ops.rms_norm(h_N, layer.input_layernorm.weight.to(DTYPE), eps)
+    q, k = ops.rope(
+        linear(x, attn.q_proj).view(n, heads, dim), linear(x, attn.k_proj).view(n, kv_heads, dim),
+        positions_N, cos, sin,
+    )  # fmt: skip
+    v = linear(x, attn.v_proj).view(n, kv_heads, dim)
+    h = h_N + linear(attend(q, k, v), attn.o_proj)
+    x = ops.rms_norm(h, layer.post_attention_layernorm.weight.to(DTYPE), eps)
+    return h + linear(ops.silu_mul(linear(x, mlp.gate_proj), linear(x, mlp.up_proj)), mlp.down_proj)
+
+
 def hidden_states(
     model: nn.Module, ids_N: Tensor, positions_N: Tensor, attend: Attend, cos: Tensor, sin: Tensor
 ) -> Tensor:
     """Final (normed) hidden states (N, E) in BF16 of tokens ``ids_N`` at ``positions_N``."""
     inner: Any = model.model  # type: ignore[assignment]
-    config: Any = model.config  # type: ignore[assignment]
-    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    eps = float(config.rms_norm_eps)
-    n = ids_N.shape[0]
-    h = F.embedding(ids_N, inner.embed_tokens.weight).to(DTYPE)
+    h = embed(model, ids_N)
     for i, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        x = ops.rms_norm(h, layer.input_layernorm.weight.to(DTYPE), eps)
-        q, k = ops.rope(
-            linear(x, attn.q_proj).view(n, heads, dim), linear(x, attn.k_proj).view(n, kv_heads, dim),
-            positions_N, cos, sin,
-        )  # fmt: skip
-        v = linear(x, attn.v_proj).view(n, kv_heads, dim)
-        h = h + linear(attend(i, q, k, v), attn.o_proj)
-        x = ops.rms_norm(h, layer.post_attention_layernorm.weight.to(DTYPE), eps)
-        h = h + linear(ops.silu_mul(linear(x, mlp.gate_proj), linear(x, mlp.up_proj)), mlp.down_proj)
-    return ops.rms_norm(h, inner.norm.weight.to(DTYPE), eps)
+        h = decoder_layer(layer, model.config, h, positions_N, functools.partial(attend, i), cos, sin)
+    return final_norm(model, h)
+
+
+def embed(model: nn.Module, ids_N: Tensor) -> Tensor:
+    """The residual stream's start: the token embeddings in BF16."""
+    inner: Any = model.model  # type: ignore[assignment]
+    return F.embedding(ids_N, inner.embed_tokens.weight).to(DTYPE)
+
+
+def final_norm(model: nn.Module, h_NE: Tensor) -> Tensor:
+    """The model's last RMSNorm, ahead of the lm_head."""
+    inner: Any = model.model  # type: ignore[assignment]
+    config: Any = model.config  # type: ignore[assignment]
+    return ops.rms_norm(h_NE, inner.norm.weight.to(DTYPE), float(config.rms_norm_eps))
 
 
 def logits(model: nn.Module, hidden_NE: Tensor) -> Tensor:

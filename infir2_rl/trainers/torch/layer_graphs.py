@@ -56,7 +56,10 @@ cache_enabled=False)``): a cached cast made during a capture would be graph memo
 reads.
 
 Layers are found as ``model.model.layers`` (transformers' Qwen2/Llama layout) and patched per instance
-(``layer.forward``), so parameter names, state dicts and checkpoints are unchanged.
+(``layer.forward``), so parameter names, state dicts and checkpoints are unchanged. Given ``forwards``, one
+function per layer with a decoder layer's signature, the graphs capture those instead and nothing is
+patched: the caller runs layer i as ``LayerGraphs.call(i, ...)`` (the ``true_on_policy`` walk, whose layers
+are functions of the modules, not their forwards: trainers/torch/invariant_scoring.py).
 """
 
 from __future__ import annotations
@@ -193,6 +196,7 @@ class LayerGraphs:
         max_shapes: int = 64,
         max_forward_only_shapes: int = 16,
         check_memory: bool = False,
+        forwards: list[Callable[..., Tensor]] | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise ValueError("trainer.cuda_graphs needs a CUDA device")
@@ -210,7 +214,13 @@ class LayerGraphs:
         self._capture_bytes_per_element: float | None = None  # the first training capture's pool growth
         self._largest_training = 0  # elements of the largest training input captured
         self._boundary_sets: list[_Boundaries] = []  # a larger shape after smaller ones adds a set
-        self._eager: list[Callable[..., Tensor]] = [layer.forward for layer in self.layers]
+        # What each layer computes: its own forward (patched below), or the given functions (called through
+        # ``call``; the true_on_policy walk, trainers/torch/invariant_scoring.py).
+        if forwards is not None and len(forwards) != len(self.layers):
+            raise ValueError(f"LayerGraphs: {len(forwards)} forwards for {len(self.layers)} decoder layers")
+        self._eager: list[Callable[..., Tensor]] = (
+            [layer.forward for layer in self.layers] if forwards is None else list(forwards)
+        )
         self._params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         self._fp8 = [m for layer in self.layers for m in layer.modules() if isinstance(m, Fp8Linear)]
         self._all_params = [p for params in self._params for p in params]
@@ -229,8 +239,14 @@ class LayerGraphs:
         self._refused: set[bool] = set()
         self.captures = 0
         self.replays = 0
-        for i, layer in enumerate(self.layers):
-            layer.forward = functools.partial(self._call, i)  # type: ignore[method-assign]
+        if forwards is None:
+            for i, layer in enumerate(self.layers):
+                layer.forward = functools.partial(self._call, i)  # type: ignore[method-assign]
+
+    def call(self, i: int, hidden_states: Tensor, **kwargs: Any) -> Tensor:
+        """Layer i's forward (replayed, or eager where the module docstring says), for callers that run the
+        layers themselves rather than through ``layer.forward``."""
+        return self._call(i, hidden_states, **kwargs)
 
     @property
     def num_shapes(self) -> int:

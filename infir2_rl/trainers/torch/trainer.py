@@ -25,8 +25,8 @@ is decided on the device (optim.step_unless_nonfinite): the host waits once, aft
 Loss functions never see logits: the model's lm_head is run chunk by chunk into per-token log-probs (and
 entropies when asked) at the positions the loss needs (scoring.py, trainers/token_scores.py).
 
-`trainer.cuda_graphs` ("auto", the default: on for a trainer on one CUDA GPU without FSDP, gradient
-checkpointing or true_on_policy, BF16 and FP8; off elsewhere): the decoder layers' forward and backward of
+`trainer.cuda_graphs` ("auto", the default: on for a trainer on one CUDA GPU without FSDP or gradient
+checkpointing, BF16 and FP8, true_on_policy too; off elsewhere): the decoder layers' forward and backward of
 training micro-batches, and their forward in scoring and evaluation, are replayed from CUDA graphs
 (layer_graphs.py); micro-batches (packed rows too) are padded to a length bucket and run largest first,
 gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. An eager
@@ -43,6 +43,7 @@ FP8 on CUDA (not under true_on_policy): each attention's q, k and v projections 
 `true_on_policy=True` (RL stages with the setting of that name; one CUDA GPU, BF16 compute, no FSDP):
 every forward is the batch-invariant walk the rollout engine decodes with (models/invariant.py), so the
 trainer's log-probs of the engine's samples equal the engine's bit for bit; backward is plain torch math.
+Under the CUDA graphs its decoder layers replay the walk's layers (invariant_scoring.layer_forwards).
 """
 
 from __future__ import annotations
@@ -235,22 +236,30 @@ class TorchTrainer:
             for name, present in {
                 f"device {self.device}": self.device.type != "cuda",
                 "FSDP": self.fsdp,
-                "true_on_policy": true_on_policy,
                 "gradient checkpointing": model_cfg.gradient_checkpointing,
             }.items()
             if present
         ]
         if trainer_cfg.cuda_graphs is True and blockers:
             raise ValueError(
-                "trainer.cuda_graphs=true needs one CUDA device without FSDP, true_on_policy or gradient "
-                f"checkpointing; here: {', '.join(blockers)}"
+                "trainer.cuda_graphs=true needs one CUDA device without FSDP or gradient checkpointing; "
+                f"here: {', '.join(blockers)}"
             )
         # "auto" graphs both precisions (session 26): eager steps are host-bound at small micro-batches (BF16
         # 2.0x its graphed step at 1.5B x 2K, 1.4x at 4K; FP8 more), and the colocated 1.5B RL run with BF16
         # graphs reserved less than eager BF16 (51.8 against 60.7 GiB). Until then BF16 stayed eager: its
         # graphs' pool had left a colocated engine without memory, before the BF16 model and fused kernels.
+        # Under true_on_policy the graphs capture the invariant walk's layers (invariant_scoring.py), which the
+        # eager walk runs host-bound: replays run the same kernels, so the log-probs stay the engine's.
         if trainer_cfg.cuda_graphs is True or (trainer_cfg.cuda_graphs == "auto" and not blockers):
-            self.layer_graphs = LayerGraphs(self.model, check_memory=trainer_cfg.cuda_graphs == "auto")
+            forwards = None
+            if true_on_policy:
+                from infir2_rl.trainers.torch import invariant_scoring
+
+                forwards = invariant_scoring.layer_forwards(self.model)
+            self.layer_graphs = LayerGraphs(
+                self.model, check_memory=trainer_cfg.cuda_graphs == "auto", forwards=forwards
+            )
         if trainer_cfg.cuda_graphs == "auto" and self.device.type == "cuda":
             log.info(
                 "trainer.cuda_graphs=auto: %s",
@@ -327,6 +336,8 @@ class TorchTrainer:
                 select_BL & (batch.attention_mask > 0),
                 temperature=temperature,
                 need_entropy=need_entropy,
+                # the policy's layers are graphed (under trainer.cuda_graphs); the reference model's are not
+                layers=self.layer_graphs.call if self.layer_graphs is not None and model is None else None,
             )
             return TokenScores(logprobs_BL=logp, entropy_BL=entropy)
         return score_tokens(
