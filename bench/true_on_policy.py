@@ -14,8 +14,9 @@ pushes them), then
   fast-mode ratios (unified / BF16, mixed / unified) come out of one run.
 
 Prints one line per (precision, mode), the time ratios true_on_policy / fast and FP8 / BF16 per mode (step =
-rollout + score + train); ``--out`` writes JSON. ``--modes ... true_on_policy_eager`` adds the trainer
-without its CUDA graphs (``trainer.cuda_graphs=false``), for an A/B in one process.
+rollout + score + train); ``--out`` writes JSON. For an A/B in one process, ``--modes`` may add
+``true_on_policy_fp32`` (its trainer with FP32 parameters, ``trainer.param_dtype=float32``) and
+``true_on_policy_eager`` (FP32 parameters and no CUDA graphs: the true_on_policy trainer before session 30).
 Default shape: Qwen2.5-1.5B with its 151,936-token vocabulary, random weights (``bench/train_step.py``'s
 model directory). ``--tiny`` runs the tiny preset (a GPU smoke run in seconds).
 
@@ -55,9 +56,10 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
 
     true_on_policy = mode.startswith("true_on_policy")
     graphs: bool | str = False if mode == "true_on_policy_eager" else "auto"
+    param_dtype = "float32" if mode in ("true_on_policy_eager", "true_on_policy_fp32") else "auto"
     trainer = TorchTrainer(
         ModelConfig(path=str(path)),
-        TrainerConfig(micro_batch_size=args.micro_batch, cuda_graphs=graphs),
+        TrainerConfig(micro_batch_size=args.micro_batch, cuda_graphs=graphs, param_dtype=param_dtype),  # type: ignore[arg-type]
         OptimizerConfig(lr=1e-7, min_lr=0.0),
         fp8=fp8,
         total_steps=10,
@@ -156,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["fast", "true_on_policy"],
-        choices=["fast", "true_on_policy", "true_on_policy_eager"],
-        help="true_on_policy_eager: the trainer without its CUDA graphs (trainer.cuda_graphs=false), the "
+        choices=["fast", "true_on_policy", "true_on_policy_fp32", "true_on_policy_eager"],
+        help="true_on_policy_fp32: its trainer with FP32 parameters (trainer.param_dtype=float32); "
+        "true_on_policy_eager: FP32 parameters and no CUDA graphs (trainer.cuda_graphs=false), the "
         "true_on_policy trainer before session 30",
     )
     parser.add_argument("--out", type=Path, default=None)
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for precision in args.precisions:
         fast = results.get(f"{precision}/fast")
-        for mode in ("true_on_policy", "true_on_policy_eager"):
+        for mode in ("true_on_policy", "true_on_policy_fp32", "true_on_policy_eager"):
             tp = results.get(f"{precision}/{mode}")
             if fast and tp:
                 a, b = medians(tp), medians(fast)

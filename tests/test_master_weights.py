@@ -23,15 +23,14 @@ from infir2_rl.trainers.torch.trainer import TorchTrainer, resolve_param_dtype
 
 def test_param_dtype_rules() -> None:
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert resolve_param_dtype("auto", bf16, fsdp=False, true_on_policy=False) == bf16
-    assert resolve_param_dtype("auto", fp32, fsdp=False, true_on_policy=False) == fp32  # the CPU demo
-    assert resolve_param_dtype("auto", bf16, fsdp=True, true_on_policy=False) == fp32
-    assert resolve_param_dtype("auto", bf16, fsdp=False, true_on_policy=True) == fp32
-    assert resolve_param_dtype("float32", bf16, fsdp=False, true_on_policy=False) == fp32
+    assert resolve_param_dtype("auto", bf16, fsdp=False) == bf16
+    assert resolve_param_dtype("auto", fp32, fsdp=False) == fp32  # the CPU demo
+    assert resolve_param_dtype("auto", bf16, fsdp=True) == fp32
+    assert resolve_param_dtype("float32", bf16, fsdp=False) == fp32
     with pytest.raises(ValueError, match="compute dtype"):
-        resolve_param_dtype("bfloat16", fp32, fsdp=False, true_on_policy=False)
+        resolve_param_dtype("bfloat16", fp32, fsdp=False)
     with pytest.raises(ValueError, match="FSDP"):
-        resolve_param_dtype("bfloat16", bf16, fsdp=True, true_on_policy=False)
+        resolve_param_dtype("bfloat16", bf16, fsdp=True)
     with pytest.raises(ValueError, match="torch backend"):
         TrainerConfig(backend="megatron", param_dtype="bfloat16")
 

@@ -143,12 +143,14 @@ def test_the_decode_steps_fused_kernels_compute_the_walks_ops_bit_for_bit(
     assert torch.equal(fused8[:, heads * dim :], ops.fp8_mm(walk_x, k8, ks, None, False)[:37])
 
 
-def _trainer(model_dir: Path, fp8: bool, true_on_policy: bool, graphs: bool | str = "auto"):  # type: ignore[no-untyped-def]
+def _trainer(  # type: ignore[no-untyped-def]
+    model_dir: Path, fp8: bool, true_on_policy: bool, graphs: bool | str = "auto", param_dtype: str = "auto"
+):
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     return TorchTrainer(
         ModelConfig(path=str(model_dir)),
-        TrainerConfig(micro_batch_size=8, cuda_graphs=graphs),
+        TrainerConfig(micro_batch_size=8, cuda_graphs=graphs, param_dtype=param_dtype),  # type: ignore[arg-type]
         OptimizerConfig(),
         fp8=fp8,
         total_steps=1,
@@ -182,15 +184,23 @@ def _round(trainer, engine, version: int, temperature: float, fp8: bool):  # typ
     return scored, tokens
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize(
+    "graphs, param_dtype",
+    [(False, "float32"), (False, "bfloat16"), (True, "bfloat16")],
+    ids=["eager-fp32_params", "eager-bf16_params", "graphs-bf16_params"],
+)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
-def test_trainer_log_probs_equal_the_engine_bit_for_bit(model_dir: Path, fp8: bool, graphs: bool) -> None:
-    """Eager, and with the trainer's decoder layers replayed from CUDA graphs (the GPU default), which capture
-    the walk's layers for scoring (forward only) and for training."""
+def test_trainer_log_probs_equal_the_engine_bit_for_bit(
+    model_dir: Path, fp8: bool, graphs: bool, param_dtype: str
+) -> None:
+    """FP32 parameters cast by the walk, or a BF16 model with FP32 masters (kept FP8 weights in FP8), eager or
+    with the decoder layers replayed from CUDA graphs (the GPU default: graphs and BF16 parameters), which
+    capture the walk's layers for scoring (forward only) and for training."""
     from infir2_rl.engines.native.engine import NativeEngine
 
-    trainer = _trainer(model_dir, fp8, True, graphs)
+    trainer = _trainer(model_dir, fp8, True, graphs, param_dtype)
     assert (trainer.layer_graphs is not None) == graphs
+    assert (trainer.master_weights is not None) == (param_dtype == "bfloat16")
     engine = NativeEngine(str(model_dir), fp8=fp8, max_batch_size=8, true_on_policy=True)
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
 
@@ -215,6 +225,7 @@ def test_graphed_walk_trains_as_the_eager_walk(model_dir: Path, fp8: bool) -> No
     is bit-equal) and the same gradients up to the backward's algorithm choices (cuBLAS and SDPA may pick
     others inside a capture)."""
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+    from infir2_rl.trainers.torch.layer_graphs import grad_target
     from infir2_rl.types import TokenBatch
 
     gen = torch.Generator().manual_seed(3)
@@ -232,9 +243,10 @@ def test_graphed_walk_trains_as_the_eager_walk(model_dir: Path, fp8: bool) -> No
         norm = trainer._grad_norm
 
         def grab(trainer=trainer, seen=seen, norm=norm):  # type: ignore[no-untyped-def]
-            seen.update(
-                {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-            )
+            for n, p in trainer.model.named_parameters():
+                g = grad_target(p)  # the FP32 master's gradient (BF16 model, the default) or .grad
+                if g is not None:
+                    seen[n] = g.clone()
             return norm()
 
         trainer._grad_norm = grab

@@ -111,7 +111,8 @@ class TrainerConfig(_Config):
     # and FP32 gradient accumulation in the trainer (trainers/torch/master_weights.py; FP8 decoder weights stay
     # FP32, their own masters); at 1.5B x 8K on an H100 13% (BF16) and 10% (FP8) shorter steps than "float32"
     # and a lower peak memory in both (docs/performance.md). "float32": FP32 parameters under BF16 autocast. "auto": bfloat16 where the compute
-    # dtype is bfloat16 (GPUs), without FSDP and true_on_policy; float32 elsewhere (the CPU demo).
+    # dtype is bfloat16 (GPUs), without FSDP (true_on_policy too: its walk then reads the BF16 parameters and
+    # kept FP8 weights the engine receives); float32 elsewhere (the CPU demo).
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)

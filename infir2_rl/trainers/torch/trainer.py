@@ -2,7 +2,7 @@
 
 Precision. Parameters are loaded in FP32: they are the master weights, and AdamW's moments are FP32 too.
 `trainer.param_dtype` (default `auto`) says what the model computes with. "bfloat16" (auto on GPUs computing
-in BF16, without FSDP or true_on_policy): the model's parameters become BF16 and the trainer keeps the FP32
+in BF16, without FSDP): the model's parameters become BF16 and the trainer keeps the FP32
 masters and FP32 gradient accumulation beside them (master_weights.py; the FP8 linears' weights stay FP32, their
 own masters), so activations, the residual stream and the norms are BF16 as in the rollout engine, and no
 forward casts a weight; on CUDA AdamW is one Triton kernel per layer that also writes the BF16 copy
@@ -81,23 +81,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 log = logging.getLogger(__name__)
 
 
-def resolve_param_dtype(
-    setting: str, compute_dtype: torch.dtype, fsdp: bool, true_on_policy: bool
-) -> torch.dtype:
+def resolve_param_dtype(setting: str, compute_dtype: torch.dtype, fsdp: bool) -> torch.dtype:
     """The model parameters' dtype (trainer.param_dtype): bfloat16 means a BF16 model with FP32 masters."""
     blockers = [
         name
         for name, present in {
             f"compute dtype {compute_dtype} (model.dtype)": compute_dtype != torch.bfloat16,
             "FSDP (trainer.fsdp_param_dtype sets what it gathers)": fsdp,
-            "true_on_policy": true_on_policy,
         }.items()
         if present
     ]
     if setting == "bfloat16" and blockers:
         raise ValueError(
-            "trainer.param_dtype=bfloat16 needs bfloat16 compute without FSDP or true_on_policy; here: "
-            + ", ".join(blockers)
+            "trainer.param_dtype=bfloat16 needs bfloat16 compute without FSDP; here: " + ", ".join(blockers)
         )
     if setting == "bfloat16" or (setting == "auto" and not blockers):
         return torch.bfloat16
@@ -225,9 +221,7 @@ class TorchTrainer:
         # trainer.param_dtype: a BF16 model whose FP32 masters the trainer keeps (master_weights.py). The FP8
         # decoder linears' weights are only ever quantized: they stay FP32, their own masters.
         self.master_weights: MasterWeights | None = None
-        if resolve_param_dtype(trainer_cfg.param_dtype, self.compute_dtype, self.fsdp, true_on_policy) == (
-            torch.bfloat16
-        ):
+        if resolve_param_dtype(trainer_cfg.param_dtype, self.compute_dtype, self.fsdp) == torch.bfloat16:
             self.master_weights = MasterWeights(model)
         # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
         self.layer_graphs: LayerGraphs | None = None
