@@ -27,6 +27,9 @@ SHAPES = {  # name: (K, N) of the 1.5B shape
 BF16_TILES = [  # (BM, BN, BK, warps, stages); the first is the reference
     (64, 64, 64, 4, 3), (16, 64, 64, 4, 3), (64, 32, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
     (128, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 32, 4, 4),
+    # narrower and shorter tiles for decode sizes (more programs without split-K), deeper pipelines
+    (32, 32, 128, 4, 4), (64, 32, 128, 4, 4), (128, 32, 128, 4, 4), (256, 32, 64, 8, 3), (64, 32, 256, 4, 3),
+    (128, 64, 128, 4, 3), (256, 64, 64, 8, 3), (128, 64, 64, 4, 5),
 ]  # fmt: skip
 
 
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; times in us at M = {args.rows}")
     fp8_cfgs = [fp8_gemm.GemmConfig(64, 64, 1, 4, 3)] + [
         fp8_gemm.GemmConfig(bm, bn, 1, w, st)
-        for bm, bn, w, st in ((16, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3))
+        for bm, bn, w, st in ((16, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                              (64, 32, 4, 6), (128, 32, 4, 4), (256, 32, 8, 3), (64, 64, 4, 5))
     ]  # fmt: skip
     for name in args.shapes:
         k, n = SHAPES[name]

@@ -137,6 +137,17 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
         out["score_s"].append(score_s)
         out["train_s"].append(train_s)
     out["tokens_per_call"] = args.prompts * args.samples * args.new_tokens
+    if args.profile_rollout:  # one more generate call (the last call's requests) under torch.profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(requests)
+            _sync()
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=args.profile_rollout)
+        total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        print(
+            f"--- rollout profile ({'FP8' if fp8 else 'BF16'}, {mode}): device kernels {total:.1f} ms\n{table}"
+        )
     del trainer, engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -162,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         help="true_on_policy_fp32: its trainer with FP32 parameters (trainer.param_dtype=float32); "
         "true_on_policy_eager: FP32 parameters and no CUDA graphs (trainer.cuda_graphs=false), the "
         "true_on_policy trainer before session 30",
+    )
+    parser.add_argument(
+        "--profile-rollout",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="profile one more generate call per run and print its top ROWS kernels by device time",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
