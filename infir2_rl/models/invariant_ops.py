@@ -26,8 +26,10 @@ Residual adds are elementwise torch ops, invariant as they are (the fused add of
 rounds as torch's add does).
 
 Backward (the trainer's): ``mm``, ``attention``, ``rms_norm``, ``rope`` and ``silu_mul`` are autograd Functions whose backward is
-plain torch math (cuBLAS matmuls, SDPA / RMSNorm recomputed). Gradients need not match anything bit for bit:
-only the forward values enter the policy ratio.
+plain torch math (cuBLAS matmuls, SDPA recomputed, rotary's adjoint), except RMSNorm and SiLU*up, which on CUDA
+take the torch trainer's fused backward kernels (``trainers/torch/fused_layers``; imported there, at backward,
+since only a trainer runs one). Gradients need not match anything bit for bit: only the forward values enter the
+policy ratio.
 
 CPU (tests): the same functions fall back to their torch references (``F.linear``, masked SDPA, the torch
 RMSNorm, FP8 emulation), so the model walk of ``invariant.py`` runs in CPU tests; bit equality between
@@ -323,6 +325,12 @@ class _RmsNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if kernels_available(grad.device):  # the torch trainer's fused RMSNorm backward kernel
+            from infir2_rl.trainers.torch import fused_layers
+
+            x, weight = ctx.saved_tensors
+            dx, dw = fused_layers.rms_norm_grads(grad, x, weight, ctx.eps)
+            return dx, dw, None
         x, weight = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
         with torch.enable_grad():
             out = fused_ops.rms_norm_torch(x, weight, ctx.eps)
@@ -401,6 +409,11 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if kernels_available(grad.device):  # the torch trainer's fused SwiGLU backward kernel
+            from infir2_rl.trainers.torch import fused_layers
+
+            gate, up = ctx.saved_tensors
+            return fused_layers.swiglu_grads(grad, gate, up)
         gate, up = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
         with torch.enable_grad():
             dgate, dup = torch.autograd.grad(F.silu(gate) * up, (gate, up), grad)

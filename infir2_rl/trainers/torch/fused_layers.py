@@ -360,24 +360,41 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:  # type: ignore[override]
         x2d, weight, r = ctx.saved_tensors
-        m, k = x2d.shape
-        dy2d = dy.reshape(-1, k).contiguous()
-        dx = torch.empty((m, k), dtype=ctx.x_dtype, device=x2d.device)
-        if m == 0:
-            dw0 = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-            return dx.view(ctx.x_shape), dw0, None, None, None
-        bk, bm, warps = _rms_launch(k)
-        # A fixed number of programs per GPU (each loops over its rows and keeps one FP32 partial of dw),
-        # so dw sums the same partials in the same order for a given shape.
-        progs = min(triton.cdiv(m, bm), 4 * _num_sms(x2d.device.index or 0))
-        rows_per_prog = triton.cdiv(triton.cdiv(m, progs), bm) * bm
-        progs = triton.cdiv(m, rows_per_prog)
-        partial = torch.empty((progs, k), dtype=torch.float32, device=x2d.device)
-        _rms_bwd_kernel[(progs,)](
-            dy2d, x2d, weight, r, dx, partial, m, k, 1.0 / k, rows_per_prog, BM=bm, BK=bk, num_warps=warps
-        )
-        dw = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dx, dw = _rms_backward(dy, x2d, weight, r, ctx.x_dtype, ctx.needs_input_grad[1])
         return dx.view(ctx.x_shape), dw, None, None, None
+
+
+def _rms_backward(
+    dy: Tensor, x2d: Tensor, weight: Tensor, r: Tensor, x_dtype: torch.dtype, need_dw: bool
+) -> tuple[Tensor, Tensor | None]:
+    """(dx (M, K) in x_dtype, dw or None) of ``weight * (x * r).to(x_dtype)`` for rows x2d (M, K), r (M,) FP32."""
+    m, k = x2d.shape
+    dy2d = dy.reshape(-1, k).contiguous()
+    dx = torch.empty((m, k), dtype=x_dtype, device=x2d.device)
+    if m == 0:
+        return dx, torch.zeros_like(weight) if need_dw else None
+    bk, bm, warps = _rms_launch(k)
+    # A fixed number of programs per GPU (each loops over its rows and keeps one FP32 partial of dw),
+    # so dw sums the same partials in the same order for a given shape.
+    progs = min(triton.cdiv(m, bm), 4 * _num_sms(x2d.device.index or 0))
+    rows_per_prog = triton.cdiv(triton.cdiv(m, progs), bm) * bm
+    progs = triton.cdiv(m, rows_per_prog)
+    partial = torch.empty((progs, k), dtype=torch.float32, device=x2d.device)
+    _rms_bwd_kernel[(progs,)](
+        dy2d, x2d, weight, r, dx, partial, m, k, 1.0 / k, rows_per_prog, BM=bm, BK=bk, num_warps=warps
+    )
+    return dx, partial.sum(0).to(weight.dtype) if need_dw else None
+
+
+def rms_norm_grads(dy: Tensor, x2d: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of Qwen2RMSNorm over rows x2d (M, K) for the output gradient dy, by this module's backward kernel
+    (CUDA), the reciprocal RMS of each row recomputed in FP32: for a forward whose kernel kept no statistics
+    (the true_on_policy walk's norm, ``models/invariant_ops.rms_norm``)."""
+    x2d = x2d.contiguous()
+    r = torch.rsqrt(x2d.float().square().mean(-1) + eps)
+    dx, dw = _rms_backward(dy, x2d, weight, r, x2d.dtype, True)
+    assert dw is not None
+    return dx, dw
 
 
 _SWIGLU_BLOCK = 2048
@@ -473,6 +490,19 @@ class _SwiGLUFn(torch.autograd.Function):
                 dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
             )
         return dg, du, None, None
+
+
+def swiglu_grads(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(dgate, dup) of ``silu(gate) * up`` for the output gradient dh, by this module's backward kernel (CUDA;
+    the true_on_policy walk's SiLU*up backward, ``models/invariant_ops.silu_mul``)."""
+    gate, up, dh = gate.contiguous(), up.contiguous(), dh.contiguous()
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
+            dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
+        )
+    return dg, du
 
 
 class NormPlan(NamedTuple):
