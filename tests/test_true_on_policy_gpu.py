@@ -211,7 +211,8 @@ def test_trainer_log_probs_equal_the_engine_bit_for_bit(
             diff = (train_lp - engine_lp)[mask]
             scored += int(mask.sum())
             assert diff.abs().max().item() == 0.0, f"max |dlogp| {diff.abs().max().item():.3e}"
-        # An optimizer step (fused AdamW on CUDA) before the next round's push: its bytes reach both sides.
+        # An optimizer step (the flat AdamW with the BF16 model, torch's fused one with FP32 parameters) before the
+        # next round's push: its bytes reach both sides.
         trainer.train_step(tokens, SftLossFn(), sum(num_target_tokens(t) for t in tokens))
     assert scored > 500
     if graphs:  # both kinds captured and replayed, not run eagerly past them
