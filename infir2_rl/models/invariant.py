@@ -59,6 +59,29 @@ def check_model(model: nn.Module) -> None:
         raise ValueError("true_on_policy: the invariant forward does not support " + ", ".join(problems))
 
 
+def plan_gemms(model: nn.Module, device: torch.device) -> list[str]:
+    """Probe the FP8 GEMMs the walk will run for this model on ``device`` (``invariant_ops.plan_fp8``: cuBLASLt
+    where it gives the same bits at every batch size, the Triton kernel elsewhere). The trainer and the engine
+    each call this before their first forward (and before any CUDA graph capture); a BF16 model plans
+    nothing. Returns the plan in words, one line per GEMM group."""
+    if not any(
+        isinstance(m, Fp8InferenceLinear) or (isinstance(m, Fp8Linear) and m.fp8_enabled)
+        for m in model.modules()
+    ):
+        return []
+    config: Any = model.config  # type: ignore[assignment]
+    hidden, heads, kv_heads = (
+        int(config.hidden_size),
+        int(config.num_attention_heads),
+        int(config.num_key_value_heads),
+    )
+    dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    inter = int(config.intermediate_size)
+    groups = [(hidden, [heads * dim, kv_heads * dim, kv_heads * dim]), (heads * dim, [hidden]),
+              (hidden, [inter, inter]), (inter, [hidden])]  # fmt: skip
+    return ops.plan_fp8(groups, device)
+
+
 def rope_tables(config: Any, max_positions: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """cos, sin (max_positions, D) in BF16, transformers' default rotary formula computed on ``device``: the
     trainer and the engine call this one function, so their tables are the same bytes."""

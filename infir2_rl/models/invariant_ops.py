@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
+from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.ops import fp8_linear_forward
 
@@ -219,10 +220,139 @@ def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return out
 
 
+# ---- the FP8 GEMM: cuBLASLt where a probe finds it batch-invariant, else the Triton kernel ----------------
+#
+# cuBLASLt's blockwise FP8 GEMM (``F.scaled_mm``, the fast trainer's fprop) runs 1.5-1.9x the Triton W8A8
+# kernel at the trainer's M and no slower at decode sizes, and gives a row the same bits at every M and
+# offset in the batch for most shapes. Where it does not, it splits K at small M (H100, cuBLAS of torch
+# 2.11: down_proj, K 8960, differs at M <= 80; K 18944 at M <= 32; every other 1.5B and 7B shape never;
+# bench/invariant_gemm.py --cublaslt). That is a property of one library build on one GPU, so it is
+# measured, not assumed: ``plan_fp8`` probes each shape the model multiplies, at every M up to 512 and a few
+# larger ones, at two offsets, fused (q|k|v, gate|up: the engine's) and separate (the trainer's), and
+# records the number of rows from which every probed M gave the reference bits; smaller batches are padded
+# to it. A shape with no such tail below 448 rows, or that differs fused, stays on the Triton kernel.
+
+PROBE_ROWS = (*range(1, 513), 640, 1000, 2048)
+PROBE_OFFSETS = (0, 333)
+_PROBE_REF_ROWS = max(PROBE_ROWS) + max(PROBE_OFFSETS)
+_PROBE_MAX_PAD = 448  # a shape needing more rows than this stays on Triton (decode would pay too much)
+TRITON = 0  # plan value: this shape runs the Triton W8A8 kernel
+_FP8_PLAN: dict[tuple[int, int, int], int] = {}  # (device index, N, K) -> rows cuBLASLt is run at, or TRITON
+
+
+def _cublaslt_fp8(
+    x: Tensor,
+    w_fp8: Tensor,
+    scale_inv: Tensor,
+    bias: Tensor | None,
+    pow2: bool,
+    rows: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """quantize_rows, then cuBLASLt on at least ``rows`` rows (a multiple of 16; the padding rows' outputs
+    are dropped), then the bias in the output dtype, as the fast trainer's fprop adds it."""
+    m = x.shape[0]
+    q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=rows if m < rows else 16)
+    y = cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:m]
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+def _fused_weight(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The parts' FP8 weights as one, each starting at a 128-row boundary (``linears.FusedLinear``'s layout)."""
+    k = parts[0][0].shape[1]
+    starts = [0]
+    for w, _ in parts:
+        starts.append(starts[-1] + -(-w.shape[0] // 128) * 128)
+    w_all = torch.zeros(starts[-1], k, dtype=parts[0][0].dtype, device=parts[0][0].device)
+    s_all = torch.ones(starts[-1] // 128, parts[0][1].shape[1], dtype=torch.float32, device=w_all.device)
+    for (w, s), start in zip(parts, starts):
+        w_all[start : start + w.shape[0]] = w
+        s_all[start // 128 : start // 128 + s.shape[0]] = s
+    return w_all, s_all
+
+
+def _probe_fp8(k: int, parts: list[int], device: torch.device) -> tuple[int, str]:
+    """Rows from which cuBLASLt gives the reference bits for the GEMMs of K ``k`` and N ``parts`` (each alone
+    and, for several parts, fused), or TRITON; and why, in words."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(_PROBE_REF_ROWS, k, device=device, generator=gen) * 2).to(torch.bfloat16)
+    weights = [
+        quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05) for n in parts
+    ]
+    gemms = weights + ([_fused_weight(weights)] if len(parts) > 1 else [])
+    refs = [_cublaslt_fp8(x, w, s, None, False, 16, torch.bfloat16) for w, s in gemms]
+    if len(parts) > 1:  # the fused GEMM's columns against each part's own
+        starts = [0, *[-(-n // 128) * 128 for n in parts]]
+        offsets = [sum(starts[: i + 1]) for i in range(len(parts))]
+        if not all(torch.equal(refs[-1][:, o : o + n], r) for o, n, r in zip(offsets, parts, refs)):
+            return TRITON, "fused and separate GEMMs differ"
+    flags = []
+    for m in PROBE_ROWS:
+        ys = []
+        for o in PROBE_OFFSETS:
+            xs = x[o : o + m]
+            ys += [
+                (_cublaslt_fp8(xs, w, s, None, False, 16, torch.bfloat16) != r[o : o + m]).any()
+                for (w, s), r in zip(gemms, refs)
+            ]
+        flags.append(torch.stack(ys).any())
+    differ = [m for m, bad in zip(PROBE_ROWS, torch.stack(flags).tolist()) if bad]
+    if not differ:
+        return 16, "invariant at every M"
+    rows = -(-(max(differ) + 1) // 16) * 16
+    if rows > _PROBE_MAX_PAD:
+        return TRITON, f"differs at M up to {max(differ)}"
+    return rows, f"differs at M <= {max(differ)}: padded to {rows} rows"
+
+
+def plan_fp8(groups: list[tuple[int, list[int]]], device: torch.device) -> list[str]:
+    """Probe the FP8 GEMMs of ``groups`` ((K, [N of each part]): q|k|v, o, gate|up, down) once per process
+    and device; ``fp8_mm`` then runs each probed shape as planned. Returns one line per group, for the log.
+    Both the trainer and the engine plan the model they hold (``invariant.plan_gemms``)."""
+    lines: list[str] = []
+    if not kernels_available(device):
+        return lines
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    probe = torch.empty(0, device=device)
+    for k, parts in groups:
+        fused = sum(-(-n // 128) * 128 for n in parts)
+        shapes = [*parts, fused] if len(parts) > 1 else parts
+        keys = [(index, n, k) for n in shapes]
+        if all(key in _FP8_PLAN for key in keys):
+            continue
+        if all(cublas_gemm.fast_path_ok(probe, n, k) for n in shapes):
+            rows, why = _probe_fp8(k, parts, device)
+        else:
+            rows, why = TRITON, "cuBLASLt's blockwise FP8 does not take this shape or GPU"
+        for key in keys:  # a shape in two groups (q and o at 1.5B) takes the stricter plan
+            old = _FP8_PLAN.get(key, 16)
+            _FP8_PLAN[key] = TRITON if TRITON in (old, rows) else max(old, rows)
+        kind = "Triton W8A8" if rows == TRITON else f"cuBLASLt (>= {rows} rows)"
+        lines.append(f"FP8 GEMM K {k}, N {'|'.join(map(str, parts))}: {kind}; {why}")
+    return lines
+
+
+def _fp8_plan(x: Tensor, n: int, k: int) -> int:
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    rows = _FP8_PLAN.get((index, n, k))
+    if rows is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"invariant fp8_mm: the GEMM N {n}, K {k} was not planned before capture (invariant.plan_gemms)"
+            )
+        plan_fp8([(k, [n])], x.device)
+        rows = _FP8_PLAN[(index, n, k)]
+    return rows
+
+
 def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow2: bool) -> Tensor:
-    """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``)."""
+    """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``):
+    cuBLASLt or the Triton kernel, as ``plan_fp8`` found for this shape."""
     if not kernels_available(x.device):
         return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
+    rows = _fp8_plan(x, w_fp8.shape[0], w_fp8.shape[1])
+    if rows != TRITON:
+        return _cublaslt_fp8(x, w_fp8, scale_inv, bias, pow2, rows, x.dtype)
     q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2)
     return fp8_mm_quantized(q, s_t, x.shape[0], w_fp8, scale_inv, bias, pow2, x.dtype)
 
@@ -239,6 +369,13 @@ def fp8_mm_quantized(
 ) -> Tensor:
     """``fp8_mm`` of rows already quantized by the trainer's rule: q (M_pad, K) e4m3, s_t (Kb, M_pad) (the
     engine's producer kernels write them, ``fused_ops.QuantizedRows``)."""
+    plan = _fp8_plan(q, w_fp8.shape[0], w_fp8.shape[1])
+    if plan != TRITON:
+        if q.shape[0] < plan:  # pad to the planned rows (zero rows; their outputs are dropped)
+            q = torch.cat([q, q.new_zeros(plan - q.shape[0], q.shape[1])])
+            s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], plan - s_t.shape[1])], dim=1)
+        y = cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:rows]
+        return y if bias is None else y + bias.to(out_dtype)
     cfg = FP8_CONFIGS[_size(rows)]
     return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, bias, cfg, pow2, s_t, rows, out_dtype)
 

@@ -33,6 +33,7 @@ sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.linears import Fp8GemmChooser, FusedLinear
 from infir2_rl.models import invariant
 from infir2_rl.models import invariant_ops as inv_ops
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
@@ -114,6 +117,8 @@ class Qwen2Runner:
                     f" {invariant.DTYPE} model (got {self.device}, {self.dtype})"
                 )
             self.cos, self.sin = invariant.rope_tables(config, self.max_positions, self.device)
+            for line in invariant.plan_gemms(model, self.device):
+                logger.info("true_on_policy engine: %s", line)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         if max_len > self.max_positions:

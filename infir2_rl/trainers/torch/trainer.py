@@ -301,6 +301,8 @@ class TorchTrainer:
             problems.append("one trainer worker without FSDP (the invariant walk bypasses FSDP's hooks)")
         if problems:
             raise ValueError("true_on_policy needs " + "; ".join(problems))
+        for line in invariant.plan_gemms(self.model, self.device):
+            log.info("true_on_policy trainer: %s", line)
 
     # ------------------------------------------------------------------ forward helpers
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
