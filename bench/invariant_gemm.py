@@ -70,6 +70,19 @@ def _device_time(fn: Callable[[], object], calls: int = 20) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / calls
 
 
+def _triton_invariant(
+    x: torch.Tensor, w: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, fp8: bool
+) -> torch.Tensor:
+    """The Triton kernels true_on_policy ran before cuBLAS was planned in, at their launch shapes for x's M."""
+    from infir2_rl.models import invariant_ops as ops
+
+    size = ops._size(x.shape[0])
+    if fp8:
+        return _prequantized(x, w8, s8, ops.FP8_CONFIGS[size])
+    tile, warps, stages = ops.MM_TILES[size]
+    return ops.mm_launch(x, w, None, tile, warps, stages)
+
+
 def _ranges(values: list[int]) -> str:
     """[1, 2, 3, 7, 9, 10] -> '1-3 7 9-10'."""
     out: list[str] = []
@@ -160,13 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             ).bfloat16()
             _cublaslt_invariance(big, w, args.rows)
             w8, s8 = quant_triton.quantize_weight(w.float())
-            for label, fn in (
-                (
-                    "invariant Triton FP8",
-                    functools.partial(ops.fp8_mm, w_fp8=w8, scale_inv=s8, bias=None, pow2=False),
-                ),
-                ("invariant Triton BF16", functools.partial(ops.mm, w=w)),
-            ):
+            for label, fp8 in (("invariant Triton FP8", True), ("invariant Triton BF16", False)):
+                fn = functools.partial(_triton_invariant, w=w, w8=w8, s8=s8, fp8=fp8)
                 times = [_device_time(functools.partial(fn, x[:m])) for m in args.rows]
                 print(f"   {label:24s} " + " ".join(f"{t:9.1f}" for t in times))
             continue

@@ -65,6 +65,13 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
         total_steps=10,
         true_on_policy=true_on_policy,
     )
+    if (
+        true_on_policy
+    ):  # which GEMM runs each shape (cuBLAS where it is batch-invariant), as both sides planned it
+        from infir2_rl.models import invariant
+
+        for line in invariant.plan_gemms(trainer.model, trainer.device):
+            print(f"  plan ({'fp8' if fp8 else 'bf16'}): {line}")
     engine = NativeEngine(
         str(path), fp8=fp8, max_batch_size=args.prompts * args.samples, true_on_policy=true_on_policy
     )
@@ -148,6 +155,17 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
         print(
             f"--- rollout profile ({'FP8' if fp8 else 'BF16'}, {mode}): device kernels {total:.1f} ms\n{table}"
         )
+    if args.profile_score:  # one more scoring call (the last call's micro-batches) under torch.profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.forward_logprobs(micro, temperature=args.temperature)
+            _sync()
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=args.profile_score)
+        total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        print(
+            f"--- score profile ({'FP8' if fp8 else 'BF16'}, {mode}): device kernels {total:.1f} ms\n{table}"
+        )
     del trainer, engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -180,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="ROWS",
         help="profile one more generate call per run and print its top ROWS kernels by device time",
+    )
+    parser.add_argument(
+        "--profile-score",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="profile one more scoring call (old log-probs) per run and print its top ROWS kernels by device time",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -47,28 +47,33 @@ def test_fp8_gemm_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(ops.fp8_mm(x[rows], w_fp8, scale, None, False), full[rows])
 
 
-def test_planned_fp8_gemms_give_decode_rows_the_trainers_bits() -> None:
-    """The 1.5B shapes as planned (cuBLASLt, padded where it splits K at small M; or Triton): decode-sized
-    batches, fused q|k|v among them, against the rows of a trainer-sized batch."""
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_planned_gemms_give_decode_rows_the_trainers_bits(fp8: bool) -> None:
+    """The 1.5B shapes as planned (cuBLAS, padded where it splits K at small M; or Triton): decode-sized
+    batches, the engine's fused q|k|v among them, against the rows of a trainer-sized batch."""
     from infir2_rl.fp8.quant_triton import quantize_weight
     from infir2_rl.models import invariant_ops as ops
 
-    dev = torch.device("cuda")
-    print(ops.plan_fp8([(1536, [1536, 256, 256]), (8960, [1536])], dev))
+    groups = [(1536, [1536, 256, 256]), (8960, [1536])]
+    print(ops.plan(groups, fp8, torch.device("cuda")))
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for k, parts in ((8960, [1536]), (1536, [1536, 256, 256])):
+
+    def gemm(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        return ops.fp8_mm(x, w[0], w[1], None, False) if w[1] is not None else ops.mm(x, w[0])
+
+    for k, parts in groups:
         x = torch.randn(4096, k, device="cuda", generator=gen).bfloat16()
-        weights = [quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.05) for n in parts]
-        fulls = [ops.fp8_mm(x, w, s, None, False) for w, s in weights]
-        for (w, s), full in zip(weights, fulls):
-            assert ops._FP8_PLAN[(dev.index or 0, w.shape[0], k)] % 16 == 0
+        weights: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for n in parts:
+            w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+            weights.append(quantize_weight(w) if fp8 else (w.bfloat16(), None))
+        fulls = [gemm(x, w) for w in weights]
+        for w, full in zip(weights, fulls):
             for rows in (slice(0, 1), slice(7, 50), slice(100, 181), slice(1000, 1064), slice(2000, 4096)):
-                assert torch.equal(ops.fp8_mm(x[rows], w, s, None, False), full[rows]), (k, w.shape, rows)
-        if len(parts) > 1:  # the engine's fused weight, each part at a 128-row boundary
-            w_all, s_all = ops._fused_weight(weights)
-            fused = ops.fp8_mm(x[5:69], w_all, s_all, None, False)
-            starts = [0, 1536, 1792]
-            for start, n, full in zip(starts, parts, fulls):
+                assert torch.equal(gemm(x[rows], w), full[rows]), (k, w[0].shape, rows)
+        if len(parts) > 1:  # the engine's fused weight
+            fused = gemm(x[5:69], ops._fused_weight(weights))
+            for start, n, full in zip(ops._fused_starts(parts, fp8), parts, fulls):
                 assert torch.equal(fused[:, start : start + n], full[5:69])
 
 

@@ -60,26 +60,26 @@ def check_model(model: nn.Module) -> None:
 
 
 def plan_gemms(model: nn.Module, device: torch.device) -> list[str]:
-    """Probe the FP8 GEMMs the walk will run for this model on ``device`` (``invariant_ops.plan_fp8``: cuBLASLt
-    where it gives the same bits at every batch size, the Triton kernel elsewhere). The trainer and the engine
-    each call this before their first forward (and before any CUDA graph capture); a BF16 model plans
-    nothing. Returns the plan in words, one line per GEMM group."""
-    if not any(
-        isinstance(m, Fp8InferenceLinear) or (isinstance(m, Fp8Linear) and m.fp8_enabled)
-        for m in model.modules()
-    ):
-        return []
+    """Probe the GEMMs the walk will run for this model on ``device`` (``invariant_ops.plan``: cuBLAS where it
+    gives the same bits at every batch size, the Triton kernels elsewhere): the decoder's in each precision it
+    holds and the lm_head. The trainer and the engine each call this before their first forward and before any
+    CUDA graph capture. Returns the plan in words, one line per GEMM group."""
     config: Any = model.config  # type: ignore[assignment]
-    hidden, heads, kv_heads = (
-        int(config.hidden_size),
-        int(config.num_attention_heads),
-        int(config.num_key_value_heads),
-    )
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    kv_heads, inter = int(config.num_key_value_heads), int(config.intermediate_size)
     dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    inter = int(config.intermediate_size)
-    groups = [(hidden, [heads * dim, kv_heads * dim, kv_heads * dim]), (heads * dim, [hidden]),
-              (hidden, [inter, inter]), (inter, [hidden])]  # fmt: skip
-    return ops.plan_fp8(groups, device)
+    decoder = [(hidden, [heads * dim, kv_heads * dim, kv_heads * dim]), (heads * dim, [hidden]),
+               (hidden, [inter, inter]), (inter, [hidden])]  # fmt: skip
+    inner: Any = model.model  # type: ignore[assignment]
+    kinds = {_is_fp8(m) for layer in inner.layers for m in (layer.self_attn.q_proj, layer.mlp.down_proj)}
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
+    fp8_groups = decoder if True in kinds else []
+    bf16_groups = (decoder if False in kinds else []) + [(hidden, [int(head.weight.shape[0])])]
+    return ops.plan(fp8_groups, True, device) + ops.plan(bf16_groups, False, device)
+
+
+def _is_fp8(module: nn.Module) -> bool:
+    return isinstance(module, Fp8InferenceLinear) or (isinstance(module, Fp8Linear) and module.fp8_enabled)
 
 
 def rope_tables(config: Any, max_positions: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -8,10 +8,12 @@ run in another order and its last bits differ; FP8 quantizers then turn those bi
 (docs/mismatch.md). Each op here computes a row (a token) with one instruction sequence whatever the
 number of rows:
 
-* ``mm``: BF16 GEMM (Triton), no split-K, the bias added in FP32 before the single rounding; the tile shape
-  follows M only among shapes measured to give the same bits (``MM_TILES``, comment there).
-* ``fp8_mm``: the trainer's 1x128 activation quantizer, then the engine's W8A8 kernel
-  (``engines/native/fp8_gemm``) without split-K, at wgmma shapes (``FP8_CONFIGS``).
+* ``mm`` (BF16) and ``fp8_mm`` (the trainer's 1x128 activation quantizer, then a W8A8 blockwise GEMM): cuBLAS
+  (cuBLASLt's blockwise FP8 for ``fp8_mm``) for every shape that ``plan`` found to give a row the same bits at
+  every M, small batches padded to the rows from which it does (it splits K below them); the Triton kernels
+  below for any other shape: no split-K, the bias added in FP32 before the single rounding, the tile shape
+  following M only among shapes measured to give the same bits (``MM_TILES``, ``FP8_CONFIGS``; the W8A8
+  kernel is the engine's, ``engines/native/fp8_gemm``).
 * ``attention``: one program per (token, KV head); the token's G query heads (padded to 16 rows) walk its
   keys from position 0 in fixed blocks of ``ATTN_BLOCK`` with an online softmax. A decode row and the same
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
@@ -189,6 +191,9 @@ def _size(m: int) -> str:
 def _mm_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     if not kernels_available(x.device):
         return F.linear(x, w, bias)
+    rows = _planned_rows(x, False, w.shape[0], w.shape[1])
+    if rows != TRITON:
+        return _cublas(x, (w, None), bias, rows, x.dtype)
     tile, warps, stages = MM_TILES[_size(x.shape[0])]
     return mm_launch(x, w, bias, tile, warps, stages)
 
@@ -220,139 +225,160 @@ def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return out
 
 
-# ---- the FP8 GEMM: cuBLASLt where a probe finds it batch-invariant, else the Triton kernel ----------------
+# ---- which GEMM runs a shape: cuBLAS where a probe finds it batch-invariant, else the Triton kernels -------
 #
-# cuBLASLt's blockwise FP8 GEMM (``F.scaled_mm``, the fast trainer's fprop) runs 1.5-1.9x the Triton W8A8
-# kernel at the trainer's M and no slower at decode sizes, and gives a row the same bits at every M and
-# offset in the batch for most shapes. Where it does not, it splits K at small M (H100, cuBLAS of torch
-# 2.11: down_proj, K 8960, differs at M <= 80; K 18944 at M <= 32; every other 1.5B and 7B shape never;
-# bench/invariant_gemm.py --cublaslt). That is a property of one library build on one GPU, so it is
-# measured, not assumed: ``plan_fp8`` probes each shape the model multiplies, at every M up to 512 and a few
-# larger ones, at two offsets, fused (q|k|v, gate|up: the engine's) and separate (the trainer's), and
-# records the number of rows from which every probed M gave the reference bits; smaller batches are padded
-# to it. A shape with no such tail below 448 rows, or that differs fused, stays on the Triton kernel.
+# cuBLAS is faster than the Triton kernels above at the trainer's M (FP8: cuBLASLt's blockwise GEMM, 1.5-1.9x
+# the Triton W8A8 kernel at M = 4,096; BF16: 1.2-1.4x the BF16 kernel) and no slower at decode sizes, and it
+# gives a row the same bits at every M and offset in the batch for most shapes. Where it does not, it splits K
+# (or picks another kernel) at small M (H100, cuBLAS of torch 2.11, bench/invariant_gemm.py --cublaslt: FP8
+# down_proj, K 8960, differs at M <= 80 and K 18944 at M <= 32, every other 1.5B and 7B FP8 shape never; BF16
+# differs at scattered M up to 264 for 1.5B down_proj and 432 for 7B). That is a property of one library build
+# on one GPU, so it is measured, not assumed: ``plan`` probes each shape the model multiplies, at every M up to
+# 512 and a few larger ones, at two offsets, fused (q|k|v, gate|up: the engine's) and separate (the
+# trainer's), and records the number of rows from which every probed M gave the reference bits; smaller
+# batches are padded to it. A shape with no such tail below ``_PROBE_MAX_PAD`` rows, or that differs fused,
+# stays on the Triton kernel. The bias is added after the GEMM, in the output dtype, on both paths' cuBLAS.
 
 PROBE_ROWS = (*range(1, 513), 640, 1000, 2048)
 PROBE_OFFSETS = (0, 333)
 _PROBE_REF_ROWS = max(PROBE_ROWS) + max(PROBE_OFFSETS)
 _PROBE_MAX_PAD = 448  # a shape needing more rows than this stays on Triton (decode would pay too much)
-TRITON = 0  # plan value: this shape runs the Triton W8A8 kernel
-_FP8_PLAN: dict[tuple[int, int, int], int] = {}  # (device index, N, K) -> rows cuBLASLt is run at, or TRITON
+TRITON = 0  # plan value: this shape runs the Triton kernel
+_PLAN: dict[
+    tuple[int, bool, int, int], int
+] = {}  # (device index, fp8, N, K) -> rows cuBLAS runs at, or TRITON
+_PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each probed group's plan, in words
+Weight = tuple[Tensor, Tensor | None]  # (weight, FP8 weight_scale_inv or None for BF16)
 
 
-def _cublaslt_fp8(
-    x: Tensor,
-    w_fp8: Tensor,
-    scale_inv: Tensor,
-    bias: Tensor | None,
-    pow2: bool,
-    rows: int,
-    out_dtype: torch.dtype,
+def _cublas(
+    x: Tensor, w: Weight, bias: Tensor | None, rows: int, out_dtype: torch.dtype, pow2: bool = False
 ) -> Tensor:
-    """quantize_rows, then cuBLASLt on at least ``rows`` rows (a multiple of 16; the padding rows' outputs
-    are dropped), then the bias in the output dtype, as the fast trainer's fprop adds it."""
+    """cuBLAS on at least ``rows`` rows (the padding rows' outputs are dropped), then the bias. FP8: x is
+    quantized by ``quantize_rows`` (which pads to 16 rows) for cuBLASLt's blockwise GEMM."""
+    weight, scale_inv = w
     m = x.shape[0]
-    q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=rows if m < rows else 16)
-    y = cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:m]
-    return y if bias is None else y + bias.to(out_dtype)
+    if scale_inv is None:
+        if m < rows:
+            x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+        y = F.linear(x, weight)[:m]
+    else:
+        q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=rows if m < rows else 16)
+        y = cublas_gemm.mm_1x128_128x128(q, s_t, weight, scale_inv, out_dtype)[:m]
+    return y if bias is None else y + bias.to(y.dtype)
 
 
-def _fused_weight(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The parts' FP8 weights as one, each starting at a 128-row boundary (``linears.FusedLinear``'s layout)."""
+def _fused_weight(parts: list[Weight]) -> Weight:
+    """The parts as one weight, the engine's layout (``linears.FusedLinear``): FP8 parts start at 128-row
+    boundaries (their scale blocks stay whole), BF16 parts are contiguous."""
+    if parts[0][1] is None:
+        return torch.cat([w for w, _ in parts]), None
     k = parts[0][0].shape[1]
     starts = [0]
     for w, _ in parts:
         starts.append(starts[-1] + -(-w.shape[0] // 128) * 128)
     w_all = torch.zeros(starts[-1], k, dtype=parts[0][0].dtype, device=parts[0][0].device)
-    s_all = torch.ones(starts[-1] // 128, parts[0][1].shape[1], dtype=torch.float32, device=w_all.device)
+    s_all = torch.ones(starts[-1] // 128, -(-k // 128), dtype=torch.float32, device=w_all.device)
     for (w, s), start in zip(parts, starts):
+        assert s is not None
         w_all[start : start + w.shape[0]] = w
         s_all[start // 128 : start // 128 + s.shape[0]] = s
     return w_all, s_all
 
 
-def _probe_fp8(k: int, parts: list[int], device: torch.device) -> tuple[int, str]:
-    """Rows from which cuBLASLt gives the reference bits for the GEMMs of K ``k`` and N ``parts`` (each alone
+def _fused_starts(parts: list[int], fp8: bool) -> list[int]:
+    sizes = [-(-n // 128) * 128 if fp8 else n for n in parts]
+    return [sum(sizes[:i]) for i in range(len(parts) + 1)]
+
+
+def _probe(k: int, parts: list[int], fp8: bool, device: torch.device) -> tuple[int, str]:
+    """Rows from which cuBLAS gives the reference bits for the GEMMs of K ``k`` and N ``parts`` (each alone
     and, for several parts, fused), or TRITON; and why, in words."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn(_PROBE_REF_ROWS, k, device=device, generator=gen) * 2).to(torch.bfloat16)
-    weights = [
-        quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05) for n in parts
-    ]
+    weights: list[Weight] = []
+    for n in parts:
+        w = torch.randn(n, k, device=device, generator=gen) * 0.05
+        weights.append(quant_triton.quantize_weight(w) if fp8 else (w.to(torch.bfloat16), None))
     gemms = weights + ([_fused_weight(weights)] if len(parts) > 1 else [])
-    refs = [_cublaslt_fp8(x, w, s, None, False, 16, torch.bfloat16) for w, s in gemms]
+    unpadded = 16 if fp8 else 1
+    refs = [_cublas(x, w, None, unpadded, torch.bfloat16) for w in gemms]
     if len(parts) > 1:  # the fused GEMM's columns against each part's own
-        starts = [0, *[-(-n // 128) * 128 for n in parts]]
-        offsets = [sum(starts[: i + 1]) for i in range(len(parts))]
-        if not all(torch.equal(refs[-1][:, o : o + n], r) for o, n, r in zip(offsets, parts, refs)):
+        starts = _fused_starts(parts, fp8)
+        if not all(torch.equal(refs[-1][:, o : o + n], r) for o, n, r in zip(starts, parts, refs)):
             return TRITON, "fused and separate GEMMs differ"
     flags = []
     for m in PROBE_ROWS:
-        ys = []
-        for o in PROBE_OFFSETS:
-            xs = x[o : o + m]
-            ys += [
-                (_cublaslt_fp8(xs, w, s, None, False, 16, torch.bfloat16) != r[o : o + m]).any()
-                for (w, s), r in zip(gemms, refs)
-            ]
+        ys = [
+            (_cublas(x[o : o + m], w, None, unpadded, torch.bfloat16) != r[o : o + m]).any()
+            for o in PROBE_OFFSETS
+            for w, r in zip(gemms, refs)
+        ]
         flags.append(torch.stack(ys).any())
     differ = [m for m, bad in zip(PROBE_ROWS, torch.stack(flags).tolist()) if bad]
     if not differ:
-        return 16, "invariant at every M"
+        return unpadded, "the same bits at every M"
     rows = -(-(max(differ) + 1) // 16) * 16
     if rows > _PROBE_MAX_PAD:
         return TRITON, f"differs at M up to {max(differ)}"
     return rows, f"differs at M <= {max(differ)}: padded to {rows} rows"
 
 
-def plan_fp8(groups: list[tuple[int, list[int]]], device: torch.device) -> list[str]:
-    """Probe the FP8 GEMMs of ``groups`` ((K, [N of each part]): q|k|v, o, gate|up, down) once per process
-    and device; ``fp8_mm`` then runs each probed shape as planned. Returns one line per group, for the log.
-    Both the trainer and the engine plan the model they hold (``invariant.plan_gemms``)."""
+def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -> list[str]:
+    """Probe the GEMMs of ``groups`` ((K, [N of each part]), e.g. q|k|v, o, gate|up, down, lm_head) in FP8
+    (W8A8 blockwise) or BF16, once per process and device; ``mm`` / ``fp8_mm`` then run each probed shape as
+    planned. Returns each group's plan in words (one line each), for the log. The trainer and the engine both plan the model
+    they hold (``invariant.plan_gemms``) before their first forward."""
     lines: list[str] = []
     if not kernels_available(device):
         return lines
     index = device.index if device.index is not None else torch.cuda.current_device()
     probe = torch.empty(0, device=device)
     for k, parts in groups:
-        fused = sum(-(-n // 128) * 128 for n in parts)
-        shapes = [*parts, fused] if len(parts) > 1 else parts
-        keys = [(index, n, k) for n in shapes]
-        if all(key in _FP8_PLAN for key in keys):
+        shapes = [*parts, _fused_starts(parts, fp8)[-1]] if len(parts) > 1 else parts
+        keys = [(index, fp8, n, k) for n in shapes]
+        said = _PLAN_LINES.get((index, fp8, k, tuple(parts)))
+        if said is not None:
+            lines.append(said)
             continue
-        if all(cublas_gemm.fast_path_ok(probe, n, k) for n in shapes):
-            rows, why = _probe_fp8(k, parts, device)
-        else:
+        if fp8 and not all(cublas_gemm.fast_path_ok(probe, n, k) for n in shapes):
             rows, why = TRITON, "cuBLASLt's blockwise FP8 does not take this shape or GPU"
+        else:
+            rows, why = _probe(k, parts, fp8, device)
         for key in keys:  # a shape in two groups (q and o at 1.5B) takes the stricter plan
-            old = _FP8_PLAN.get(key, 16)
-            _FP8_PLAN[key] = TRITON if TRITON in (old, rows) else max(old, rows)
-        kind = "Triton W8A8" if rows == TRITON else f"cuBLASLt (>= {rows} rows)"
-        lines.append(f"FP8 GEMM K {k}, N {'|'.join(map(str, parts))}: {kind}; {why}")
+            old = _PLAN.get(key, 1)
+            _PLAN[key] = TRITON if TRITON in (old, rows) else max(old, rows)
+        kind = "the Triton kernel" if rows == TRITON else f"cuBLAS{'Lt' if fp8 else ''} (>= {rows} rows)"
+        said = f"{'FP8' if fp8 else 'BF16'} GEMM K {k}, N {'|'.join(map(str, parts))}: {kind}; {why}"
+        _PLAN_LINES[(index, fp8, k, tuple(parts))] = said
+        lines.append(said)
     return lines
 
 
-def _fp8_plan(x: Tensor, n: int, k: int) -> int:
+def _planned_rows(x: Tensor, fp8: bool, n: int, k: int) -> int:
+    """The rows cuBLAS runs this shape at, or TRITON; an unplanned shape is planned alone now (outside a
+    CUDA graph capture only: the probe synchronizes)."""
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    rows = _FP8_PLAN.get((index, n, k))
+    rows = _PLAN.get((index, fp8, n, k))
     if rows is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"invariant fp8_mm: the GEMM N {n}, K {k} was not planned before capture (invariant.plan_gemms)"
+                f"invariant GEMM N {n}, K {k} ({'FP8' if fp8 else 'BF16'}) was not planned before a CUDA graph"
+                " capture (invariant.plan_gemms)"
             )
-        plan_fp8([(k, [n])], x.device)
-        rows = _FP8_PLAN[(index, n, k)]
+        plan([(k, [n])], fp8, x.device)
+        rows = _PLAN[(index, fp8, n, k)]
     return rows
 
 
 def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow2: bool) -> Tensor:
     """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``):
-    cuBLASLt or the Triton kernel, as ``plan_fp8`` found for this shape."""
+    cuBLASLt or the Triton kernel, as ``plan`` found for this shape."""
     if not kernels_available(x.device):
         return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
-    rows = _fp8_plan(x, w_fp8.shape[0], w_fp8.shape[1])
+    rows = _planned_rows(x, True, w_fp8.shape[0], w_fp8.shape[1])
     if rows != TRITON:
-        return _cublaslt_fp8(x, w_fp8, scale_inv, bias, pow2, rows, x.dtype)
+        return _cublas(x, (w_fp8, scale_inv), bias, rows, x.dtype, pow2)
     q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2)
     return fp8_mm_quantized(q, s_t, x.shape[0], w_fp8, scale_inv, bias, pow2, x.dtype)
 
@@ -369,11 +395,11 @@ def fp8_mm_quantized(
 ) -> Tensor:
     """``fp8_mm`` of rows already quantized by the trainer's rule: q (M_pad, K) e4m3, s_t (Kb, M_pad) (the
     engine's producer kernels write them, ``fused_ops.QuantizedRows``)."""
-    plan = _fp8_plan(q, w_fp8.shape[0], w_fp8.shape[1])
-    if plan != TRITON:
-        if q.shape[0] < plan:  # pad to the planned rows (zero rows; their outputs are dropped)
-            q = torch.cat([q, q.new_zeros(plan - q.shape[0], q.shape[1])])
-            s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], plan - s_t.shape[1])], dim=1)
+    planned = _planned_rows(q, True, w_fp8.shape[0], w_fp8.shape[1])
+    if planned != TRITON:
+        if q.shape[0] < planned:  # pad to the planned rows (zero rows; their outputs are dropped)
+            q = torch.cat([q, q.new_zeros(planned - q.shape[0], q.shape[1])])
+            s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], planned - s_t.shape[1])], dim=1)
         y = cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:rows]
         return y if bias is None else y + bias.to(out_dtype)
     cfg = FP8_CONFIGS[_size(rows)]
