@@ -97,18 +97,44 @@ def _cast(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.to(DTYPE)
 
 
-def linear(x: Tensor, module: nn.Module) -> Tensor:
-    """The module's projection of x (N, K) BF16 through the invariant GEMM of its kind."""
+def _fp8_bytes(module: nn.Module) -> tuple[Tensor, Tensor, bool] | None:
+    """(FP8 weight, weight_scale_inv, pow2 scales) of an FP8 module, None for a BF16 one."""
     if isinstance(module, Fp8InferenceLinear):
-        return ops.fp8_mm(x, module.weight, module.weight_scale_inv, _cast(module.bias), module.pow2_scales)
+        return module.weight, module.weight_scale_inv, module.pow2_scales
     if isinstance(module, Fp8Linear) and module.fp8_enabled:
         fp8w = module._fp8_weight()
-        return fp8_linear(
-            x, module.weight, _cast(module.bias), fp8w, module.pow2_scales, DTYPE, fprop=ops.fp8_mm
+        return fp8w.w_fp8, fp8w.scale_inv, module.pow2_scales
+    return None
+
+
+def linear(x: Tensor, module: nn.Module, rows: ops.QuantizedRows | None = None) -> Tensor:
+    """The module's projection of x (N, K) BF16 through the invariant GEMM of its kind; ``rows``: x already
+    quantized for an FP8 module (``linears``)."""
+    fprop: Any = ops.fp8_mm if rows is None else functools.partial(ops.fp8_mm_rows, rows)
+    if isinstance(module, Fp8InferenceLinear):
+        return fprop(x, module.weight, module.weight_scale_inv, _cast(module.bias), module.pow2_scales)
+    if isinstance(module, Fp8Linear) and module.fp8_enabled:
+        fp8w, bias = module._fp8_weight(), _cast(module.bias)
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or module.weight.requires_grad or (bias is not None and bias.requires_grad)
         )
+        if not needs_grad:  # scoring: the GEMM alone, nothing quantized or kept for a backward
+            return fprop(x, fp8w.w_fp8, fp8w.scale_inv, bias, module.pow2_scales)
+        return fp8_linear(x, module.weight, bias, fp8w, module.pow2_scales, DTYPE, fprop=fprop)
     if isinstance(module, nn.Linear):
         return ops.mm(x, module.weight.to(DTYPE), _cast(module.bias))
     raise TypeError(f"true_on_policy: no invariant GEMM for {type(module).__name__}")
+
+
+def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> list[Tensor]:
+    """The projections of one input by several modules (q, k, v; gate, up). FP8 modules share one
+    quantization of x, padded for all of their GEMMs (``invariant_ops.quantize_rows``): the same codes each
+    would make alone, one launch instead of one per module."""
+    fp8 = [_fp8_bytes(m) for m in modules]
+    if not ops.kernels_available(x.device) or any(f is None or f[2] != fp8[0][2] for f in fp8):  # type: ignore[index]
+        return [linear(x, m) for m in modules]
+    rows = ops.quantize_rows(x, [f[0] for f in fp8], fp8[0][2])  # type: ignore[index]
+    return [linear(x, m, rows) for m in modules]
 
 
 def decoder_layer(
@@ -129,14 +155,11 @@ def decoder_layer(
     eps = float(config.rms_norm_eps)
     n = h_N.shape[0]
     x = ops.rms_norm(h_N, layer.input_layernorm.weight.to(DTYPE), eps)
-    q, k = ops.rope(
-        linear(x, attn.q_proj).view(n, heads, dim), linear(x, attn.k_proj).view(n, kv_heads, dim),
-        positions_N, cos, sin,
-    )  # fmt: skip
-    v = linear(x, attn.v_proj).view(n, kv_heads, dim)
-    h = h_N + linear(attend(q, k, v), attn.o_proj)
+    q, k, v = linears(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = ops.rope(q.view(n, heads, dim), k.view(n, kv_heads, dim), positions_N, cos, sin)
+    h = h_N + linear(attend(q, k, v.view(n, kv_heads, dim)), attn.o_proj)
     x = ops.rms_norm(h, layer.post_attention_layernorm.weight.to(DTYPE), eps)
-    return h + linear(ops.silu_mul(linear(x, mlp.gate_proj), linear(x, mlp.up_proj)), mlp.down_proj)
+    return h + linear(ops.silu_mul(*linears(x, (mlp.gate_proj, mlp.up_proj))), mlp.down_proj)
 
 
 def hidden_states(

@@ -41,6 +41,7 @@ trainer and engine refuse ``true_on_policy`` without them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -369,6 +370,31 @@ def _planned_rows(x: Tensor, fp8: bool, n: int, k: int) -> int:
         plan([(k, [n])], fp8, x.device)
         rows = _PLAN[(index, fp8, n, k)]
     return rows
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """x (m, K) quantized by the trainer's 1x128 rule for several FP8 GEMMs: q (M_pad, K), s_t (Kb, M_pad),
+    M_pad at least the rows each GEMM is planned at."""
+
+    q: Tensor
+    s_t: Tensor
+    m: int
+
+
+def quantize_rows(x: Tensor, weights: list[Tensor], pow2: bool) -> QuantizedRows:
+    """One quantization of x for the FP8 GEMMs with these weights (``invariant.linears``)."""
+    pad = max(_planned_rows(x, True, w.shape[0], w.shape[1]) for w in weights)
+    m = x.shape[0]
+    q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=pad if m < pad else 16)
+    return QuantizedRows(q, s_t, m)
+
+
+def fp8_mm_rows(
+    rows: QuantizedRows, x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow2: bool
+) -> Tensor:
+    """``fp8_mm(x, ...)`` from x's quantization ``rows`` (x itself is not read)."""
+    return fp8_mm_quantized(rows.q, rows.s_t, rows.m, w_fp8, scale_inv, bias, pow2, x.dtype)
 
 
 def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow2: bool) -> Tensor:
