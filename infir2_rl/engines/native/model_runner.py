@@ -22,7 +22,8 @@ Prefill runs ``invariant.hidden_states``, the walk the trainer scores with. Deco
 each of which computes what the walk's op computes bit for bit (add + RMSNorm, rotary, SiLU*up: same
 roundings, per-row sums in one order), and swaps what is not invariant: every GEMM takes the invariant
 shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same bits as the walk's separate
-GEMMs, since a column's result does not depend on its tile), attention is ``invariant_ops.attention`` over
+GEMMs: a column's result does not depend on its tile in the Triton kernels, and ``invariant_ops.plan`` checks
+it for cuBLAS), attention is ``invariant_ops.attention`` over
 the cache and the lm_head ``invariant_ops.mm``. In FP8 the GEMM inputs are quantized by the walk's
 quantizer (``quant_triton.quantize_rows``), not by the norm and SiLU kernels' quantizing variants: compiled
 with that epilogue, the norm kernel's codes differed from ``quantize_rows`` of its plain output in 8 of
