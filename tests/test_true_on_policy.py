@@ -141,3 +141,40 @@ def test_the_walk_runs_each_decoder_layer_through_the_given_function(model_dir: 
     assert torch.equal(given, own)
     with pytest.raises(ValueError, match="no attention mask or KV cache"):
         forwards[0](torch.zeros(1, 4, model.config.hidden_size), attention_mask=torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_the_gemm_probe_fuses_weights_as_the_engine_does(fp8: bool) -> None:
+    """invariant_ops.plan checks cuBLAS's fused q|k|v (gate|up) GEMM against the separate ones on a fused weight
+    it builds itself; that weight and its column offsets must be the engine's (linears.FusedLinear)."""
+    from torch import nn
+
+    from infir2_rl.engines.native.linears import FusedLinear
+    from infir2_rl.fp8.linear import Fp8InferenceLinear
+    from infir2_rl.fp8.quant import quantize_weight_blockwise
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, k = [200, 64, 64], 256  # a part that is not a whole number of 128-row blocks
+    modules: list[nn.Module] = []
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for n in sizes:
+        w = torch.randn(n, k, generator=gen)
+        if fp8:
+            m = Fp8InferenceLinear(k, n, bias=True)
+            m.weight, m.weight_scale_inv = quantize_weight_blockwise(w)
+            parts.append((m.weight.clone(), m.weight_scale_inv.clone()))
+        else:
+            m = nn.Linear(k, n, bias=True).to(torch.bfloat16)
+            m.weight.data.copy_(w)
+            parts.append((m.weight.detach().clone(), None))
+        modules.append(m)
+    fused = FusedLinear(modules, None, torch.bfloat16, invariant=True)
+    w_all, s_all = ops._fused_weight(parts)
+    assert [sl.start for sl in fused.part_slices] == ops._fused_starts(sizes, fp8)[:-1]
+    assert fused.out_features == ops._fused_starts(sizes, fp8)[-1] == w_all.shape[0]
+    assert torch.equal(
+        fused.weight.view(torch.uint8) if fp8 else fused.weight, w_all.view(torch.uint8) if fp8 else w_all
+    )
+    if fp8:
+        assert fused.scale is not None and s_all is not None and torch.equal(fused.scale, s_all)
