@@ -235,12 +235,13 @@ def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 # down_proj, K 8960, differs at M <= 80 and K 18944 at M <= 32, every other 1.5B and 7B FP8 shape never; BF16
 # differs at scattered M up to 264 for 1.5B down_proj and 432 for 7B). That is a property of one library build
 # on one GPU, so it is measured, not assumed: ``plan`` probes each shape the model multiplies, at every M up to
-# 512 and a few larger ones, at two offsets, fused (q|k|v, gate|up: the engine's) and separate (the
+# 512 and a few larger ones at two offsets, and at trainer sizes (4,096-16,384 rows), fused (q|k|v, gate|up: the engine's) and separate (the
 # trainer's), and records the number of rows from which every probed M gave the reference bits; smaller
 # batches are padded to it. A shape with no such tail below ``_PROBE_MAX_PAD`` rows, or that differs fused,
 # stays on the Triton kernel. The bias is added after the GEMM, in the output dtype, on both paths' cuBLAS.
 
 PROBE_ROWS = (*range(1, 513), 640, 1000, 2048)
+PROBE_LARGE_ROWS = (4096, 8192, 16384)  # also probed, at offset 0, where the output stays under ~1 GB
 PROBE_OFFSETS = (0, 333)
 _PROBE_REF_ROWS = max(PROBE_ROWS) + max(PROBE_OFFSETS)
 _PROBE_MAX_PAD = 448  # a shape needing more rows than this stays on Triton (decode would pay too much)
@@ -316,9 +317,23 @@ def _probe(k: int, parts: list[int], fp8: bool, device: torch.device) -> tuple[i
             for w, r in zip(gemms, refs)
         ]
         flags.append(torch.stack(ys).any())
-    differ = [m for m, bad in zip(PROBE_ROWS, torch.stack(flags).tolist()) if bad]
+    # Trainer-sized batches whose first rows are the reference rows (the output kept under ~1 GB: at the
+    # lm_head's N only the batches above are probed).
+    large = [m for m in PROBE_LARGE_ROWS if m * max(w.shape[0] for w, _ in gemms) <= 1 << 29]
+    for m in large:
+        more = (torch.randn(m - x.shape[0], k, device=device, generator=gen) * 2).to(torch.bfloat16)
+        xl = torch.cat([x, more])
+        ys = [
+            (_cublas(xl, w, None, unpadded, torch.bfloat16)[: x.shape[0]] != r).any()
+            for w, r in zip(gemms, refs)
+        ]
+        flags.append(torch.stack(ys).any())
+        del xl, more
+    differ = [m for m, bad in zip([*PROBE_ROWS, *large], torch.stack(flags).tolist()) if bad]
     if not differ:
         return unpadded, "the same bits at every M"
+    if max(differ) > max(PROBE_ROWS):
+        return TRITON, f"differs at M = {max(differ)}"
     rows = -(-(max(differ) + 1) // 16) * 16
     if rows > _PROBE_MAX_PAD:
         return TRITON, f"differs at M up to {max(differ)}"
@@ -353,6 +368,7 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
         said = f"{'FP8' if fp8 else 'BF16'} GEMM K {k}, N {'|'.join(map(str, parts))}: {kind}; {why}"
         _PLAN_LINES[(index, fp8, k, tuple(parts))] = said
         lines.append(said)
+        torch.cuda.empty_cache()  # the probe's batches: not kept in the allocator's cache at start
     return lines
 
 
