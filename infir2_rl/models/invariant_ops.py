@@ -235,10 +235,11 @@ def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 # down_proj, K 8960, differs at M <= 80 and K 18944 at M <= 32, every other 1.5B and 7B FP8 shape never; BF16
 # differs at scattered M up to 264 for 1.5B down_proj and 432 for 7B). That is a property of one library build
 # on one GPU, so it is measured, not assumed: ``plan`` probes each shape the model multiplies, at every M up to
-# 512 and a few larger ones at two offsets, and at trainer sizes (4,096-16,384 rows), fused (q|k|v, gate|up: the engine's) and separate (the
-# trainer's), and records the number of rows from which every probed M gave the reference bits; smaller
-# batches are padded to it. A shape with no such tail below ``_PROBE_MAX_PAD`` rows, or that differs fused,
-# stays on the Triton kernel. The bias is added after the GEMM, in the output dtype, on both paths' cuBLAS.
+# 512 and a few larger ones at two offsets, and at trainer sizes (4,096-16,384 rows), fused (q|k|v, gate|up:
+# the engine's) and separate (the trainer's), and records the number of rows from which every probed M gave
+# the reference bits; smaller batches are padded to it. A shape with no such tail below ``_PROBE_MAX_PAD``
+# rows, that differs at a trainer size, or that differs fused stays on the Triton kernel. On the cuBLAS path
+# the bias is added after the GEMM, in the output dtype.
 
 PROBE_ROWS = (*range(1, 513), 640, 1000, 2048)
 PROBE_LARGE_ROWS = (4096, 8192, 16384)  # also probed, at offset 0, where the output stays under ~1 GB
@@ -246,9 +247,8 @@ PROBE_OFFSETS = (0, 333)
 _PROBE_REF_ROWS = max(PROBE_ROWS) + max(PROBE_OFFSETS)
 _PROBE_MAX_PAD = 448  # a shape needing more rows than this stays on Triton (decode would pay too much)
 TRITON = 0  # plan value: this shape runs the Triton kernel
-_PLAN: dict[
-    tuple[int, bool, int, int], int
-] = {}  # (device index, fp8, N, K) -> rows cuBLAS runs at, or TRITON
+# (device index, fp8, N, K) -> the rows cuBLAS runs that GEMM at (smaller batches padded), or TRITON
+_PLAN: dict[tuple[int, bool, int, int], int] = {}
 _PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each probed group's plan, in words
 Weight = tuple[Tensor, Tensor | None]  # (weight, FP8 weight_scale_inv or None for BF16)
 
@@ -343,8 +343,8 @@ def _probe(k: int, parts: list[int], fp8: bool, device: torch.device) -> tuple[i
 def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -> list[str]:
     """Probe the GEMMs of ``groups`` ((K, [N of each part]), e.g. q|k|v, o, gate|up, down, lm_head) in FP8
     (W8A8 blockwise) or BF16, once per process and device; ``mm`` / ``fp8_mm`` then run each probed shape as
-    planned. Returns each group's plan in words (one line each), for the log. The trainer and the engine both plan the model
-    they hold (``invariant.plan_gemms``) before their first forward."""
+    planned. Returns each group's plan in words (one line each), for the log. The trainer and the engine both
+    plan the model they hold (``invariant.plan_gemms``) before their first forward."""
     lines: list[str] = []
     if not kernels_available(device):
         return lines
