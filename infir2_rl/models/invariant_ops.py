@@ -229,8 +229,9 @@ def mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 # ---- which GEMM runs a shape: cuBLAS where a probe finds it batch-invariant, else the Triton kernels -------
 #
 # cuBLAS is faster than the Triton kernels above at the trainer's M (FP8: cuBLASLt's blockwise GEMM, 1.1-1.9x
-# the Triton W8A8 kernel at M = 4,096; BF16: 1.25-1.5x the BF16 kernel) and no slower at decode sizes, and it
-# gives a row the same bits at every M and offset in the batch for most shapes. Where it does not, it splits K
+# the Triton W8A8 kernel at M = 4,096; BF16: 1.25-1.5x the BF16 kernel), about as fast at decode sizes (FP8: up
+# to 4% slower for 1.5B q|o and k|v, faster for the rest), and it gives a row the same bits at every M and
+# offset in the batch for most shapes. Where it does not, it splits K
 # (or picks another kernel) at small M (H100, cuBLAS of torch 2.11, bench/invariant_gemm.py --cublaslt: FP8
 # down_proj, K 8960, differs at M <= 80 and K 18944 at M <= 32, every other 1.5B and 7B FP8 shape never; BF16
 # differs at scattered M up to 264 for 1.5B down_proj and 432 for 7B). That is a property of one library build
