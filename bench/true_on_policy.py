@@ -65,9 +65,7 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
         total_steps=10,
         true_on_policy=true_on_policy,
     )
-    if (
-        true_on_policy
-    ):  # which GEMM runs each shape (cuBLAS where it is batch-invariant), as both sides planned it
+    if true_on_policy:  # which GEMM runs each shape (cuBLAS where batch-invariant), as both sides plan it
         from infir2_rl.models import invariant
 
         for line in invariant.plan_gemms(trainer.model, trainer.device):
