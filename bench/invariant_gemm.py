@@ -106,23 +106,24 @@ def _prequantized(x: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, cfg: obje
     return fp8_gemm.w8a8_fused(q, w8, s8, None, cfg, False, s_t, x.shape[0], torch.bfloat16)
 
 
-def _cublaslt(x: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    from infir2_rl.fp8 import gemm, quant_triton
-
-    q, s_t = quant_triton.quantize_rows(x)
-    return gemm.mm_1x128_128x128(q, s_t, w8, s8, out_dtype)[: x.shape[0]]
-
-
 def _cublaslt_invariance(x: torch.Tensor, w: torch.Tensor, rows: list[int]) -> None:
     """Is cuBLASLt's blockwise FP8 GEMM (``F.scaled_mm``, the fast trainer's fprop) batch-invariant? Rows of a
     ``max(CHECK_ROWS) + 333``-row batch against the same rows computed in batches of every M in CHECK_ROWS,
-    starting at each of CHECK_OFFSETS; BF16 and FP32 output. cuBLAS's BF16 ``F.linear`` is checked alike."""
+    starting at each of CHECK_OFFSETS; BF16 and FP32 output. cuBLAS's BF16 ``F.linear`` is checked alike. The
+    FP8 GEMM is ``invariant_ops._cublas``, the one true_on_policy's plan probes and runs, without padding."""
     from infir2_rl.fp8 import quant_triton
+    from infir2_rl.models import invariant_ops as ops
 
     w8, s8 = quant_triton.quantize_weight(w.float())
     for label, fn in (
-        ("cuBLASLt FP8 -> BF16", functools.partial(_cublaslt, w8=w8, s8=s8, out_dtype=torch.bfloat16)),
-        ("cuBLASLt FP8 -> FP32", functools.partial(_cublaslt, w8=w8, s8=s8, out_dtype=torch.float32)),
+        (
+            "cuBLASLt FP8 -> BF16",
+            functools.partial(ops._cublas, w=(w8, s8), bias=None, rows=16, out_dtype=torch.bfloat16),
+        ),
+        (
+            "cuBLASLt FP8 -> FP32",
+            functools.partial(ops._cublas, w=(w8, s8), bias=None, rows=16, out_dtype=torch.float32),
+        ),
         ("cuBLAS BF16 F.linear", functools.partial(torch.nn.functional.linear, weight=w)),
     ):
         ref = fn(x)

@@ -266,8 +266,28 @@ def _cublas(
             x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
         y = F.linear(x, weight)[:m]
     else:
-        q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=rows if m < rows else 16)
-        y = cublas_gemm.mm_1x128_128x128(q, s_t, weight, scale_inv, out_dtype)[:m]
+        y = _cublaslt(*_quantize(x, rows, pow2), m, weight, scale_inv, rows, out_dtype)
+    return _add_bias(y, bias)
+
+
+def _quantize(x: Tensor, rows: int, pow2: bool) -> tuple[Tensor, Tensor]:
+    """The trainer's 1x128 quantization of x's rows (q, s_t), padded to at least ``rows`` rows."""
+    m = x.shape[0]
+    return quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=rows if m < rows else 16)
+
+
+def _cublaslt(
+    q: Tensor, s_t: Tensor, m: int, w_fp8: Tensor, scale_inv: Tensor, rows: int, out_dtype: torch.dtype
+) -> Tensor:
+    """cuBLASLt's blockwise GEMM of the first m of the quantized rows q (M_pad, K), s_t (Kb, M_pad), run on at
+    least ``rows`` rows (zero rows appended where M_pad is smaller; their outputs are dropped)."""
+    if q.shape[0] < rows:
+        q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
+        s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], rows - s_t.shape[1])], dim=1)
+    return cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:m]
+
+
+def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -402,9 +422,7 @@ class QuantizedRows:
 def quantize_rows(x: Tensor, weights: list[Tensor], pow2: bool) -> QuantizedRows:
     """One quantization of x for the FP8 GEMMs with these weights (``invariant.linears``)."""
     pad = max(_planned_rows(x, True, w.shape[0], w.shape[1]) for w in weights)
-    m = x.shape[0]
-    q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2, pad_rows_to=pad if m < pad else 16)
-    return QuantizedRows(q, s_t, m)
+    return QuantizedRows(*_quantize(x, pad, pow2), x.shape[0])
 
 
 def fp8_mm_rows(
@@ -419,11 +437,7 @@ def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow
     cuBLASLt or the Triton kernel, as ``plan`` found for this shape."""
     if not kernels_available(x.device):
         return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
-    rows = _planned_rows(x, True, w_fp8.shape[0], w_fp8.shape[1])
-    if rows != TRITON:
-        return _cublas(x, (w_fp8, scale_inv), bias, rows, x.dtype, pow2)
-    q, s_t = quant_triton.quantize_rows(x.contiguous(), pow2)
-    return fp8_mm_quantized(q, s_t, x.shape[0], w_fp8, scale_inv, bias, pow2, x.dtype)
+    return fp8_mm_rows(quantize_rows(x, [w_fp8], pow2), x, w_fp8, scale_inv, bias, pow2)
 
 
 def fp8_mm_quantized(
@@ -440,11 +454,7 @@ def fp8_mm_quantized(
     engine's producer kernels write them, ``fused_ops.QuantizedRows``)."""
     planned = _planned_rows(q, True, w_fp8.shape[0], w_fp8.shape[1])
     if planned != TRITON:
-        if q.shape[0] < planned:  # pad to the planned rows (zero rows; their outputs are dropped)
-            q = torch.cat([q, q.new_zeros(planned - q.shape[0], q.shape[1])])
-            s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], planned - s_t.shape[1])], dim=1)
-        y = cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:rows]
-        return y if bias is None else y + bias.to(out_dtype)
+        return _add_bias(_cublaslt(q, s_t, rows, w_fp8, scale_inv, planned, out_dtype), bias)
     cfg = FP8_CONFIGS[_size(rows)]
     return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, bias, cfg, pow2, s_t, rows, out_dtype)
 

@@ -472,22 +472,19 @@ class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dh: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        dh = dh.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         plan = ctx.plan
-        if n and plan is not None and plan.grads:
-            k = gate.shape[-1]
-            rows = _rows_quantized(
-                _swiglu_bwd_rows_kernel, 2, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du
-            )
-            for grad, (q, s_t) in zip((dg, du), rows, strict=True):
-                ops.offer_grad_quantization(
-                    grad, plan.pow2, (q, s_t, *quant_triton.quantize_cols(grad.view(-1, k), plan.pow2))
-                )
-        elif n:
-            _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_BLOCK),)](
-                dh, gate, up, dg, du, n, BLOCK=_SWIGLU_BLOCK, num_warps=8
+        if not (n and plan is not None and plan.grads):
+            return (*swiglu_grads(dh, gate, up), None, None)
+        dh = dh.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        k = gate.shape[-1]
+        rows = _rows_quantized(
+            _swiglu_bwd_rows_kernel, 2, n // k, k, dh.device, plan.pow2, dh, gate, up, dg, du
+        )
+        for grad, (q, s_t) in zip((dg, du), rows, strict=True):
+            ops.offer_grad_quantization(
+                grad, plan.pow2, (q, s_t, *quant_triton.quantize_cols(grad.view(-1, k), plan.pow2))
             )
         return dg, du, None, None
 

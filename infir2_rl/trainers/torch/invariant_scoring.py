@@ -96,12 +96,14 @@ def score_tokens(
     config: Any = model.config  # type: ignore[assignment]
     device = input_ids_BL.device
     tables = invariant.rope_tables(config, length, device)
-    forwards = layer_forwards(model)
-    run: Layers = layers if layers is not None else (lambda i, h, **kw: forwards[i](h, **kw))
+    if layers is None:
+        forwards = layer_forwards(model)
+        layers = lambda i, h, **kw: forwards[i](h, **kw)  # noqa: E731
+    inner: Any = model.model  # type: ignore[assignment]
     with torch.autocast(device.type, enabled=False):
         hidden = invariant.embed(model, input_ids_BL.reshape(-1)).view(batch, length, -1)
-        for i in range(len(forwards)):
-            hidden = run(i, hidden, position_embeddings=tables)
+        for i in range(len(inner.layers)):
+            hidden = layers(i, hidden, position_embeddings=tables)
         hidden = invariant.final_norm(model, hidden.reshape(batch * length, -1)).view(batch, length, -1)
         picked = select_BL.bool().clone()
         picked[:, 0] = False
