@@ -26,11 +26,13 @@ model directory). ``--tiny`` runs the tiny preset (a GPU smoke run in seconds).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def _sync() -> None:
     torch.cuda.synchronize()
+
+
+def _profile(title: str, rows: int, fn: Callable[[], object]) -> None:
+    """Run fn once under torch.profiler; print its device-kernel total and top ``rows`` kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=rows)
+    total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"--- {title}: device kernels {total:.1f} ms\n{table}")
 
 
 def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -142,27 +156,16 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
         out["score_s"].append(score_s)
         out["train_s"].append(train_s)
     out["tokens_per_call"] = args.prompts * args.samples * args.new_tokens
-    if args.profile_rollout:  # one more generate call (the last call's requests) under torch.profiler
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.generate(requests)
-            _sync()
-        table = prof.key_averages().table(sort_by="device_time_total", row_limit=args.profile_rollout)
-        total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-        print(
-            f"--- rollout profile ({'FP8' if fp8 else 'BF16'}, {mode}): device kernels {total:.1f} ms\n{table}"
+    name = f"{'FP8' if fp8 else 'BF16'}, {mode}"
+    if args.profile_rollout:  # one more generate call (the last call's requests)
+        _profile(
+            f"rollout profile ({name})", args.profile_rollout, functools.partial(engine.generate, requests)
         )
-    if args.profile_score:  # one more scoring call (the last call's micro-batches) under torch.profiler
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            trainer.forward_logprobs(micro, temperature=args.temperature)
-            _sync()
-        table = prof.key_averages().table(sort_by="device_time_total", row_limit=args.profile_score)
-        total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-        print(
-            f"--- score profile ({'FP8' if fp8 else 'BF16'}, {mode}): device kernels {total:.1f} ms\n{table}"
+    if args.profile_score:  # one more scoring call (the last call's micro-batches)
+        _profile(
+            f"score profile ({name})",
+            args.profile_score,
+            functools.partial(trainer.forward_logprobs, micro, args.temperature),
         )
     del trainer, engine
     gc.collect()
