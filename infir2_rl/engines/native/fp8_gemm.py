@@ -12,8 +12,10 @@ the quantized activations through memory, and cuBLASLt's blockwise kernels measu
 at these M (docs/performance.md). Here one program owns a BM x BN output tile and walks K in 128-wide
 blocks: it loads the BF16 activation block, quantizes it in registers (the row's scale for that block is
 computed from the block itself, since a 1x128 tile is exactly one K block), multiplies with the FP8 weight
-block on the tensor cores, and adds ``dot * s_x[row] * s_w[block]`` to an FP32 accumulator. Every program
-quantizes the activations of its rows again; they are tiny and come from L2.
+block on the tensor cores, and adds ``dot * (s_x[row] * s_w[block])`` to an FP32 accumulator in one FMA, the
+rounding cuBLASLt's blockwise kernel applies (so, without split-K, the same bits as cuBLASLt on the same FP8
+operands: ``bench/cublaslt_bits.py``). Every program quantizes the activations of its rows again; they are tiny
+and come from L2.
 
 Split-K (``split_k > 1``): the K blocks are divided among ``split_k`` programs per tile, which write FP32
 partials summed afterwards (``_split_sum_kernel``: sum, bias and cast in one launch): needed when N / BN tiles
@@ -127,7 +129,10 @@ if _HAVE_TRITON:
                 q = _to_e4m3(x, s_x[:, None])
             w_mask = (cols[None, :] < N) & (ks[:, None] < K)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
-            acc += tl.dot(q, w) * s_x[:, None] * s_w[None, :]
+            # cuBLASLt's promotion rounding, fma(partial, s_x * s_w, acc): with it this kernel gives the bits of
+            # cuBLASLt's blockwise GEMM where that does not split K (bench/cublaslt_bits.py), so a decode row
+            # may run here and its trainer row on cuBLASLt (models/invariant_ops, true_on_policy).
+            acc = tl.fma(tl.dot(q, w), s_x[:, None] * s_w[None, :], acc)
         out_mask = (rows[:, None] < M) & (cols[None, :] < N)
         if SPLIT != 0:
             offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
