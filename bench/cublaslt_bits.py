@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -107,78 +108,85 @@ def triton_gemm(
     return y
 
 
+def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
+    """One shape: which roundings give the reference bits, in which launch shapes, and their kernel times."""
+    from invariant_gemm import _device_time
+
+    from infir2_rl.engines.native import fp8_gemm
+    from infir2_rl.fp8 import gemm as cublas_gemm
+    from infir2_rl.fp8 import quant_triton
+
+    k, n = SHAPES[name]
+    big = max(args.rows)
+    x = (torch.randn(big, k, device="cuda", generator=gen) * 2).bfloat16()
+    w8, s8 = quant_triton.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.05, args.pow2)
+    q_all, s_all = quant_triton.quantize_rows(x, args.pow2)  # a row's codes do not depend on the batch
+    refs = {
+        dt: cublas_gemm.mm_1x128_128x128(q_all, s_all, w8, s8, dt)[:big]
+        for dt in (torch.float32, torch.bfloat16)
+    }
+    print(
+        f"-- {name} (K {k}, N {n}): elements differing from the reference (cuBLASLt's rows of the {big}-row "
+        "batch), FP32 | BF16 output, and the M where any does"
+    )
+
+    def report(label: str, fn: Callable[[int, torch.dtype], torch.Tensor]) -> bool:
+        totals, differ = [0, 0], []
+        for m in args.rows:
+            bad = [int((fn(m, dt) != ref[:m]).sum()) for dt, ref in refs.items()]
+            totals = [t + b for t, b in zip(totals, bad)]
+            if any(bad):
+                differ.append(m)
+        where = "M " + " ".join(map(str, differ)) if differ else "none"
+        print(f"   {label:62s} {totals[0]:>9d} | {totals[1]:>8d}   {where}")
+        return not differ
+
+    def cublaslt(m: int, dt: torch.dtype) -> torch.Tensor:
+        q, s_t = quant_triton.quantize_rows(x[:m].contiguous(), args.pow2)
+        return cublas_gemm.mm_1x128_128x128(q, s_t, w8, s8, dt)[:m]
+
+    def triton_at(variant: int, cfg: tuple[int, int, int, int]) -> Callable[[int, torch.dtype], torch.Tensor]:
+        return lambda m, dt: triton_gemm(q_all, s_all, m, w8, s8, variant, cfg, dt)
+
+    report("cuBLASLt itself on the first M rows", cublaslt)
+    matching = [v for v, label in VARIANTS.items() if report(f"v{v} {label}", triton_at(v, CONFIGS[0]))]
+    for variant in matching:
+        for cfg in CONFIGS[1:]:
+            report(f"v{variant} launch {cfg}", triton_at(variant, cfg))
+    for engine_cfg in (fp8_gemm.GemmConfig(64, 64, 1), fp8_gemm.GemmConfig(128, 128, 1, 8)):
+        report(
+            f"the engine's kernel (fp8_gemm), {engine_cfg}",
+            functools.partial(
+                lambda m, dt, c: fp8_gemm.w8a8_fused(q_all, w8, s8, None, c, args.pow2, s_all, m, dt),
+                c=engine_cfg,
+            ),
+        )
+    v = (matching or [2])[0]
+    print(f"   kernel us at M = {args.time_rows} (L2-warm weights): cuBLASLt | Triton v{v} at {CONFIGS}")
+    for m in args.time_rows:
+        q, s_t = quant_triton.quantize_rows(x[:m].contiguous(), args.pow2)
+        t_lt = _device_time(functools.partial(cublas_gemm.mm_1x128_128x128, q, s_t, w8, s8, torch.bfloat16))
+        ts = [
+            _device_time(functools.partial(triton_gemm, q, s_t, m, w8, s8, v, cfg, torch.bfloat16))
+            for cfg in CONFIGS
+        ]
+        print(f"   M {m:5d}: {t_lt:8.1f} | " + " ".join(f"{t:8.1f}" for t in ts))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["q|o", "down", "gate|up", "7b:down"])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 17, 64, 256, 1000, 4096])
+    parser.add_argument("--shapes", nargs="+", default=["q|o", "k|v", "down", "gate|up", "qkv", "7b:down"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 17, 64, 96, 256, 1000, 4096])
     parser.add_argument("--time-rows", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--pow2", action="store_true", help="power-of-two scales (products exact)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/cublaslt_bits.py needs a CUDA GPU")
         return 2
-    from invariant_gemm import _device_time
-
-    from infir2_rl.fp8 import gemm as cublas_gemm
-    from infir2_rl.fp8 import quant_triton
-
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes:
-        k, n = SHAPES[name]
-        big = max(args.rows)
-        x = (torch.randn(big, k, device="cuda", generator=gen) * 2).bfloat16()
-        w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
-        w8, s8 = quant_triton.quantize_weight(w, args.pow2)
-        print(
-            f"-- {name} (K {k}, N {n}): elements differing from cuBLASLt (FP32 out | BF16 out), per variant"
-        )
-        refs = {}
-        quant = {}
-        for m in args.rows:
-            q, s_t = quant_triton.quantize_rows(x[:m].contiguous(), args.pow2)
-            quant[m] = (q, s_t)
-            refs[m] = {
-                dt: cublas_gemm.mm_1x128_128x128(q, s_t, w8, s8, dt)[:m]
-                for dt in (torch.float32, torch.bfloat16)
-            }
-        matching = []
-        for variant, label in VARIANTS.items():
-            counts = {dt: 0 for dt in (torch.float32, torch.bfloat16)}
-            for m in args.rows:
-                q, s_t = quant[m]
-                for dt in counts:
-                    y = triton_gemm(q, s_t, m, w8, s8, variant, CONFIGS[0], dt)
-                    counts[dt] += int((y != refs[m][dt]).sum())
-            total = sum(args.rows) * n
-            print(
-                f"   v{variant} {label:58s} {counts[torch.float32]:>9d} | {counts[torch.bfloat16]:>9d}  of {total}"
-            )
-            if counts[torch.float32] == 0:
-                matching.append(variant)
-        for variant in matching:
-            for cfg in CONFIGS[1:]:
-                bad = 0
-                for m in args.rows:
-                    q, s_t = quant[m]
-                    y = triton_gemm(q, s_t, m, w8, s8, variant, cfg, torch.float32)
-                    bad += int((y != refs[m][torch.float32]).sum())
-                print(f"   v{variant} launch {cfg}: {bad} elements differ (FP32 out)")
-        print(
-            f"   kernel us at M = {args.time_rows}: cuBLASLt | Triton {CONFIGS} (variant {matching[:1] or [2]})"
-        )
-        for m in args.time_rows:
-            xm = (torch.randn(m, k, device="cuda", generator=gen) * 2).bfloat16()
-            q, s_t = quant_triton.quantize_rows(xm, args.pow2)
-            t_lt = _device_time(
-                functools.partial(cublas_gemm.mm_1x128_128x128, q, s_t, w8, s8, torch.bfloat16)
-            )
-            v = (matching or [2])[0]
-            ts = [
-                _device_time(functools.partial(triton_gemm, q, s_t, m, w8, s8, v, cfg, torch.bfloat16))
-                for cfg in CONFIGS
-            ]
-            print(f"   M {m:5d}: {t_lt:8.1f} | " + " ".join(f"{t:8.1f}" for t in ts))
+        _check(name, args, gen)
     return 0
 
 

@@ -29,7 +29,6 @@ import argparse
 import functools
 import gc
 import json
-import logging
 import statistics
 import sys
 import time
@@ -208,14 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROWS",
         help="profile one more scoring call (old log-probs) per run and print its top ROWS kernels by device time",
     )
-    parser.add_argument(
-        "--log-gemms", action="store_true", help="log the engine's timed FP8 GEMM choices (linears' logger)"
-    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.log_gemms:
-        logging.basicConfig(format="%(name)s: %(message)s")
-        logging.getLogger("infir2_rl.engines.native.linears").setLevel(logging.INFO)
     if not torch.cuda.is_available():
         print("bench/true_on_policy.py: needs a CUDA GPU (the true_on_policy kernels are CUDA-only)")
         return 2

@@ -113,3 +113,34 @@ def test_grouped_qkv_adds_into_the_masters_stacked_gradients(monkeypatch: pytest
         grads[fused] = [m.grad.clone() for m in masters.optimizer_params]
     for a, b in zip(grads[False], grads[True], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1536, 1536), (17920, 1536), (1536, 8960)])
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2"])
+def test_the_w8a8_kernel_gives_cublaslt_bits(n: int, k: int, pow2: bool) -> None:
+    """The engine's Triton W8A8 kernel promotes each K block's tensor-core sum with cuBLASLt's rounding, so on
+    the same FP8 operands it gives cuBLASLt's blockwise GEMM bit for bit (FP32 and BF16 output) in every
+    launch shape without split-K, at M where cuBLASLt does not split K either (down_proj's K 8960 splits
+    at M <= 80 on an H100). The 1.5B shapes: o_proj, gate|up fused, down_proj. Measured over more shapes
+    and the other roundings by bench/cublaslt_bits.py."""
+    from infir2_rl.engines.native import fp8_gemm
+
+    _device_index()
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w8, s8 = quant_triton.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.05, pow2)
+    for m in (96, 256, 1000):
+        x = (torch.randn(m, k, device="cuda", generator=gen) * 2).bfloat16()
+        q, s_t = quant_triton.quantize_rows(x, pow2)
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = gemm.mm_1x128_128x128(q, s_t, w8, s8, dtype)[:m]
+            for cfg in (
+                fp8_gemm.GemmConfig(64, 64, 1),
+                fp8_gemm.GemmConfig(128, 128, 1, 8),
+                fp8_gemm.GemmConfig(64, 32, 1, 4, 4),
+            ):
+                y = fp8_gemm.w8a8_fused(q, w8, s8, None, cfg, pow2, s_t, m, dtype)
+                assert torch.equal(y, ref), (m, dtype, cfg)
+            inside = fp8_gemm.w8a8_fused(
+                x, w8, s8, None, fp8_gemm.GemmConfig(64, 64, 1), pow2, out_dtype=dtype
+            )
+            assert torch.equal(inside, ref), (m, dtype, "quantized inside the kernel")

@@ -50,9 +50,6 @@ def _round_up(a: int, b: int) -> int:
 
 
 Choice = str | fp8_gemm.GemmConfig
-Decode = tuple[
-    fp8_gemm.GemmConfig, bool
-]  # invariant_ops.Decode: a Triton launch, x quantized before it or not
 Activation = Tensor | QuantizedRows
 
 
@@ -111,7 +108,6 @@ class Fp8GemmChooser:
         self.pow2_scales = pow2_scales
         self.choice: dict[tuple[int, int, int, bool], Choice] = {}
         self.timings: dict[tuple[int, int, int, bool], dict[str, float]] = {}
-        self.invariant_choice: dict[tuple[int, int, int], Decode | None] = {}
 
     @staticmethod
     def _time(
@@ -186,40 +182,6 @@ class Fp8GemmChooser:
             key, m, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
         )  # fmt: skip
         return self.choice[key]
-
-    def pick_invariant(self, x: Tensor, w: Tensor, s: Tensor) -> Decode | None:
-        """true_on_policy's decode GEMM: the fastest of the planned one (None: cuBLASLt, padded as planned)
-        and the Triton launches that give its bits (``invariant_ops.decode_options``, where the plan's probe
-        found they do). Every option gives the same bits, so this is about speed only; timed once per
-        power-of-two bucket of M (eager decode may come at any M); inside a CUDA graph capture an M not timed
-        yet takes the planned GEMM."""
-        from infir2_rl.models import invariant_ops
-
-        m, n, k = x.shape[0], w.shape[0], w.shape[1]
-        key = (1 << max(m - 1, 0).bit_length(), n, k)
-        if key in self.invariant_choice:
-            return self.invariant_choice[key]
-        if not invariant_ops.decode_ok(x.device, n, k) or torch.cuda.is_current_stream_capturing():
-            return None
-        options: list[Decode | None] = [None, *invariant_ops.decode_options()]
-        copies = [(w, s)] + [(w.clone(), s.clone()) for _ in range(self.cold_copies(w, s) - 1)]
-        times = [
-            self._time(
-                [
-                    functools.partial(invariant_ops.fp8_mm, x, wc, sc, None, self.pow2_scales, option)
-                    for wc, sc in copies
-                ]
-            )
-            for option in options
-        ]
-        del copies
-        best = min(range(len(options)), key=lambda i: times[i])
-        self.invariant_choice[key] = options[best]
-        logger.info(
-            "true_on_policy FP8 GEMM (M bucket, N, K) %s, timed at M %d: %s %.1f us (cuBLASLt %.1f us)",
-            key, m, options[best] or "cuBLASLt", 1e3 * times[best], 1e3 * times[0],
-        )  # fmt: skip
-        return options[best]
 
 
 class FusedLinear:
@@ -330,10 +292,7 @@ class FusedLinear:
             return invariant_ops.fp8_mm_quantized(
                 x.q, x.s_t, x.m, self.weight, self.scale, self.bias, self.pow2_scales
             )
-        decode = None
-        if self.chooser is not None and x.shape[0] <= DECODE_MAX_ROWS:
-            decode = self.chooser.pick_invariant(x, self.weight, self.scale)
-        return invariant_ops.fp8_mm(x, self.weight, self.scale, self.bias, self.pow2_scales, decode)
+        return invariant_ops.fp8_mm(x, self.weight, self.scale, self.bias, self.pow2_scales)
 
     def split(self, y: Tensor) -> list[Tensor]:
         """The parts of a fused output (M, out_features), in module order."""

@@ -118,7 +118,7 @@ class Qwen2Runner:
                     f" {invariant.DTYPE} model (got {self.device}, {self.dtype})"
                 )
             self.cos, self.sin = invariant.rope_tables(config, self.max_positions, self.device)
-            for line in invariant.plan_gemms(model, self.device, decode=True):
+            for line in invariant.plan_gemms(model, self.device):
                 logger.info("true_on_policy engine: %s", line)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
