@@ -55,7 +55,7 @@ def test_planned_gemms_give_decode_rows_the_trainers_bits(fp8: bool) -> None:
     from infir2_rl.models import invariant_ops as ops
 
     groups = [(1536, [1536, 256, 256]), (8960, [1536])]
-    print(ops.plan(groups, fp8, torch.device("cuda")))
+    print(ops.plan(groups, fp8, torch.device("cuda"), decode=True))
     gen = torch.Generator(device="cuda").manual_seed(2)
 
     def gemm(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
@@ -75,6 +75,43 @@ def test_planned_gemms_give_decode_rows_the_trainers_bits(fp8: bool) -> None:
             fused = gemm(x[5:69], ops._fused_weight(weights))
             for start, n, full in zip(ops._fused_starts(parts, fp8), parts, fulls):
                 assert torch.equal(fused[:, start : start + n], full[5:69])
+        if fp8:  # the engine's decode batches on the Triton kernel (H100: its bits are cuBLASLt's)
+            assert all(ops.decode_ok(x.device, n, k) for n in parts)
+            for option in ops.decode_options():
+                for w, full in zip(weights, fulls):
+                    for rows in (slice(0, 1), slice(7, 50), slice(100, 356)):
+                        y = ops.fp8_mm(x[rows], w[0], w[1], None, False, option)  # type: ignore[arg-type]
+                        assert torch.equal(y, full[rows]), (k, w[0].shape, rows, option)
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2"])
+def test_the_decode_steps_quantizing_kernels_give_the_walks_codes(pow2: bool) -> None:
+    """Under true_on_policy the decode step's add+RMSNorm (at ``NORM_WARPS``) and SiLU*up kernels quantize the
+    next GEMM's input; codes and scales must be the walk's ``quantize_rows`` of the walk's op, on 32,768 rows
+    at the 1.5B shape (at the quantizing default of 16 warps the norm missed in 8 of them)."""
+    from infir2_rl.engines.native import fused_ops
+    from infir2_rl.fp8 import quant_triton
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rows, hidden, inter = 32768, 1536, 8960
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    def same(got: object, walk: torch.Tensor) -> bool:
+        assert isinstance(got, fused_ops.QuantizedRows)
+        q, s_t = quant_triton.quantize_rows(walk, pow2)
+        return torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.s_t, s_t)
+
+    h, delta, w = rand(rows, hidden), rand(rows, hidden), rand(hidden, scale=0.1) + 1
+    warps = fused_ops.NORM_WARPS
+    assert same(
+        fused_ops.add_rms_norm(h.clone(), delta, w, 1e-6, True, pow2, warps), ops.rms_norm(h + delta, w, 1e-6)
+    )
+    assert same(fused_ops.add_rms_norm(h, None, w, 1e-6, True, pow2, warps), ops.rms_norm(h, w, 1e-6))
+    gate_up = rand(rows // 4, 2 * inter, scale=3.0)
+    assert same(fused_ops.silu_mul(gate_up, True, pow2), ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:]))
 
 
 def test_decode_attention_over_a_cache_equals_the_full_sequence_rows() -> None:

@@ -262,6 +262,9 @@ def quant_buffers(m: int, k: int, device: torch.device) -> QuantizedRows:
     return QuantizedRows(q, torch.empty(-(-k // 128), rows, dtype=torch.float32, device=device), m)
 
 
+NORM_WARPS = 8  # add_rms_norm's warps without quantization (what the true_on_policy walk runs): see there
+
+
 def add_rms_norm(
     h: Tensor,
     delta: Tensor | SplitPartials | None,
@@ -274,8 +277,11 @@ def add_rms_norm(
     """``h += delta`` (in place, if given), then RMSNorm(h) * weight; FP8 rows when ``quant``. h (M, E).
     One program per row of ``num_warps`` warps, by default 16 when quantizing and 8 otherwise: against 4,
     3.73 -> 2.13 and 1.41 -> 1.37 us per call at the 1.5B shape and batch 64 (H100,
-    bench/decode_elementwise.py). The warps set the order of the FP32 mean, so one setting per mode.
-    ``delta`` may be a split-K GEMM's unsummed partials (``SplitPartials``), summed here."""
+    bench/decode_elementwise.py). The warps set the order of the FP32 mean, so one setting per mode: with
+    16 the quantized rows differed from ``quantize_rows`` of the 8-warp kernel's output in 8 of 32,768 rows
+    at hidden 1,536, so true_on_policy's decode quantizes with ``num_warps=NORM_WARPS``, which gives those
+    codes (tests/test_true_on_policy_gpu.py). ``delta`` may be a split-K GEMM's unsummed partials
+    (``SplitPartials``), summed here."""
     if isinstance(delta, SplitPartials) and delta.dtype != h.dtype:
         raise ValueError(f"partials rounded to {delta.dtype} cannot be added to {h.dtype} rows")
     if not use_triton(h):
@@ -286,7 +292,7 @@ def add_rms_norm(
     if isinstance(delta, SplitPartials):
         split, bias, delta = delta.part.shape[0], delta.bias, delta.part
     m, e = h.shape
-    num_warps = num_warps if num_warps is not None else 16 if quant else 8
+    num_warps = num_warps if num_warps is not None else 16 if quant else NORM_WARPS
     out = torch.empty_like(h) if not quant else h
     qr = quant_buffers(m, e, h.device) if quant else None
     _add_rms_norm_kernel[(qr.q.shape[0] if qr else m,)](

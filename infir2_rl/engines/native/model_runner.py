@@ -24,12 +24,14 @@ roundings, per-row sums in one order), and swaps what is not invariant: every GE
 shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same bits as the walk's separate
 GEMMs: a column's result does not depend on its tile in the Triton kernels, and ``invariant_ops.plan`` checks
 it for cuBLAS), attention is ``invariant_ops.attention`` over
-the cache and the lm_head ``invariant_ops.mm``. In FP8 the GEMM inputs are quantized by the walk's
-quantizer (``quant_triton.quantize_rows``), not by the norm and SiLU kernels' quantizing variants: compiled
-with that epilogue, the norm kernel's codes differed from ``quantize_rows`` of its plain output in 8 of
-32,768 rows at hidden 1536 (H100, 2026-11-25), enough to give unified FP8 at 1.5B a train/rollout K3 of
-9e-4 instead of 0. Every token (the first one too) is
-sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
+the cache and the lm_head ``invariant_ops.mm``. In FP8 the norm and SiLU*up kernels quantize the next
+GEMM's input as in the fast mode, with the walk's codes (the walk runs its norm, then ``quantize_rows``): the
+quantizer is the same code, and the norm runs with the walk's warp count (``fused_ops.NORM_WARPS``), which
+sets the order of its FP32 mean. With the quantizing default of 16 warps its codes differed in 8 of 32,768
+rows at hidden 1536 (H100, 2026-11-25), enough to give unified FP8 at 1.5B a train/rollout K3 of 9e-4 instead
+of 0. o_proj's input (the attention's output) is quantized by the GEMM. The decode GEMMs may run on the
+Triton W8A8 kernel, which gives cuBLASLt's bits (``linears.Fp8GemmChooser.pick_invariant``). Every token (the
+first one too) is sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Qwen2Runner:
                     f" {invariant.DTYPE} model (got {self.device}, {self.dtype})"
                 )
             self.cos, self.sin = invariant.rope_tables(config, self.max_positions, self.device)
-            for line in invariant.plan_gemms(model, self.device):
+            for line in invariant.plan_gemms(model, self.device, decode=True):
                 logger.info("true_on_policy engine: %s", line)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -212,16 +214,18 @@ class Qwen2Runner:
         and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
         input."""
         invariant_ = self.true_on_policy
-        # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each), but
-        # not under true_on_policy, where the GEMMs quantize with the walk's quantizer (module docstring).
-        quant, pow2, eps = self.fp8 and tokens_B.is_cuda and not invariant_, self.pow2, self.eps
-        quant_attn = quant and self.quant_attention
+        # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each). Under
+        # true_on_policy the norm runs with the walk's (non-quantizing) warp count, which sets the order of its
+        # FP32 mean: then its codes are the walk's quantize_rows of the walk's norm (module docstring).
+        quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
+        quant_attn = quant and self.quant_attention and not invariant_
+        warps = fused_ops.NORM_WARPS if invariant_ else None
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
         # split-K GEMMs hand their partials to the kernel after them, which sums them (``deferred``)
         delta: Tensor | fused_ops.SplitPartials | None = None
         for i, layer in enumerate(self.layers):
-            x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2)
+            x = fused_ops.add_rms_norm(h, delta, layer.input_norm, eps, quant, pow2, warps)
             q = fused_ops.rope_write_kv(
                 layer.qkv.deferred(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
                 self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
@@ -234,7 +238,7 @@ class Qwen2Runner:
                 a = attention.decode(
                     q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
                 )
-            x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2)
+            x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2, warps)
             delta = layer.down.deferred(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
