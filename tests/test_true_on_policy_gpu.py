@@ -55,7 +55,7 @@ def test_planned_gemms_give_decode_rows_the_trainers_bits(fp8: bool) -> None:
     from infir2_rl.models import invariant_ops as ops
 
     groups = [(1536, [1536, 256, 256]), (8960, [1536])]
-    print(ops.plan(groups, fp8, torch.device("cuda"), decode=True))
+    print(ops.plan(groups, fp8, torch.device("cuda")))
     gen = torch.Generator(device="cuda").manual_seed(2)
 
     def gemm(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
@@ -75,13 +75,6 @@ def test_planned_gemms_give_decode_rows_the_trainers_bits(fp8: bool) -> None:
             fused = gemm(x[5:69], ops._fused_weight(weights))
             for start, n, full in zip(ops._fused_starts(parts, fp8), parts, fulls):
                 assert torch.equal(fused[:, start : start + n], full[5:69])
-        if fp8:  # the engine's decode batches on the Triton kernel (H100: its bits are cuBLASLt's)
-            assert all(ops.decode_ok(x.device, n, k) for n in parts)
-            for option in ops.decode_options():
-                for w, full in zip(weights, fulls):
-                    for rows in (slice(0, 1), slice(7, 50), slice(100, 356)):
-                        y = ops.fp8_mm(x[rows], w[0], w[1], None, False, option)  # type: ignore[arg-type]
-                        assert torch.equal(y, full[rows]), (k, w[0].shape, rows, option)
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2"])

@@ -59,12 +59,11 @@ def check_model(model: nn.Module) -> None:
         raise ValueError("true_on_policy: the invariant forward does not support " + ", ".join(problems))
 
 
-def plan_gemms(model: nn.Module, device: torch.device, decode: bool = False) -> list[str]:
+def plan_gemms(model: nn.Module, device: torch.device) -> list[str]:
     """Probe the GEMMs the walk will run for this model on ``device`` (``invariant_ops.plan``: cuBLAS where it
     gives the same bits at every batch size, the Triton kernels elsewhere): the decoder's in each precision it
     holds and the lm_head. The trainer and the engine each call this before their first forward and before any
-    CUDA graph capture (the engine with ``decode``: which FP8 GEMMs may decode on the Triton kernel). Returns the
-    plan in words, one line per GEMM group."""
+    CUDA graph capture. Returns the plan in words, one line per GEMM group."""
     config: Any = model.config  # type: ignore[assignment]
     hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
     kv_heads, inter = int(config.num_key_value_heads), int(config.intermediate_size)
@@ -76,7 +75,7 @@ def plan_gemms(model: nn.Module, device: torch.device, decode: bool = False) -> 
     head: Any = model.get_output_embeddings()  # type: ignore[operator]
     fp8_groups = decoder if True in kinds else []
     bf16_groups = (decoder if False in kinds else []) + [(hidden, [int(head.weight.shape[0])])]
-    return ops.plan(fp8_groups, True, device, decode) + ops.plan(bf16_groups, False, device)
+    return ops.plan(fp8_groups, True, device) + ops.plan(bf16_groups, False, device)
 
 
 def _is_fp8(module: nn.Module) -> bool:

@@ -253,22 +253,6 @@ _PLAN: dict[tuple[int, bool, int, int], int] = {}
 _PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each probed group's plan, in words
 Weight = tuple[Tensor, Tensor | None]  # (weight, FP8 weight_scale_inv or None for BF16)
 
-# Decode sizes of an FP8 GEMM planned on cuBLASLt. cuBLASLt's blockwise kernel is slow at decode M (1.4x the
-# Triton W8A8 kernel for q|k|v and o_proj at M <= 256 on an H100). That kernel promotes each K block's
-# tensor-core sum with cuBLASLt's rounding (``fp8_gemm``: fma(partial, s_x * s_w, acc)), so without split-K it
-# gives cuBLASLt's bits (bench/cublaslt_bits.py: every launch shape, FP32 and BF16 output, H100). The engine may
-# then run a decode batch on it while the trainer runs cuBLASLt: ``plan(..., decode=True)`` checks each shape
-# at decode M, and ``fp8_mm(..., decode=option)`` runs one of these launch shapes, x quantized first
-# (``quantize_rows``) or inside the kernel (``True`` / ``False``); the engine times them against cuBLASLt
-# (``linears.Fp8GemmChooser.pick_invariant``). All give the same bits, so that choice is about speed only.
-DECODE_CONFIGS = (
-    fp8_gemm.GemmConfig(64, 64, 1, 4, 3), fp8_gemm.GemmConfig(64, 64, 1, 4, 6),
-    fp8_gemm.GemmConfig(64, 32, 1, 4, 4), fp8_gemm.GemmConfig(64, 128, 1, 4, 3),
-)  # fmt: skip
-DECODE_PROBE_ROWS = (1, 7, 16, 64, 100, 256, 512)
-Decode = tuple[fp8_gemm.GemmConfig, bool]  # a launch shape, and whether x is quantized before the kernel
-_DECODE_OK: dict[tuple[int, int, int], bool] = {}  # (device index, N, K) -> the decode options give the bits
-
 
 def _cublas(
     x: Tensor, w: Weight, bias: Tensor | None, rows: int, out_dtype: torch.dtype, pow2: bool = False
@@ -377,66 +361,11 @@ def _probe(k: int, parts: list[int], fp8: bool, device: torch.device) -> tuple[i
     return rows, f"differs at M <= {max(differ)}: padded to {rows} rows"
 
 
-def decode_options() -> list[Decode]:
-    """The Triton launches a decode batch of an FP8 GEMM may take instead of cuBLASLt (see DECODE_CONFIGS)."""
-    return [(cfg, prequant) for cfg in DECODE_CONFIGS for prequant in (True, False)]
-
-
-def _fp8_triton(x: Tensor, w: Weight, option: Decode, pow2: bool) -> Tensor:
-    """The W8A8 Triton kernel at launch ``option``, no bias (added after, as on cuBLASLt)."""
-    (weight, scale_inv), (cfg, prequant) = w, option
-    assert scale_inv is not None
-    if prequant:
-        q, s_t = _quantize(x, 16, pow2)
-        return fp8_gemm.w8a8_fused(q, weight, scale_inv, None, cfg, pow2, s_t, x.shape[0], x.dtype)
-    return fp8_gemm.w8a8_fused(x.contiguous(), weight, scale_inv, None, cfg, pow2)
-
-
-def _probe_decode(k: int, parts: list[int], device: torch.device) -> bool:
-    """Whether every decode option gives the planned cuBLASLt GEMM's bits at decode M, for these GEMMs each
-    alone and fused, with and without power-of-two scales."""
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = (torch.randn(_PROBE_REF_ROWS, k, device=device, generator=gen) * 2).to(torch.bfloat16)
-    for pow2 in (False, True):
-        weights: list[Weight] = [
-            quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05, pow2)
-            for n in parts
-        ]
-        for w in weights + ([_fused_weight(weights)] if len(parts) > 1 else []):
-            rows = _PLAN[(device.index if device.index is not None else torch.cuda.current_device(), True,
-                          w[0].shape[0], k)]  # fmt: skip
-            ref = _cublas(x, w, None, rows, torch.bfloat16, pow2)
-            flags = [
-                (_fp8_triton(x[o : o + m], w, option, pow2) != ref[o : o + m]).any()
-                for m in DECODE_PROBE_ROWS
-                for o in PROBE_OFFSETS
-                for option in decode_options()
-            ]
-            if torch.stack(flags).any():
-                return False
-    return True
-
-
-def _check_decode(device: torch.device, w_fp8: Tensor) -> None:
-    if not decode_ok(device, w_fp8.shape[0], w_fp8.shape[1]):
-        raise RuntimeError(f"FP8 GEMM {tuple(w_fp8.shape)}: no decode probe passed (plan(..., decode=True))")
-
-
-def decode_ok(device: torch.device, n: int, k: int) -> bool:
-    """Whether ``plan(..., decode=True)`` found the decode options give this FP8 GEMM's planned bits."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _DECODE_OK.get((index, n, k), False)
-
-
-def plan(
-    groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device, decode: bool = False
-) -> list[str]:
+def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -> list[str]:
     """Probe the GEMMs of ``groups`` ((K, [N of each part]), e.g. q|k|v, o, gate|up, down, lm_head) in FP8
     (W8A8 blockwise) or BF16, once per process and device; ``mm`` / ``fp8_mm`` then run each probed shape as
-    planned. ``decode`` (the engine's): also check whether each FP8 shape planned on cuBLASLt may run its decode
-    batches on the Triton kernel (``decode_options``). Returns each group's plan in words (one line each), for
-    the log. The trainer and the engine both plan the model they hold (``invariant.plan_gemms``) before their
-    first forward."""
+    planned. Returns each group's plan in words (one line each), for the log. The trainer and the engine both
+    plan the model they hold (``invariant.plan_gemms``) before their first forward."""
     lines: list[str] = []
     if not kernels_available(device):
         return lines
@@ -461,20 +390,6 @@ def plan(
         _PLAN_LINES[(index, fp8, k, tuple(parts))] = said
         lines.append(said)
         torch.cuda.empty_cache()  # the probe's batches: not kept in the allocator's cache at start
-    for k, parts in groups if fp8 and decode else []:
-        shapes = [*parts, _fused_starts(parts, fp8)[-1]] if len(parts) > 1 else parts
-        if any(_PLAN[(index, True, n, k)] == TRITON for n in shapes):
-            continue
-        if any((index, n, k) not in _DECODE_OK for n in shapes):
-            ok = _probe_decode(k, parts, device)
-            for n in shapes:
-                _DECODE_OK[(index, n, k)] = ok
-            torch.cuda.empty_cache()
-        lines.append(
-            f"FP8 GEMM K {k}, N {'|'.join(map(str, parts))} at decode sizes: "
-            + ("the Triton kernel gives cuBLASLt's bits, the engine times both" if decode_ok(device, shapes[0], k)
-               else "the Triton kernel's bits differ from cuBLASLt's: cuBLASLt only")
-        )  # fmt: skip
     return lines
 
 
@@ -517,22 +432,11 @@ def fp8_mm_rows(
     return fp8_mm_quantized(rows.q, rows.s_t, rows.m, w_fp8, scale_inv, bias, pow2, x.dtype)
 
 
-def fp8_mm(
-    x: Tensor,
-    w_fp8: Tensor,
-    scale_inv: Tensor,
-    bias: Tensor | None,
-    pow2: bool,
-    decode: Decode | None = None,
-) -> Tensor:
+def fp8_mm(x: Tensor, w_fp8: Tensor, scale_inv: Tensor, bias: Tensor | None, pow2: bool) -> Tensor:
     """W8A8 ``quant(x) @ W^T + bias`` (no autograd; the trainer's goes through ``fp8.ops.fp8_linear``):
-    cuBLASLt or the Triton kernel, as ``plan`` found for this shape; or the Triton launch ``decode`` (one of
-    ``decode_options``, for a shape whose decode probe passed), which gives the same bits."""
+    cuBLASLt or the Triton kernel, as ``plan`` found for this shape."""
     if not kernels_available(x.device):
         return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2)
-    if decode is not None:
-        _check_decode(x.device, w_fp8)
-        return _add_bias(_fp8_triton(x, (w_fp8, scale_inv), decode, pow2), bias)
     return fp8_mm_rows(quantize_rows(x, [w_fp8], pow2), x, w_fp8, scale_inv, bias, pow2)
 
 
@@ -545,15 +449,9 @@ def fp8_mm_quantized(
     bias: Tensor | None,
     pow2: bool,
     out_dtype: torch.dtype = torch.bfloat16,
-    decode: fp8_gemm.GemmConfig | None = None,
 ) -> Tensor:
     """``fp8_mm`` of rows already quantized by the trainer's rule: q (M_pad, K) e4m3, s_t (Kb, M_pad) (the
-    engine's producer kernels write them, ``fused_ops.QuantizedRows``); ``decode``: the Triton kernel at that
-    launch shape (one of ``DECODE_CONFIGS``, for a shape whose decode probe passed), the same bits."""
-    if decode is not None:
-        _check_decode(q.device, w_fp8)
-        y = fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, None, decode, pow2, s_t, rows, out_dtype)
-        return _add_bias(y, bias)
+    engine's producer kernels write them, ``fused_ops.QuantizedRows``)."""
     planned = _planned_rows(q, True, w_fp8.shape[0], w_fp8.shape[1])
     if planned != TRITON:
         return _add_bias(_cublaslt(q, s_t, rows, w_fp8, scale_inv, planned, out_dtype), bias)

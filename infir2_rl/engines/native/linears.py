@@ -50,9 +50,6 @@ def _round_up(a: int, b: int) -> int:
 
 
 Choice = str | fp8_gemm.GemmConfig
-Decode = tuple[
-    fp8_gemm.GemmConfig, bool
-]  # invariant_ops.Decode: a Triton launch, x quantized before it or not
 Activation = Tensor | QuantizedRows
 
 
@@ -96,19 +93,6 @@ def run_fp8(
     return y if isinstance(y, Tensor) else fp8_gemm.sum_partials(y)
 
 
-def run_invariant(
-    option: Decode | None, x: Activation, w: Tensor, s: Tensor, bias: Tensor | None, pow2: bool
-) -> Tensor:
-    """true_on_policy's W8A8 GEMM (``invariant_ops``): as planned (``option`` None) or on the Triton launch
-    ``option`` (the same bits); x BF16, or FP8 rows from a producer kernel."""
-    from infir2_rl.models import invariant_ops
-
-    if isinstance(x, QuantizedRows):
-        cfg = option[0] if option is not None else None
-        return invariant_ops.fp8_mm_quantized(x.q, x.s_t, x.m, w, s, bias, pow2, decode=cfg)
-    return invariant_ops.fp8_mm(x, w, s, bias, pow2, option)
-
-
 class Fp8GemmChooser:
     """Picks, per GEMM shape and input kind, the fastest FP8 implementation on this GPU.
 
@@ -124,7 +108,6 @@ class Fp8GemmChooser:
         self.pow2_scales = pow2_scales
         self.choice: dict[tuple[int, int, int, bool], Choice] = {}
         self.timings: dict[tuple[int, int, int, bool], dict[str, float]] = {}
-        self.invariant_choice: dict[tuple[int, int, int, bool], Decode | None] = {}
 
     @staticmethod
     def _time(
@@ -199,45 +182,6 @@ class Fp8GemmChooser:
             key, m, best, 1e3 * times[best], f"{1e3 * times[_CUBLAS]:.1f}" if _CUBLAS in times else "n/a",
         )  # fmt: skip
         return self.choice[key]
-
-    def pick_invariant(self, x: Activation, w: Tensor, s: Tensor) -> Decode | None:
-        """true_on_policy's decode GEMM: the fastest of the planned one (None: cuBLASLt, padded as planned)
-        and the Triton launches that give its bits (``invariant_ops.decode_options``, where the plan's probe
-        found they do; FP8 rows from a producer kernel take only those that read them). Every option gives
-        the same bits, so this is about speed only; timed once per power-of-two bucket of M and input kind
-        (eager decode may come at any M); inside a CUDA graph capture an M not timed yet takes the planned
-        GEMM."""
-        from infir2_rl.models import invariant_ops
-
-        prequant = isinstance(x, QuantizedRows)
-        m = x.m if isinstance(x, QuantizedRows) else x.shape[0]
-        n, k = w.shape[0], w.shape[1]
-        key = (1 << max(m - 1, 0).bit_length(), n, k, prequant)
-        if key in self.invariant_choice:
-            return self.invariant_choice[key]
-        if not invariant_ops.decode_ok(w.device, n, k) or torch.cuda.is_current_stream_capturing():
-            return None
-        triton = [o for o in invariant_ops.decode_options() if o[1] or not prequant]
-        options: list[Decode | None] = [None, *triton]
-        copies = [(w, s)] + [(w.clone(), s.clone()) for _ in range(self.cold_copies(w, s) - 1)]
-        times = [
-            self._time(
-                [
-                    functools.partial(run_invariant, option, x, wc, sc, None, self.pow2_scales)
-                    for wc, sc in copies
-                ]
-            )
-            for option in options
-        ]
-        del copies
-        best = min(range(len(options)), key=lambda i: times[i])
-        self.invariant_choice[key] = options[best]
-        logger.info(
-            "true_on_policy FP8 GEMM (M bucket, N, K, prequantized) %s, timed at M %d: %s %.1f us"
-            " (cuBLASLt %.1f us)",
-            key, m, options[best] or "cuBLASLt", 1e3 * times[best], 1e3 * times[0],
-        )  # fmt: skip
-        return options[best]
 
 
 class FusedLinear:
@@ -344,11 +288,11 @@ class FusedLinear:
             assert isinstance(x, Tensor)
             return invariant_ops.mm(x, self.weight, self.bias)
         assert self.scale is not None
-        rows = x.m if isinstance(x, QuantizedRows) else x.shape[0]
-        decode = None
-        if self.chooser is not None and rows <= DECODE_MAX_ROWS:
-            decode = self.chooser.pick_invariant(x, self.weight, self.scale)
-        return run_invariant(decode, x, self.weight, self.scale, self.bias, self.pow2_scales)
+        if isinstance(x, QuantizedRows):
+            return invariant_ops.fp8_mm_quantized(
+                x.q, x.s_t, x.m, self.weight, self.scale, self.bias, self.pow2_scales
+            )
+        return invariant_ops.fp8_mm(x, self.weight, self.scale, self.bias, self.pow2_scales)
 
     def split(self, y: Tensor) -> list[Tensor]:
         """The parts of a fused output (M, out_features), in module order."""

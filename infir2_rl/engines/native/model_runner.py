@@ -29,9 +29,8 @@ GEMM's input as in the fast mode, with the walk's codes (the walk runs its norm,
 quantizer is the same code, and the norm runs with the walk's warp count (``fused_ops.NORM_WARPS``), which
 sets the order of its FP32 mean. With the quantizing default of 16 warps its codes differed in 8 of 32,768
 rows at hidden 1536 (H100, 2026-11-25), enough to give unified FP8 at 1.5B a train/rollout K3 of 9e-4 instead
-of 0. o_proj's input (the attention's output) is quantized by the GEMM. The decode GEMMs may run on the
-Triton W8A8 kernel, which gives cuBLASLt's bits (``linears.Fp8GemmChooser.pick_invariant``). Every token (the
-first one too) is sampled by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
+of 0. o_proj's input (the attention's output) is quantized by the GEMM. Every token (the first one too) is sampled
+by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ class Qwen2Runner:
                     f" {invariant.DTYPE} model (got {self.device}, {self.dtype})"
                 )
             self.cos, self.sin = invariant.rope_tables(config, self.max_positions, self.device)
-            for line in invariant.plan_gemms(model, self.device, decode=True):
+            for line in invariant.plan_gemms(model, self.device):
                 logger.info("true_on_policy engine: %s", line)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
