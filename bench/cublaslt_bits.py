@@ -1,13 +1,15 @@
 """Can a Triton W8A8 kernel give cuBLASLt's blockwise FP8 GEMM bits, so decode need not run cuBLASLt? (CUDA)
 
 true_on_policy runs each FP8 GEMM on cuBLASLt (``F.scaled_mm``, 1x128 x 128x128 blocks) on both sides, since
-cuBLASLt is batch-invariant (``bench/invariant_gemm.py --cublaslt``). At decode sizes it is slow (M = 256:
-1.7-1.8x the engine's Triton kernel), which makes FP8 rollout under true_on_policy slower than BF16's. If a
-Triton kernel computed each output with cuBLASLt's arithmetic, the engine could decode on it and the trainer
-keep cuBLASLt. The arithmetic of a blockwise GEMM on Hopper: per 128-wide K block, a tensor-core partial sum
-(four chained e4m3 wgmma k32 instructions), then promotion into an FP32 accumulator with the block's two
-scales. What cuBLASLt does not document is the promotion's rounding, so this tries each candidate against
-it (FP32 and BF16 output, every Triton launch shape, several M) and times the ones that match.
+cuBLASLt is batch-invariant (``bench/invariant_gemm.py --cublaslt``), and at decode sizes cuBLASLt is slower
+than the engine's Triton kernel. If a Triton kernel computed each output with cuBLASLt's arithmetic, the
+engine could decode on it and the trainer keep cuBLASLt. The arithmetic of a blockwise GEMM on Hopper: per
+128-wide K block, a tensor-core partial sum (four chained e4m3 wgmma k32 instructions), then promotion into an
+FP32 accumulator with the block's two scales. What cuBLASLt does not document is the promotion's rounding, so
+this tries each candidate against cuBLASLt's rows of the largest batch (FP32 and BF16 output, several M, every
+launch shape for the roundings that match), checks the engine's kernel (``engines/native/fp8_gemm``) alike, and
+times the match against cuBLASLt. On an H100 ``fma(p, sx * sw, acc)`` matches at every M and launch shape, and
+the engine's kernel now rounds so (docs/mismatch.md, "The Triton W8A8 kernel rounds as cuBLASLt").
 
     python bench/cublaslt_bits.py [--shapes 'q|o' down ...] [--rows 64 256 4096]
 """
@@ -32,8 +34,8 @@ VARIANTS = {
     2: "acc = fma(p, sx * sw, acc)",
     3: "acc = fma(p * sx, sw, acc)",
     4: "acc = fma(p * sw, sx, acc)",
-    6: "acc += p * (sx * sw), no FMA contraction",
-    7: "acc += p * sx * sw, no FMA contraction",
+    5: "acc += p * (sx * sw), no FMA contraction",
+    6: "acc += p * sx * sw, no FMA contraction",
 }
 CONFIGS = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 64, 4, 6)]
 
@@ -70,9 +72,9 @@ if triton is not None:
             sx = tl.load(xs_ptr + kb * xs_rows + rows, mask=rows < M, other=0.0)[:, None]
             sw = tl.load(ws_ptr + (cols // 128) * KB + kb, mask=cols < N, other=0.0)[None, :]
             p = tl.dot(q, w)
-            if VARIANT == 0 or VARIANT == 7:
+            if VARIANT == 0 or VARIANT == 6:
                 acc += p * sx * sw
-            elif VARIANT == 1 or VARIANT == 6:
+            elif VARIANT == 1 or VARIANT == 5:
                 acc += p * (sx * sw)
             elif VARIANT == 2:
                 acc = tl.fma(p, sx * sw, acc)
@@ -103,7 +105,7 @@ def triton_gemm(
     _kernel[grid](
         q, s_t, w8, s8, y, m, n, k, s8.shape[1], s_t.shape[1],
         VARIANT=variant, BM=bm, BN=bn, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=variant not in (6, 7),
+        enable_fp_fusion=variant not in (5, 6),
     )  # fmt: skip
     return y
 
