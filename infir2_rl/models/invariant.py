@@ -71,15 +71,22 @@ def plan_gemms(model: nn.Module, device: torch.device) -> list[str]:
     decoder = [(hidden, [heads * dim, kv_heads * dim, kv_heads * dim]), (heads * dim, [hidden]),
                (hidden, [inter, inter]), (inter, [hidden])]  # fmt: skip
     inner: Any = model.model  # type: ignore[assignment]
-    kinds = {_is_fp8(m) for layer in inner.layers for m in (layer.self_attn.q_proj, layer.mlp.down_proj)}
+    kinds = {
+        _fp8_pow2(m) is not None
+        for layer in inner.layers
+        for m in (layer.self_attn.q_proj, layer.mlp.down_proj)
+    }
     head: Any = model.get_output_embeddings()  # type: ignore[operator]
     fp8_groups = decoder if True in kinds else []
     bf16_groups = (decoder if False in kinds else []) + [(hidden, [int(head.weight.shape[0])])]
     return ops.plan(fp8_groups, True, device) + ops.plan(bf16_groups, False, device)
 
 
-def _is_fp8(module: nn.Module) -> bool:
-    return isinstance(module, Fp8InferenceLinear) or (isinstance(module, Fp8Linear) and module.fp8_enabled)
+def _fp8_pow2(module: nn.Module) -> bool | None:
+    """Whether an FP8 module quantizes with power-of-two scales; None for a BF16 one."""
+    if isinstance(module, Fp8InferenceLinear) or (isinstance(module, Fp8Linear) and module.fp8_enabled):
+        return bool(module.pow2_scales)
+    return None
 
 
 def rope_tables(config: Any, max_positions: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -95,16 +102,6 @@ def rope_tables(config: Any, max_positions: int, device: torch.device) -> tuple[
 
 def _cast(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.to(DTYPE)
-
-
-def _fp8_bytes(module: nn.Module) -> tuple[Tensor, Tensor, bool] | None:
-    """(FP8 weight, weight_scale_inv, pow2 scales) of an FP8 module, None for a BF16 one."""
-    if isinstance(module, Fp8InferenceLinear):
-        return module.weight, module.weight_scale_inv, module.pow2_scales
-    if isinstance(module, Fp8Linear) and module.fp8_enabled:
-        fp8w = module._fp8_weight()
-        return fp8w.w_fp8, fp8w.scale_inv, module.pow2_scales
-    return None
 
 
 def linear(x: Tensor, module: nn.Module, rows: ops.QuantizedRows | None = None) -> Tensor:
@@ -130,10 +127,11 @@ def linears(x: Tensor, modules: tuple[nn.Module, ...]) -> list[Tensor]:
     """The projections of one input by several modules (q, k, v; gate, up). FP8 modules share one
     quantization of x, padded for all of their GEMMs (``invariant_ops.quantize_rows``): the same codes each
     would make alone, one launch instead of one per module."""
-    fp8 = [_fp8_bytes(m) for m in modules]
-    if not ops.kernels_available(x.device) or any(f is None or f[2] != fp8[0][2] for f in fp8):  # type: ignore[index]
+    pow2 = {_fp8_pow2(m) for m in modules}
+    if not ops.kernels_available(x.device) or None in pow2 or len(pow2) > 1:
         return [linear(x, m) for m in modules]
-    rows = ops.quantize_rows(x, [f[0] for f in fp8], fp8[0][2])  # type: ignore[index]
+    weights: list[Tensor] = [m.weight for m in modules]  # type: ignore[misc]  # (N, K): the GEMMs' shapes
+    rows = ops.quantize_rows(x, weights, bool(pow2.pop()))
     return [linear(x, m, rows) for m in modules]
 
 
