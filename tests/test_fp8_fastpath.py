@@ -191,3 +191,22 @@ def test_autocast_input_is_rounded_by_the_quantizer(fake_gpu: dict[str, int]) ->
     for a, b in zip(rounded, copied):
         assert a is not None and b is not None and a.dtype == b.dtype
         assert torch.equal(a, b)
+
+
+def test_a_scale_grid_stored_rows_apart_reaches_cublaslt_without_a_copy(fake_gpu: dict[str, int]) -> None:
+    """K = 640 (5 K blocks): a contiguous grid is padded per call, a ``scale_grid`` is handed over as a view
+    of its own storage; both give the same product."""
+    w = torch.randn(384, 640) * 0.05
+    q_w, s_w = _weight(w)
+    grid = gemm.scale_grid(*s_w.shape, "cpu")
+    grid.copy_(s_w)
+    assert grid.stride() == (8, 1) and not grid.is_contiguous()
+    view = gemm._padded_grid(grid)
+    assert view.shape == (3, 8) and view.data_ptr() == grid.data_ptr()
+    assert torch.equal(view[:, :5], s_w) and not view[:, 5:].any()
+    copied = gemm._padded_grid(s_w)
+    assert copied.data_ptr() != s_w.data_ptr() and torch.equal(copied, view)
+    q_x, s_x = _rows(torch.randn(20, 640))
+    a = gemm.mm_1x128_128x128(q_x, s_x, q_w, grid, torch.float32)
+    b = gemm.mm_1x128_128x128(q_x, s_x, q_w, s_w, torch.float32)
+    assert torch.equal(a, b)

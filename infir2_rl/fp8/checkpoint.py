@@ -270,7 +270,7 @@ def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterato
                 assert isinstance(module, Fp8InferenceLinear)
                 w_fp8, scale_inv = module.weight, module.weight_scale_inv
             yield key, w_fp8.detach()
-            yield f"{prefix}.weight_scale_inv", scale_inv.detach()
+            yield f"{prefix}.weight_scale_inv", scale_inv.detach().contiguous()  # engine grids: rows apart
         elif module is not None and leaf == "weight_scale_inv":
             continue  # yielded right after its weight
         elif prefix in plain and leaf == "weight":

@@ -6,7 +6,8 @@ Layouts (cuBLASLt on sm90 only multiplies a row-major A by a column-major B, "TN
   its 128x128 ``weight_scale_inv`` (Nb, Kb). fprop (X @ W^T) and dgrad (dY @ W, with W^T materialized).
   The A scale is passed as the (M, Kb) view of a (Kb, M) buffer ("outer-dim-major"). The B scale must be
   (round_up(Kb, 4), Nb) with stride (1, round_up(Kb, 4)): cuBLASLt reads the 128x128 scale grid with
-  16-byte aligned rows, so ``weight_scale_inv`` is zero-padded to a multiple of 4 K-blocks first. The old
+  16-byte aligned rows, so ``weight_scale_inv`` is zero-padded to a multiple of 4 K-blocks first (a copy per
+  call, unless its storage already has the padding: ``scale_grid``, which the engine's weights use). The old
   ``torch._scaled_mm`` (v1) took the unpadded grid and returned silent garbage when Kb % 4 != 0
   (K = 640, 1408, 8960: the Qwen2.5-1.5B down-projection), which is why only v2 is used here.
 * ``mm_1x128_1x128``: both operands with 1x128 scales; wgrad dW = dY^T X, both quantized along tokens.
@@ -51,19 +52,36 @@ def mm_1x128_128x128(
 ) -> torch.Tensor:
     """``(A * sA) @ (W * sW)^T``: A (M, K) with a_scale_t (Kb, M); W (N, K) with w_scale_inv (Nb, Kb)."""
     bw1x128, bw128 = _scaling_types()
-    kb = w_scale_inv.shape[1]
-    if kb % 4:  # (no copy needed, and no kernel launched, for the common Kb % 4 == 0)
-        w_scale_inv = F.pad(w_scale_inv, (0, _round_up(kb, 4) - kb))
-    scale_b = w_scale_inv.contiguous().t()  # (Kb4, Nb), stride (1, Kb4)
     return F.scaled_mm(  # type: ignore[attr-defined]
         a_fp8,
         w_fp8.t(),
         a_scale_t.t(),
         bw1x128,
-        scale_b,
+        _padded_grid(w_scale_inv).t(),  # (Kb4, Nb), stride (1, Kb4)
         bw128,
         output_dtype=out_dtype,
     )
+
+
+def scale_grid(nb: int, kb: int, device: torch.device | str, fill: float = 1.0) -> torch.Tensor:
+    """An (nb, kb) FP32 ``weight_scale_inv`` filled with ``fill``, its rows stored round_up(kb, 4) apart (a
+    view of an (nb, round_up(kb, 4)) buffer, zero padding): ``mm_1x128_128x128`` hands such a grid to cuBLASLt as it is, where a
+    contiguous one with kb % 4 != 0 costs a padded copy (two kernels) per GEMM. For weights that live long
+    (the engine's) and are overwritten in place by weight sync."""
+    buf = torch.zeros(nb, _round_up(kb, 4), dtype=torch.float32, device=device)
+    return buf[:, :kb].fill_(fill)
+
+
+def _padded_grid(w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """``w_scale_inv`` (Nb, Kb) as the (Nb, round_up(Kb, 4)) row-major grid cuBLASLt reads: a view when its
+    storage already holds the padding columns (``scale_grid``), else a zero-padded copy."""
+    nb, kb = w_scale_inv.shape
+    kb4 = _round_up(kb, 4)
+    if w_scale_inv.stride() == (kb4, 1):
+        end = w_scale_inv.storage_offset() + nb * kb4
+        if end * w_scale_inv.element_size() <= w_scale_inv.untyped_storage().nbytes():
+            return w_scale_inv.as_strided((nb, kb4), (kb4, 1))
+    return F.pad(w_scale_inv, (0, kb4 - kb)).contiguous() if kb % 4 else w_scale_inv.contiguous()
 
 
 def mm_1x128_1x128(

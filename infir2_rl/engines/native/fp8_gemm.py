@@ -92,7 +92,7 @@ if _HAVE_TRITON:
     )  # one compiled kernel for every M (models/invariant_ops relies on it)
     def _w8a8_kernel(
         x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr,
-        M, N, K, KB, kb_per_split, stride_xm, xs_rows,
+        M, N, K, KB, kb_per_split, stride_xm, xs_rows, stride_ws,
         HAS_BIAS, SPLIT, PREQUANT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
@@ -103,7 +103,7 @@ if _HAVE_TRITON:
         acc = tl.zeros((BM, BN), tl.float32)
         kb_start = pid_k * kb_per_split
         kb_end = tl.minimum(kb_start + kb_per_split, KB)
-        ws_row = ws_ptr + (cols // 128) * KB
+        ws_row = ws_ptr + (cols // 128) * stride_ws
         if PDL:
             wait_then_release()
         # The scales of K block kb + 1 load during block kb. Triton pipelines the FP8 tile loads (they reach
@@ -172,6 +172,8 @@ def w8a8_partials(
     add+RMSNorm and rotary+KV kernels): the output (M, N) when ``cfg`` runs one program along K, else the
     FP32 partials and the bias, unsummed (``SplitPartials``), which saves the sum kernel's launch."""
     prequant = x_scale_t is not None
+    if w_scale_inv.stride(1) != 1:  # rows may be stored apart (``fp8.gemm.scale_grid``), columns may not
+        w_scale_inv = w_scale_inv.contiguous()
     m, k = (rows if rows is not None else x.shape[0]), x.shape[1]
     dtype = out_dtype if out_dtype is not None else x.dtype
     n = w_fp8.shape[0]
@@ -188,7 +190,7 @@ def w8a8_partials(
         x, x_scale_t if x_scale_t is not None else w_scale_inv, w_fp8, w_scale_inv,
         bias if bias is not None else w_scale_inv, y,
         m, n, k, kb, kb_per_split, x.stride(0), x_scale_t.shape[1] if x_scale_t is not None else 0,
-        int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales,
+        w_scale_inv.stride(0), int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales,
         BM=cfg.bm, BN=cfg.bn, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_kwargs(x.device),
     )  # fmt: skip
     return y if split == 1 else SplitPartials(y, dtype, bias)

@@ -225,7 +225,8 @@ class FusedLinear:
             self.scale: Tensor | None = None
             if self.fp8:
                 kb = -(-k // 128)
-                self.scale = torch.ones(-(-self.out_features // 128), kb, dtype=torch.float32, device=device)
+                # rows stored 4-block aligned: cuBLASLt takes the grid without a padded copy per GEMM
+                self.scale = cublas_gemm.scale_grid(-(-self.out_features // 128), kb, device)
             for module, sl in zip(modules, self.part_slices):
                 self._bind(module, sl)
 
