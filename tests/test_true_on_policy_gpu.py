@@ -105,6 +105,34 @@ def test_the_decode_steps_quantizing_kernels_give_the_walks_codes(pow2: bool) ->
     assert same(fused_ops.add_rms_norm(h, None, w, 1e-6, True, pow2, warps), ops.rms_norm(h, w, 1e-6))
     gate_up = rand(rows // 4, 2 * inter, scale=3.0)
     assert same(fused_ops.silu_mul(gate_up, True, pow2), ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:]))
+    # The attention kernel quantizing o_proj's input (head dim 128): 1,000 decode rows (buffers padded to
+    # 1,008) over a cache of 8 slots, at assorted lengths.
+    heads, kv_heads, dim, slots, length, n = 12, 2, 128, 8, 300, 1000
+    cache_k, cache_v = rand(slots, kv_heads, length, dim), rand(slots, kv_heads, length, dim)
+    q = rand(n, heads, dim)
+    seq = torch.randint(0, slots, (n,), device="cuda", generator=gen)
+    lens = torch.randint(1, length + 1, (n,), device="cuda", generator=gen).to(torch.int32)
+    assert same(
+        ops.attention_quantized(q, cache_k, cache_v, seq, lens, pow2),
+        ops.attention(q, cache_k, cache_v, seq, lens),
+    )
+
+
+def test_a_padded_bf16_plan_reads_the_rows_past_its_input_instead_of_copying() -> None:
+    """A GEMM planned at more rows than its input (cuBLAS splits K below them) multiplies the rows that follow
+    the input in its storage (``fused_ops.silu_mul(rows=...)`` leaves them unwritten): a row's product does not
+    read other rows, so its bits are those of the zero-padded copy."""
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    buf = torch.randn(300, 8960, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(1536, 8960, device="cuda", generator=gen) * 0.02).bfloat16()
+    x, copy = buf[:256], buf[:256].clone()
+    assert ops._has_rows(x, 272) and not ops._has_rows(copy, 272) and not ops._has_rows(buf[:, :4480], 272)
+    assert torch.equal(
+        ops._cublas(x, (w, None), None, 272, torch.bfloat16),
+        ops._cublas(copy, (w, None), None, 272, torch.bfloat16),
+    )
 
 
 def test_decode_attention_over_a_cache_equals_the_full_sequence_rows() -> None:
@@ -278,6 +306,33 @@ def test_trainer_log_probs_equal_the_engine_bit_for_bit(
     if graphs:  # both kinds captured and replayed, not run eagerly past them
         kinds = {g.forward_only for g in trainer.layer_graphs._shapes.values()}
         assert kinds == {False, True} and trainer.layer_graphs.replays >= 8
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
+def test_head_dim_128_decodes_the_trainers_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fp8: bool
+) -> None:
+    """Head dim 128, where the FP8 decode's attention kernel quantizes o_proj's input itself
+    (``invariant_ops.attention_quantized``), with the graphed BF16 trainer (the GPU default)."""
+    from infir2_rl.engines.native.engine import NativeEngine
+    from infir2_rl.models import invariant_ops
+
+    calls = []
+    quantized = invariant_ops.attention_quantized
+    monkeypatch.setattr(
+        invariant_ops,
+        "attention_quantized",
+        lambda *a: calls.append(1) or quantized(*a),  # type: ignore[func-returns-value]
+    )
+
+    path = init_model(tmp_path / "hd128", "small", seed=7, num_hidden_layers=3, hidden_size=512,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=1408)  # fmt: skip
+    trainer = _trainer(path, fp8, True, True, "bfloat16")
+    engine = NativeEngine(str(path), fp8=fp8, max_batch_size=8, true_on_policy=True)
+    results, _ = _round(trainer, engine, 1, 1.0, fp8)
+    for train_lp, engine_lp, mask in results:
+        assert (train_lp - engine_lp)[mask].abs().max().item() == 0.0
+    assert bool(calls) == fp8  # (captured into the decode graphs: called at capture)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])

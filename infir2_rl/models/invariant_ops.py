@@ -83,6 +83,7 @@ def kernels_available(device: torch.device) -> bool:
 
 
 if _HAVE_TRITON:
+    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3  # the trainer's 1x128 rule, in-kernel
 
     @triton.jit(do_not_specialize=["M"])
     def _mm_kernel(
@@ -116,18 +117,22 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, len_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, len_ptr, codes_ptr, scales_ptr, R, rows_pad, sc_r,
         sq_r, sq_h, sk_s, sk_h, sk_t, sv_s, sv_h, sv_t, so_r, so_h, sm_scale,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+        POW2: tl.constexpr,
     ):  # fmt: skip
         r, kvh = tl.program_id(0), tl.program_id(1)
-        seq = tl.load(seq_ptr + r).to(tl.int64)
-        n = tl.load(len_ptr + r)
+        valid = r < R  # QUANT: programs R..rows_pad-1 write the padding rows (codes 0, scale 1)
+        seq = tl.load(seq_ptr + r, mask=valid, other=0).to(tl.int64)
+        n = tl.load(len_ptr + r, mask=valid, other=0)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         heads = kvh * G + g
         qm = (g < G)[:, None]
-        q = tl.load(q_ptr + r.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :], mask=qm, other=0.0)
+        q = tl.load(
+            q_ptr + r.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :], mask=qm & valid, other=0.0
+        )
         m_i = tl.full((GP,), float("-inf"), tl.float32)
         l_i = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
@@ -147,12 +152,15 @@ if _HAVE_TRITON:
             v = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=tm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(
-            o_ptr + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=qm,
-        )
+        out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+        if QUANT:  # D == 128: head h of row r is tile h of o_proj's input row, quantized from the rounded out
+            y = tl.where(valid, out.to(tl.float32), 0.0)  # (padding rows: 0/0 above)
+            tile_scale = _tile_scales(y, 1, POW2)
+            codes = _to_e4m3(y, tile_scale[:, None])
+            tl.store(codes_ptr + r.to(tl.int64) * sc_r + heads[:, None] * D + d[None, :], codes, mask=qm)
+            tl.store(scales_ptr + heads * rows_pad + r, tile_scale, mask=g < G)
+        else:
+            tl.store(o_ptr + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :], out, mask=qm)
 
     @triton.jit
     def _token_logprob_kernel(logits_ptr, temp_ptr, lse_ptr, tok_ptr, lp_ptr, stride):
@@ -262,12 +270,35 @@ def _cublas(
     weight, scale_inv = w
     m = x.shape[0]
     if scale_inv is None:
-        if m < rows:
-            x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+        if m < rows:  # a row's product does not read other rows: rows past x in its storage may pad it
+            x = (
+                _rows_in_storage(x, rows)
+                if _has_rows(x, rows)
+                else torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+            )
         y = F.linear(x, weight)[:m]
     else:
         y = _cublaslt(*_quantize(x, rows, pow2), m, weight, scale_inv, rows, out_dtype)
     return _add_bias(y, bias)
+
+
+def _has_rows(x: Tensor, rows: int) -> bool:
+    """Whether x (M, K), row-major, is the start of ``rows`` rows in its storage."""
+    if x.stride(1) != 1 or x.stride(0) != x.shape[1]:
+        return False
+    return (x.storage_offset() + rows * x.shape[1]) * x.element_size() <= x.untyped_storage().nbytes()
+
+
+def _rows_in_storage(x: Tensor, rows: int) -> Tensor:
+    return x.as_strided((rows, x.shape[1]), x.stride())
+
+
+def planned_input_rows(x: Tensor, fp8: bool, n: int, k: int) -> int:
+    """The rows the GEMM of this (N, K) runs x's M rows at (at least M): a producer that allocates its output
+    with that many rows (``fused_ops.silu_mul(rows=...)``) spares the GEMM a padded copy."""
+    if not kernels_available(x.device):
+        return x.shape[0]
+    return max(x.shape[0], _planned_rows(x, fp8, n, k))
 
 
 def _quantize(x: Tensor, rows: int, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -409,6 +440,12 @@ def _planned_rows(x: Tensor, fp8: bool, n: int, k: int) -> int:
     return rows
 
 
+def bias_after_rounding(x: Tensor, fp8: bool, n: int, k: int) -> bool:
+    """Whether ``mm`` / ``fp8_mm`` of this (N, K) add the bias after rounding the product to the output dtype
+    (a cuBLAS plan: then a consumer kernel may add it, ``fused_ops.SplitPartials``), not inside the kernel."""
+    return kernels_available(x.device) and _planned_rows(x, fp8, n, k) != TRITON
+
+
 @dataclass(frozen=True)
 class QuantizedRows:
     """x (m, K) quantized by the trainer's 1x128 rule for several FP8 GEMMs: q (M_pad, K), s_t (Kb, M_pad),
@@ -474,20 +511,57 @@ def attention(q_RHD: Tensor, k_SKTD: Tensor, v_SKTD: Tensor, seq_R: Tensor, len_
         mask = torch.arange(keys.shape[2], device=q_RHD.device)[None, :] < len_R[:, None]
         out = F.scaled_dot_product_attention(q_RHD[:, :, None], keys, values, attn_mask=mask[:, None, None])
         return out.reshape(rows, heads * dim)
-    if group > ATTN_ROWS or dim & (dim - 1) or k_SKTD.stride(-1) != 1 or v_SKTD.stride(-1) != 1:
+    q = q_RHD.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
+    _launch_attention(q, k_SKTD, v_SKTD, seq_R, len_R, out, None, False)
+    return out.reshape(rows, heads * dim)
+
+
+def attention_quantized(
+    q_RHD: Tensor, k_SKTD: Tensor, v_SKTD: Tensor, seq_R: Tensor, len_R: Tensor, pow2: bool
+) -> fused_ops.QuantizedRows:
+    """``attention`` with its output quantized for o_proj in the kernel (CUDA, head dim 128: one head is one
+    1x128 tile): the codes and scales of ``quantize_rows(attention(...))``, which the trainer's walk runs, for
+    the engine's FP8 decode (its row buffers padded as ``fused_ops.quant_buffers``'; the padding rows get
+    codes 0, scale 1). Saves the quantize kernel's launch per layer and decode step."""
+    rows, heads, dim = q_RHD.shape
+    if dim != 128 or not kernels_available(q_RHD.device):
+        raise ValueError(f"attention_quantized needs CUDA and head dim 128, got {dim} on {q_RHD.device.type}")
+    q = q_RHD.contiguous()
+    out = fused_ops.quant_buffers(rows, heads * dim, q.device)
+    _launch_attention(q, k_SKTD, v_SKTD, seq_R, len_R, q, out, pow2)
+    return out
+
+
+def _launch_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq: Tensor,
+    lens: Tensor,
+    out: Tensor,
+    quantized: fused_ops.QuantizedRows | None,
+    pow2: bool,
+) -> None:
+    """``_attention_kernel`` over q's rows (and, quantized, the padding rows of ``quantized``). ``out`` gives
+    the dtype the output is rounded to (quantized: q, never written)."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if heads // kv_heads > ATTN_ROWS or dim & (dim - 1) or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(
             f"invariant attention: {heads} query heads per {kv_heads} KV heads, head dim {dim}: needs at most"
             f" {ATTN_ROWS} query heads per KV head, a power-of-two head dim and unit-stride K/V rows"
         )
-    q = q_RHD.contiguous()
-    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
-    if rows:
-        _attention_kernel[(rows, kv_heads)](
-            q, k_SKTD, v_SKTD, out, seq_R, len_R,
-            q.stride(0), q.stride(1), *k_SKTD.stride()[:3], *v_SKTD.stride()[:3], out.stride(0), out.stride(1),
-            dim**-0.5, G=group, GP=ATTN_ROWS, D=dim, BLOCK=ATTN_BLOCK, num_warps=4,
-        )  # fmt: skip
-    return out.reshape(rows, heads * dim)
+    codes, scales = (quantized.q, quantized.s_t) if quantized is not None else (out, out)
+    grid_rows = codes.shape[0] if quantized is not None else rows
+    if not grid_rows:
+        return
+    _attention_kernel[(grid_rows, kv_heads)](
+        q, k, v, out, seq, lens, codes, scales, rows, scales.shape[-1], codes.stride(0),
+        q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], out.stride(0), out.stride(1),
+        dim**-0.5, G=heads // kv_heads, GP=ATTN_ROWS, D=dim, BLOCK=ATTN_BLOCK, QUANT=quantized is not None,
+        POW2=pow2, num_warps=4,
+    )  # fmt: skip
 
 
 class _CausalAttention(torch.autograd.Function):

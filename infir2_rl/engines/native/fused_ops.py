@@ -56,8 +56,10 @@ class QuantizedRows:
 class SplitPartials:
     """A split-K GEMM's FP32 partial products ``part`` (split, M, N) and its ``bias``, not yet summed
     (``fp8_gemm.w8a8_partials``): the kernel that consumes the output (``add_rms_norm``, ``rope_write_kv``)
-    sums them as the GEMM's sum kernel would (in split order from zero, then the bias, rounded once to
-    ``dtype``), so the result has the same bits and the decode step one launch fewer."""
+    sums them as the GEMM's sum kernel would (in split order, then the bias, rounded once to ``dtype``), so
+    the result has the same bits and the decode step one launch fewer. One part in ``dtype`` (a GEMM's
+    rounded output, ``linears.FusedLinear._invariant``) leaves only the bias to add: rounded as torch's
+    ``y + bias``."""
 
     part: Tensor
     dtype: torch.dtype
@@ -65,8 +67,8 @@ class SplitPartials:
 
     def total(self) -> Tensor:
         """The sum kernel's result, in torch."""
-        acc = torch.zeros_like(self.part[0])
-        for p in self.part:
+        acc = self.part[0].to(torch.float32, copy=True)
+        for p in self.part[1:]:
             acc += p
         if self.bias is not None:
             acc += self.bias.float()
@@ -118,9 +120,11 @@ if _HAVE_TRITON:
         order to zero, then the bias. The one place the order is written, so the GEMM's own sum kernel
         (``fp8_gemm._split_sum_kernel``) and the consumers that sum the partials themselves (add+RMSNorm,
         rotary+KV) give the same bits once each rounds the result to its dtype. ``mask`` / ``other``: as
-        ``tl.load``'s (both None: every element is loaded)."""
-        acc = tl.zeros(offs.shape, tl.float32)
-        for sp in tl.static_range(SPLIT):
+        ``tl.load``'s (both None: every element is loaded). The sum starts from partial 0, not from a zero
+        (0.0 + -0.0 is +0.0), so torch's ``p0 + p1 + ...`` in order gives the same bits
+        (``models/invariant_ops``' split GEMM on cuBLASLt)."""
+        acc = tl.load(part_ptr + offs, mask=mask, other=other).to(tl.float32)
+        for sp in tl.static_range(1, SPLIT):
             acc += tl.load(part_ptr + sp * part_stride + offs, mask=mask, other=other)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + bias_offs, mask=mask, other=other).to(tl.float32)
@@ -322,9 +326,12 @@ def silu_mul(
     pow2: bool = False,
     tiles: int | None = None,
     num_warps: int | None = None,
+    rows: int = 0,
 ) -> Tensor | QuantizedRows:
     """``silu(gate) * up`` of a fused (M, 2I) gate|up output -> (M, I), or FP8 rows when ``quant``.
-    One program per row and ``tiles`` 128-column tiles, ``num_warps`` warps (by default ``silu_launch``)."""
+    One program per row and ``tiles`` 128-column tiles, ``num_warps`` warps (by default ``silu_launch``).
+    ``rows`` > M (BF16): the output is the first M rows of a ``rows``-row buffer (the rest unwritten), for a
+    GEMM that runs on that many rows (``models/invariant_ops``' padded plans) without copying."""
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if not use_triton(gate_up):
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
@@ -332,7 +339,11 @@ def silu_mul(
     default_tiles, default_warps = silu_launch(m, quant)
     tiles = tiles if tiles is not None else default_tiles
     num_warps = num_warps if num_warps is not None else default_warps
-    out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device) if not quant else gate_up
+    out = (
+        torch.empty(max(m, rows), inter, dtype=gate_up.dtype, device=gate_up.device)[:m]
+        if not quant
+        else gate_up
+    )
     qr = quant_buffers(m, inter, gate_up.device) if quant else None
     grid = (qr.q.shape[0] if qr else m, triton.cdiv(triton.cdiv(inter, 128), tiles))
     _silu_mul_kernel[grid](

@@ -267,7 +267,7 @@ class FusedLinear:
 
     def _forward(self, x: Activation, prefill: bool, defer_sum: bool) -> Tensor | SplitPartials:
         if self.invariant:
-            return self._invariant(x)
+            return self._invariant(x, defer_sum)
         if not self.fp8:
             assert isinstance(x, Tensor)
             return F.linear(x, self.weight, self.bias)
@@ -282,18 +282,40 @@ class FusedLinear:
         run = run_fp8_partials if defer_sum else run_fp8
         return run(choice, x, self.weight, self.scale, self.bias, pow2, self.out_dtype)
 
-    def _invariant(self, x: Activation) -> Tensor:
+    def input_rows(self, x: Tensor) -> int:
+        """How many rows an input with x's row count should be allocated with: under true_on_policy in BF16,
+        the rows its planned cuBLAS GEMM runs at (``invariant_ops.planned_input_rows``), else M."""
+        if not self.invariant or self.fp8:
+            return x.shape[0]
+        from infir2_rl.models import invariant_ops
+
+        return invariant_ops.planned_input_rows(x, False, *self.weight.shape)
+
+    def _invariant(self, x: Activation, defer_bias: bool = False) -> Tensor | SplitPartials:
+        """The batch-invariant GEMM (true_on_policy). ``defer_bias``: where the plan adds the bias after
+        rounding the product (cuBLAS), return the product and the bias as a one-part ``SplitPartials``: the
+        consumer kernel adds it, rounding as torch's ``y + bias`` does, and the broadcast add's launch goes."""
+        from infir2_rl.models import invariant_ops
+
+        if defer_bias and self.bias is not None:
+            rows = x.q if isinstance(x, QuantizedRows) else x
+            if invariant_ops.bias_after_rounding(rows, self.fp8, *self.weight.shape):
+                y = self._invariant_gemm(x, None)
+                return SplitPartials(y[None], y.dtype, self.bias)
+        return self._invariant_gemm(x, self.bias)
+
+    def _invariant_gemm(self, x: Activation, bias: Tensor | None) -> Tensor:
         from infir2_rl.models import invariant_ops
 
         if not self.fp8:
             assert isinstance(x, Tensor)
-            return invariant_ops.mm(x, self.weight, self.bias)
+            return invariant_ops.mm(x, self.weight, bias)
         assert self.scale is not None
         if isinstance(x, QuantizedRows):
             return invariant_ops.fp8_mm_quantized(
-                x.q, x.s_t, x.m, self.weight, self.scale, self.bias, self.pow2_scales
+                x.q, x.s_t, x.m, self.weight, self.scale, bias, self.pow2_scales
             )
-        return invariant_ops.fp8_mm(x, self.weight, self.scale, self.bias, self.pow2_scales)
+        return invariant_ops.fp8_mm(x, self.weight, self.scale, bias, self.pow2_scales)
 
     def split(self, y: Tensor) -> list[Tensor]:
         """The parts of a fused output (M, out_features), in module order."""

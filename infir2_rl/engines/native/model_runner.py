@@ -210,14 +210,15 @@ class Qwen2Runner:
         """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V).
 
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
-        and SiLU*up kernels, and the attention's merge kernel (head_dim 128), also quantize the next GEMM's
-        input."""
+        and SiLU*up kernels, and the attention (head_dim 128: the Triton decode's merge kernel, or under
+        true_on_policy the invariant kernel), also quantize the next GEMM's input."""
         invariant_ = self.true_on_policy
         # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each). Under
         # true_on_policy the norm runs with the walk's (non-quantizing) warp count, which sets the order of its
         # FP32 mean: then its codes are the walk's quantize_rows of the walk's norm (module docstring).
         quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
         quant_attn = quant and self.quant_attention and not invariant_
+        quant_inv_attn = quant and invariant_ and self.head_dim == 128
         warps = fused_ops.NORM_WARPS if invariant_ else None
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
@@ -229,16 +230,19 @@ class Qwen2Runner:
                 layer.qkv.deferred(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
                 self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
             )  # fmt: skip
-            if invariant_:
-                a: Tensor | fused_ops.QuantizedRows = inv_ops.attention(
-                    q, cache.k[i], cache.v[i], slots_B, lengths_B
-                )
+            a: Tensor | fused_ops.QuantizedRows
+            if quant_inv_attn:  # the walk's attention, then its quantize_rows, in one kernel
+                a = inv_ops.attention_quantized(q, cache.k[i], cache.v[i], slots_B, lengths_B, pow2)
+            elif invariant_:
+                a = inv_ops.attention(q, cache.k[i], cache.v[i], slots_B, lengths_B)
             else:
                 a = attention.decode(
                     q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
                 )
             x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2, warps)
-            delta = layer.down.deferred(fused_ops.silu_mul(layer.gate_up(x), quant, pow2))
+            gate_up = layer.gate_up(x)
+            rows = layer.down.input_rows(gate_up)  # (BF16 true_on_policy: down_proj's padded plan, no copy)
+            delta = layer.down.deferred(fused_ops.silu_mul(gate_up, quant, pow2, rows=rows))
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
         return inv_ops.mm(x, self.lm_head) if invariant_ else F.linear(x, self.lm_head)
