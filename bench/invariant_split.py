@@ -11,7 +11,9 @@ cuBLASLt call per K chunk with FP32 output, summed by torch in the same order.
 
 This checks that the three give the same bits at every M (rows of the largest batch as the reference), and
 times them with cold weights inside a CUDA graph (``bench/decode_gemm.py``'s timer) against cuBLASLt on the
-whole K, at decode and trainer M.
+whole K, at decode and trainer M. On an H100 (docs/mismatch.md, "The decode step's small launches") all give
+the same bits; the split saves ~10 us per down_proj at M = 256 but costs the trainer's cuBLASLt-per-chunk form
++53 us per 4,096 rows, so it was not built.
 
     python bench/invariant_split.py [--shapes down 7b:down] [--splits 2 4]
 """
