@@ -65,9 +65,9 @@ def mm_1x128_128x128(
 
 def scale_grid(nb: int, kb: int, device: torch.device | str, fill: float = 1.0) -> torch.Tensor:
     """An (nb, kb) FP32 ``weight_scale_inv`` filled with ``fill``, its rows stored round_up(kb, 4) apart (a
-    view of an (nb, round_up(kb, 4)) buffer, zero padding): ``mm_1x128_128x128`` hands such a grid to cuBLASLt as it is, where a
-    contiguous one with kb % 4 != 0 costs a padded copy (two kernels) per GEMM. For weights that live long
-    (the engine's) and are overwritten in place by weight sync."""
+    view of an (nb, round_up(kb, 4)) buffer, zero padding): ``mm_1x128_128x128`` hands such a grid to
+    cuBLASLt as it is, where a contiguous one with kb % 4 != 0 costs a padded copy (two kernels) per GEMM.
+    For weights that live long (the engine's) and are overwritten in place by weight sync."""
     buf = torch.zeros(nb, _round_up(kb, 4), dtype=torch.float32, device=device)
     return buf[:, :kb].fill_(fill)
 
