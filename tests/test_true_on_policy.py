@@ -178,3 +178,20 @@ def test_the_gemm_probe_fuses_weights_as_the_engine_does(fp8: bool) -> None:
     )
     if fp8:
         assert fused.scale is not None and s_all is not None and torch.equal(fused.scale, s_all)
+
+
+def test_a_one_part_split_adds_the_bias_as_torch_and_partials_sum_from_the_first() -> None:
+    """``SplitPartials``' torch twin (what the consumer kernels compute, ``fused_ops._sum_partials``): one part
+    in BF16 plus the bias rounds as torch's ``y + bias`` (the deferred q|k|v bias under true_on_policy); FP32
+    partials sum from partial 0 in order, so a sum of negative zeros stays -0.0 as torch's ``p0 + p1`` does."""
+    from infir2_rl.engines.native.fused_ops import SplitPartials
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(33, 96, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    got = SplitPartials(y[None], torch.bfloat16, bias).total()
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), (y + bias).view(torch.int16))
+    parts = torch.randn(3, 5, 7, generator=gen)
+    parts[:, 0, 0] = -0.0
+    total = SplitPartials(parts, torch.float32).total()
+    assert torch.equal(total, parts[0] + parts[1] + parts[2]) and torch.signbit(total[0, 0])
