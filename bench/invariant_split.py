@@ -59,10 +59,11 @@ def cublaslt_chunks(
     return acc[:m].to(torch.bfloat16)
 
 
-def _chunked(
-    q: torch.Tensor, st: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor, split: int
-) -> torch.Tensor:
-    return cublaslt_chunks(q, st, m, w, s, split)
+def whole_k(q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt on the whole K (BF16 out): what true_on_policy runs today."""
+    from infir2_rl.fp8 import gemm as cublas_gemm
+
+    return cublas_gemm.mm_1x128_128x128(q, s_t, w, s, torch.bfloat16)[:m]
 
 
 def triton_split(
@@ -78,7 +79,6 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
     from decode_gemm import time_graph
 
     from infir2_rl.engines.native import fp8_gemm
-    from infir2_rl.fp8 import gemm as cublas_gemm
     from infir2_rl.fp8 import quant_triton
 
     GemmConfig = fp8_gemm.GemmConfig
@@ -108,9 +108,7 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
             f"     cuBLASLt chunks at each M       {at(functools.partial(cublaslt_chunks, w=w8, s=s8, split=split))}"
         )
         for cfg in small + large:
-            print(
-                f"     {cfg!s:33s} {at(functools.partial(lambda q, st, m, c: triton_split(c, q, st, m, w8, s8), c=cfg))}"
-            )
+            print(f"     {cfg!s:33s} {at(functools.partial(triton_split, cfg, w=w8, s=s8))}")
     copies = max(1, COLD_BYTES // (n * k))
     ws = [(w8.clone(), s8.clone()) for _ in range(copies)]
     print(
@@ -124,23 +122,16 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
         ) -> float:
             return time_graph([functools.partial(fn, q, st, m, wc, sc) for wc, sc in ws])
 
-        line = f"     M {m:5d}: {cold(lambda q, st, m, w, s: cublas_gemm.mm_1x128_128x128(q, st, w, s, torch.bfloat16)):7.1f} |"
+        line = f"     M {m:5d}: {cold(whole_k):7.1f} |"
         shapes = (
             [(64, 64, 4, 3), (64, 32, 4, 5), (64, 64, 8, 4)]
             if m in DECODE_ROWS
             else [(128, 128, 8, 3), (64, 128, 4, 3)]
         )
         for split in args.splits:
-            t_lt = cold(
-                functools.partial(lambda q, st, m, w, s, sp: cublaslt_chunks(q, st, m, w, s, sp), sp=split)
-            )
+            t_lt = cold(functools.partial(cublaslt_chunks, split=split))
             ts = [
-                cold(
-                    functools.partial(
-                        lambda q, st, m, w, s, c: triton_split(c, q, st, m, w, s),
-                        c=GemmConfig(bm, bn, split, wa, sg),
-                    )
-                )
+                cold(functools.partial(triton_split, GemmConfig(bm, bn, split, wa, sg)))
                 for bm, bn, wa, sg in shapes
             ]
             line += f" s{split}: {t_lt:7.1f} " + " ".join(f"{t:7.1f}" for t in ts) + " |"
