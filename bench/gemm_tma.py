@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -113,28 +112,6 @@ def tma_gemm(
     return y
 
 
-def _cublaslt(q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    from infir2_rl.fp8 import gemm as cublas_gemm
-
-    return cublas_gemm.mm_1x128_128x128(q, s_t, w, s, torch.bfloat16)[:m]
-
-
-def _ptr(
-    cfg: object, q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor
-) -> torch.Tensor:
-    from infir2_rl.engines.native import fp8_gemm
-
-    assert isinstance(cfg, fp8_gemm.GemmConfig)
-    return fp8_gemm.w8a8_fused(q, w, s, None, cfg, False, s_t, m, torch.bfloat16)
-
-
-def _cold(fn: Callable[..., torch.Tensor], q: torch.Tensor, s_t: torch.Tensor, m: int, copies: list) -> float:
-    """us per call of fn(q, s_t, m, w, s), rotating over the weight copies inside a CUDA graph."""
-    from decode_gemm import time_graph
-
-    return time_graph([functools.partial(fn, q, s_t, m, wc, sc) for wc, sc in copies])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
@@ -143,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if triton is None or not torch.cuda.is_available():
         print("bench/gemm_tma.py needs a CUDA GPU and Triton")
         return 2
+    from invariant_split import cold_us, triton_split, whole_k
+
     from infir2_rl.engines.native import fp8_gemm
     from infir2_rl.fp8 import quant_triton
 
@@ -155,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.rows:
             x = (torch.randn(m, k, device="cuda", generator=gen) * 2).bfloat16()
             q, s_t = quant_triton.quantize_rows(x)
-            ref = _cublaslt(q, s_t, m, w8, s8)
-            line = [f"{name:8s} M {m:4d}: cuBLASLt {_cold(_cublaslt, q, s_t, m, copies):6.1f}"]
+            ref = whole_k(q, s_t, m, w8, s8)
+            line = [f"{name:8s} M {m:4d}: cuBLASLt {cold_us(whole_k, q, s_t, m, copies):6.1f}"]
             ptr = [
-                (_cold(functools.partial(_ptr, c), q, s_t, m, copies), str(c)) for c in fp8_gemm.candidates(m)
+                (cold_us(functools.partial(triton_split, c), q, s_t, m, copies), str(c))
+                for c in fp8_gemm.candidates(m)
             ]
             best_ptr = min(ptr)
             line.append(f"ptr {best_ptr[0]:6.1f} [{best_ptr[1]}]")
@@ -169,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         y = tma_gemm(cfg, pipe, q, s_t, m, w8, s8)
                         bad = int((y != ref).sum())
                         results.append(
-                            (_cold(functools.partial(tma_gemm, cfg, pipe), q, s_t, m, copies), cfg, bad)
+                            (cold_us(functools.partial(tma_gemm, cfg, pipe), q, s_t, m, copies), cfg, bad)
                         )
                     except Exception as exc:  # a launch shape Triton cannot compile or fit
                         print(

@@ -66,6 +66,16 @@ def whole_k(q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torc
     return cublas_gemm.mm_1x128_128x128(q, s_t, w, s, torch.bfloat16)[:m]
 
 
+def cold_us(
+    fn: Callable[..., torch.Tensor], q: torch.Tensor, s_t: torch.Tensor, m: int, copies: list
+) -> float:
+    """us per call of ``fn(q, s_t, m, w, s)`` rotating over the weight ``copies`` [(w, s), ...] (together
+    larger than the L2) inside a CUDA graph: ``bench/decode_gemm.py``'s timer."""
+    from decode_gemm import time_graph
+
+    return time_graph([functools.partial(fn, q, s_t, m, wc, sc) for wc, sc in copies])
+
+
 def triton_split(
     cfg: object, q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor
 ) -> torch.Tensor:
@@ -76,8 +86,6 @@ def triton_split(
 
 
 def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
-    from decode_gemm import time_graph
-
     from infir2_rl.engines.native import fp8_gemm
     from infir2_rl.fp8 import quant_triton
 
@@ -116,12 +124,7 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
     )
     for m in DECODE_ROWS + TRAIN_ROWS:
         q, st = quant_triton.quantize_rows(x[:m].contiguous())
-
-        def cold(
-            fn: Callable[..., torch.Tensor], q: torch.Tensor = q, st: torch.Tensor = st, m: int = m
-        ) -> float:
-            return time_graph([functools.partial(fn, q, st, m, wc, sc) for wc, sc in ws])
-
+        cold = functools.partial(cold_us, q=q, s_t=st, m=m, copies=ws)
         line = f"     M {m:5d}: {cold(whole_k):7.1f} |"
         shapes = (
             [(64, 64, 4, 3), (64, 32, 4, 5), (64, 64, 8, 4)]

@@ -29,7 +29,8 @@ GEMM's input as in the fast mode, with the walk's codes (the walk runs its norm,
 quantizer is the same code, and the norm runs with the walk's warp count (``fused_ops.NORM_WARPS``), which
 sets the order of its FP32 mean. With the quantizing default of 16 warps its codes differed in 8 of 32,768
 rows at hidden 1536 (H100, 2026-11-25), enough to give unified FP8 at 1.5B a train/rollout K3 of 9e-4 instead
-of 0. o_proj's input (the attention's output) is quantized by the GEMM. Every token (the first one too) is sampled
+of 0. o_proj's input is quantized by the attention kernel (``invariant_ops.attention_quantized``, head dim
+128; by the GEMM otherwise). Every token (the first one too) is sampled
 by ``sampler.py``, whose log-sum-exp the trainer's scoring shares.
 """
 
