@@ -151,7 +151,13 @@ if _HAVE_TRITON:
         >= 2^-64 (every real one) takes ``_corrected_quotient`` directly; a block with a tinier scale takes
         ``_divide_by_scale`` (one branch per program, not per element). No clamp:
         the cast saturates (``cvt.rn.satfinite``), and only x = amax can exceed 448, by an FP32 ulp. A NaN
-        scale (non-finite tile) gives NaN codes, as the eager reference's do."""
+        scale (non-finite tile) gives NaN codes, as the eager reference's do.
+
+        The decode step's latency-bound kernels (``engines/native/fused_ops``' quantizing norm and SiLU*up, the
+        W8A8 GEMM's in-loop quantization, the true_on_policy attention's epilogue) call ``_divide_by_scale``
+        instead, for the same bits: ``tl.min`` over the block is a reduction across warps with a barrier,
+        which cost those kernels 0.1-0.35 us per call (FP8 decode step -1.3%, session 34,
+        ``bench/patches/session34_quant_store_no_block_min.patch``)."""
         if tl.min(s) >= 5.421010862427522e-20:  # 2^-64
             q = _corrected_quotient(x, s)
         else:

@@ -42,7 +42,7 @@ try:
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.fused_ops import _sum_partials
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3
+    from infir2_rl.fp8.quant_triton import _divide_by_scale, _tile_scales
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -126,7 +126,7 @@ if _HAVE_TRITON:
             else:
                 x = x.to(tl.float32)
                 s_x = _tile_scales(x, 1, POW2)
-                q = _to_e4m3(x, s_x[:, None])
+                q = _divide_by_scale(x, s_x[:, None]).to(tl.float8e4nv)
             w_mask = (cols[None, :] < N) & (ks[:, None] < K)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
             # cuBLASLt's promotion rounding, fma(partial, s_x * s_w, acc): with it this kernel gives the bits of

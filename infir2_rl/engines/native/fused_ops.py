@@ -36,7 +36,7 @@ try:
 
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3
+    from infir2_rl.fp8.quant_triton import _divide_by_scale, _tile_scales
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -134,7 +134,7 @@ if _HAVE_TRITON:
     def _quant_store(y, q_ptr, s_ptr, row, rows_pad, K, tiles, cols, POW2: tl.constexpr):
         """Quantize y (T, 128) FP32 (tiles x 128 columns of one row) and store q and the scales."""
         s = _tile_scales(y, 1, POW2)
-        q = _to_e4m3(y, s[:, None])
+        q = _divide_by_scale(y, s[:, None]).to(tl.float8e4nv)
         mask = cols < K
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=mask)  # (padding rows: y = 0 -> q 0, s 1)
         tl.store(s_ptr + tiles * rows_pad + row, s[:, None], mask=tiles * 128 < K)
