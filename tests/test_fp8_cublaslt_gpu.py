@@ -1,7 +1,9 @@
 """On a Hopper GPU: the FP8 wgrad that adds into an FP32 gradient inside the GEMM (``fp8/cublaslt.py``, cuBLASLt
 with beta = 1, called through ctypes) gives the bits of ``F.scaled_mm`` followed by an FP32 add: alone, in an
 ``Fp8Linear`` whose weight names its gradient target (``ops.WGRAD_INTO``), and for q|k|v grouped over the
-trainer's FP32 masters, whose gradients it adds into as one stacked view. Skipped without one."""
+trainer's FP32 masters, whose gradients it adds into as one stacked view; and the forward GEMM without workspace
+(the engine's decode candidate) gives ``F.scaled_mm``'s bits wherever that does not split K, and every row the
+bits of the same row in a larger batch. Skipped without one."""
 
 from __future__ import annotations
 
@@ -144,3 +146,28 @@ def test_the_w8a8_kernel_gives_cublaslt_bits(n: int, k: int, pow2: bool) -> None
                 x, w8, s8, None, fp8_gemm.GemmConfig(64, 64, 1), pow2, out_dtype=dtype
             )
             assert torch.equal(inside, ref), (m, dtype, "quantized inside the kernel")
+
+
+@pytest.mark.parametrize(("n", "k"), [(2048, 1536), (17920, 1536), (1536, 8960)])
+def test_the_forward_gemm_without_workspace_gives_scaled_mms_bits(n: int, k: int) -> None:
+    """The 1.5B decoder's FP8 GEMMs (q|k|v, gate|up, down_proj), the engine's weight grid (rows stored apart).
+    torch's GEMM splits K for down_proj at M <= 80 (models/invariant_ops); without workspace none splits, so
+    from 96 rows on both give one row's bits, and below that the no-workspace rows still equal their own rows
+    of the large batch."""
+    _device_index()
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = (torch.randn(1024, k, device="cuda", generator=gen) * 2).bfloat16()
+    w8, s_plain = quant_triton.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.05)
+    s8 = gemm.scale_grid(s_plain.shape[0], s_plain.shape[1], "cuda").copy_(s_plain)
+    q_all, s_all = quant_triton.quantize_rows(x)
+    big = cublaslt.mm_1x128_128x128_no_workspace(q_all, s_all, w8, gemm.padded_grid(s8), torch.bfloat16)
+    assert torch.equal(big, gemm.mm_1x128_128x128(q_all, s_all, w8, s8, torch.bfloat16))
+    for m in (1, 16, 80, 96, 256, 1000):
+        q, s_t = quant_triton.quantize_rows(x[:m].contiguous())
+        y = cublaslt.mm_1x128_128x128_no_workspace(q, s_t, w8, gemm.padded_grid(s8), torch.bfloat16)[:m]
+        assert torch.equal(y, big[:m]), f"M {m}"
+        if m >= 96:
+            assert torch.equal(y, gemm.mm_1x128_128x128(q, s_t, w8, s8, torch.bfloat16)[:m]), f"M {m}"
+    if not s8.is_contiguous():  # K blocks not a multiple of 4: the grid must come padded, not as the view
+        with pytest.raises(ValueError, match="contiguous"):
+            cublaslt.mm_1x128_128x128_no_workspace(q_all, s_all, w8, s8, torch.bfloat16)

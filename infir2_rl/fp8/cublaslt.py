@@ -15,8 +15,15 @@ algorithm ``F.scaled_mm`` runs), allocated by the first call, which is ``gemm``'
 CUDA graph capture). A call is capturable: it runs on torch's current stream and passes alpha and beta from
 host memory, read when the call is made (or captured).
 
+Also ``mm_1x128_128x128_no_workspace``: the blockwise forward GEMM (``gemm.mm_1x128_128x128``'s operands) with
+no workspace. With torch's 1 MiB workspace the heuristic gives the decode step's gate|up GEMM (M = 256, N =
+17,920) a kernel with a dynamic tile scheduler, whose counter needs a memset before each launch (a second node
+per call in the decode graph); without workspace it gives the static-scheduled variant of the same kernel,
+which chains each tile's K blocks as the other does (the same bits) and ran 20.1 against 22.3 us there, the FP8
+decode step 3.40 against 3.52 ms at batch 256 (H100, docs/performance.md, session 34).
+
 Enum values are cuBLASLt's (cublasLt.h, CUDA 12.9 and 13); ``tests/test_fp8_cublaslt_gpu.py`` checks the
-result against ``F.scaled_mm`` plus an add, bit for bit.
+results against ``F.scaled_mm`` (plus an add for the wgrad), bit for bit.
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import threading
 import torch
 
 _CUDA_R_32F = 0
+_CUDA_R_16BF = 14
 _CUDA_R_8F_E4M3 = 28
+_CUDA_TYPES = {torch.float32: _CUDA_R_32F, torch.bfloat16: _CUDA_R_16BF}
 _CUBLAS_COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
 _SCALE_VEC128_32F = 4
+_SCALE_BLK128X128_32F = 5
 _PREF_MAX_WORKSPACE_BYTES = 1
 _WORKSPACE_BYTES = 1 << 20  # torch's cuBLASLt workspace size (so: the same algorithm as F.scaled_mm)
 
@@ -117,7 +127,17 @@ def _check(status: int, what: str) -> None:
 class _Problem:
     """One GEMM shape's descriptors and algorithm (kept for the process: a few per linear shape)."""
 
-    def __init__(self, handle: ctypes.c_void_p, m: int, n: int, k: int, scales: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        handle: ctypes.c_void_p,
+        m: int,
+        n: int,
+        k: int,
+        scales: tuple[int, int],
+        a_mode: int = _SCALE_VEC128_32F,
+        d_type: int = _CUDA_R_32F,
+        workspace: int = _WORKSPACE_BYTES,
+    ) -> None:
         lib = _lib()
         self.op = ctypes.c_void_p()
         _check(
@@ -127,7 +147,7 @@ class _Problem:
         for attr, value in (
             (_DESC_TRANSA, _OP_T),
             (_DESC_TRANSB, _OP_N),
-            (_DESC_A_SCALE_MODE, _SCALE_VEC128_32F),
+            (_DESC_A_SCALE_MODE, a_mode),
             (_DESC_B_SCALE_MODE, _SCALE_VEC128_32F),
         ):
             v = ctypes.c_int32(value)
@@ -144,10 +164,10 @@ class _Problem:
         _check(
             lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.lb), _CUDA_R_8F_E4M3, k, n, k), "LayoutCreate B"
         )
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.ld), _CUDA_R_32F, m, n, m), "LayoutCreate D")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.ld), d_type, m, n, m), "LayoutCreate D")
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
-        ws = ctypes.c_size_t(_WORKSPACE_BYTES)
+        ws = ctypes.c_size_t(workspace)
         _check(
             lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
             "PreferenceSetAttribute",
@@ -169,7 +189,9 @@ class _Problem:
             "AlgoGetHeuristic",
         )
         if count.value < 1:
-            raise CublasLtError(f"cuBLASLt has no algorithm for the accumulating FP8 wgrad m={m} n={n} k={k}")
+            raise CublasLtError(
+                f"cuBLASLt has no algorithm for the FP8 GEMM m={m} n={n} k={k} (scale mode {a_mode})"
+            )
         self.algo = result.algo
         self.workspace_size = result.workspace_size
 
@@ -183,8 +205,9 @@ class _Problem:
 _lock = threading.Lock()
 _handles: dict[int, ctypes.c_void_p] = {}
 _workspaces: dict[int, torch.Tensor] = {}
-_problems: dict[tuple[int, int, int, int], _Problem] = {}
+_problems: dict[tuple[int, ...], _Problem] = {}
 _ONE = ctypes.c_float(1.0)
+_ZERO = ctypes.c_float(0.0)
 
 
 def _handle_and_workspace(device: int) -> tuple[ctypes.c_void_p, torch.Tensor]:
@@ -218,7 +241,7 @@ def add_mm_1x128_1x128(
     device = out.device.index if out.device.index is not None else torch.cuda.current_device()
     handle, workspace = _handle_and_workspace(device)
     # torch's row-major out (M, N) is cuBLAS's column-major D (N x M): cuBLAS's A is our B, its B our A.
-    key = (device, n_cols, m_rows, k)
+    key = (device, n_cols, m_rows, k, _SCALE_VEC128_32F)
     problem = _problems.get(key)
     if problem is None:
         problem = _Problem(handle, n_cols, m_rows, k, (b_scale_t.data_ptr(), a_scale_t.data_ptr()))
@@ -239,3 +262,51 @@ def add_mm_1x128_1x128(
             ),
             "cublasLtMatmul",
         )  # fmt: skip
+
+
+def mm_1x128_128x128_no_workspace(
+    a_fp8: torch.Tensor,
+    a_scale_t: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_grid: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``gemm.mm_1x128_128x128`` with no cuBLASLt workspace (module docstring): A (M, K) e4m3 with a_scale_t
+    (Kb, M); W (N, K) e4m3 with w_scale_grid, the (Nb, round_up(Kb, 4)) row-major grid cuBLASLt reads
+    (``gemm.padded_grid``). Returns (M, N) in out_dtype (BF16 or FP32)."""
+    m_rows, k = a_fp8.shape
+    n_cols = w_fp8.shape[0]
+    if out_dtype not in _CUDA_TYPES:
+        raise ValueError(f"mm_1x128_128x128_no_workspace: out_dtype must be BF16 or FP32, got {out_dtype}")
+    for name, t in (("a", a_fp8), ("w", w_fp8), ("a_scale_t", a_scale_t), ("w_scale_grid", w_scale_grid)):
+        if not t.is_contiguous():
+            raise ValueError(f"mm_1x128_128x128_no_workspace: {name} must be contiguous")
+    out = torch.empty(m_rows, n_cols, dtype=out_dtype, device=a_fp8.device)
+    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    handle, workspace = _handle_and_workspace(device)
+    # As torch's scaled_mm: cuBLAS's A is W (block scales), its B is A (1x128 scales), D (N x M) column-major.
+    key = (device, n_cols, m_rows, k, _SCALE_BLK128X128_32F, _CUDA_TYPES[out_dtype])
+    problem = _problems.get(key)
+    if problem is None:
+        problem = _Problem(
+            handle, n_cols, m_rows, k, (w_scale_grid.data_ptr(), a_scale_t.data_ptr()),
+            a_mode=_SCALE_BLK128X128_32F, d_type=_CUDA_TYPES[out_dtype], workspace=0,
+        )  # fmt: skip
+        _problems[key] = problem
+    lib = _lib()
+    stream = torch.cuda.current_stream(out.device).cuda_stream
+    with _lock:
+        problem.set_scales(w_scale_grid.data_ptr(), a_scale_t.data_ptr())
+        _check(
+            lib.cublasLtMatmul(
+                handle, problem.op, ctypes.byref(_ONE),
+                ctypes.c_void_p(w_fp8.data_ptr()), problem.la,
+                ctypes.c_void_p(a_fp8.data_ptr()), problem.lb,
+                ctypes.byref(_ZERO), ctypes.c_void_p(out.data_ptr()), problem.ld,
+                ctypes.c_void_p(out.data_ptr()), problem.ld,
+                ctypes.byref(problem.algo), ctypes.c_void_p(workspace.data_ptr()), 0,
+                ctypes.c_void_p(stream),
+            ),
+            "cublasLtMatmul",
+        )  # fmt: skip
+    return out

@@ -57,7 +57,7 @@ def mm_1x128_128x128(
         w_fp8.t(),
         a_scale_t.t(),
         bw1x128,
-        _padded_grid(w_scale_inv).t(),  # (Kb4, Nb), stride (1, Kb4)
+        padded_grid(w_scale_inv).t(),  # (Kb4, Nb), stride (1, Kb4)
         bw128,
         output_dtype=out_dtype,
     )
@@ -72,7 +72,7 @@ def scale_grid(nb: int, kb: int, device: torch.device | str, fill: float = 1.0) 
     return buf[:, :kb].fill_(fill)
 
 
-def _padded_grid(w_scale_inv: torch.Tensor) -> torch.Tensor:
+def padded_grid(w_scale_inv: torch.Tensor) -> torch.Tensor:
     """``w_scale_inv`` (Nb, Kb) as the (Nb, round_up(Kb, 4)) row-major grid cuBLASLt reads: a view when its
     storage already holds the padding columns (``scale_grid``), else a zero-padded copy."""
     nb, kb = w_scale_inv.shape

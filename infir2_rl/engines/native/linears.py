@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from infir2_rl.engines.native import fp8_gemm
 from infir2_rl.engines.native.fused_ops import QuantizedRows, SplitPartials
+from infir2_rl.fp8 import cublaslt, quant_triton
 from infir2_rl.fp8 import gemm as cublas_gemm
-from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.ops import fp8_linear_forward
 from infir2_rl.graph_capture import capture
@@ -42,6 +42,9 @@ from infir2_rl.graph_capture import capture
 logger = logging.getLogger(__name__)
 
 _CUBLAS = "cublas scaled_mm"
+# cuBLASLt's blockwise GEMM without workspace (``fp8/cublaslt.py``): at decode M = 256 its heuristic gives
+# gate|up a static-scheduled kernel with no memset before each launch, 20 against 22 us (session 34).
+_CUBLAS_NO_WS = "cublaslt no workspace"
 DECODE_MAX_ROWS = 512  # GEMMs with more rows (prefill) always take cuBLASLt; the chooser times decode sizes
 
 
@@ -66,12 +69,15 @@ def run_fp8_partials(
     FP8) or the Triton kernel of ``fp8_gemm`` (quantizing x inside unless x is already FP8). A split-K
     Triton launch returns its partials unsummed (``fp8_gemm.w8a8_partials``), for a consumer kernel that
     sums them; ``run_fp8`` sums them."""
-    if choice == _CUBLAS:
+    if choice in (_CUBLAS, _CUBLAS_NO_WS):
         if isinstance(x, QuantizedRows):
             q, s_t, m = x.q, x.s_t, x.m
         else:
             (q, s_t), m = quant_triton.quantize_rows(x, pow2), x.shape[0]
-        y = cublas_gemm.mm_1x128_128x128(q, s_t, w, s, dtype)[:m]
+        if choice == _CUBLAS:
+            y = cublas_gemm.mm_1x128_128x128(q, s_t, w, s, dtype)[:m]
+        else:
+            y = cublaslt.mm_1x128_128x128_no_workspace(q, s_t, w, cublas_gemm.padded_grid(s), dtype)[:m]
         return y if bias is None else y + bias
     assert isinstance(choice, fp8_gemm.GemmConfig)
     if isinstance(x, QuantizedRows):
@@ -158,9 +164,19 @@ class Fp8GemmChooser:
             return self.choice[key]
         options: list[Choice] = [*fp8_gemm.candidates(m, prequant)]
         if cublas_gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
-            options.insert(0, _CUBLAS)
+            options[:0] = [_CUBLAS, _CUBLAS_NO_WS]
         times = {}
-        copies = [(w, s)] + [(w.clone(), s.clone()) for _ in range(self.cold_copies(w, s) - 1)]
+        # The copies keep the grid's storage (rows stored apart: ``gemm.scale_grid``), so that cuBLASLt's
+        # candidates are timed without the padded copy the engine's own grids spare them.
+        copies = [(w, s)] + [
+            (
+                w.clone(),
+                cublas_gemm.scale_grid(s.shape[0], s.shape[1], s.device).copy_(s)
+                if s.stride(0) != s.shape[1]
+                else s.clone(),
+            )
+            for _ in range(self.cold_copies(w, s) - 1)
+        ]
         for option in options:
             try:
                 times[str(option)] = self._time(
