@@ -41,6 +41,7 @@ trainer and engine refuse ``true_on_policy`` without them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
+from infir2_rl.fp8 import cublaslt, quant_triton
 from infir2_rl.fp8 import gemm as cublas_gemm
-from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.ops import fp8_linear_forward
 
 try:
@@ -256,6 +257,11 @@ PROBE_OFFSETS = (0, 333)
 _PROBE_REF_ROWS = max(PROBE_ROWS) + max(PROBE_OFFSETS)
 _PROBE_MAX_PAD = 448  # a shape needing more rows than this stays on Triton (decode would pay too much)
 TRITON = 0  # plan value: this shape runs the Triton kernel
+# FP8 shapes (device index, True, N, K) whose GEMMs of at most NO_WORKSPACE_ROWS rows run cuBLASLt without
+# workspace (``fp8/cublaslt.py``): where ``plan`` timed that 5% faster at decode size (at 1.5B: gate|up, whose
+# kernel with workspace needs a memset per call). The probe that follows checks the bits as they then run.
+_NO_WORKSPACE: dict[tuple[int, bool, int, int], bool] = {}
+NO_WORKSPACE_ROWS = 512
 # (device index, fp8, N, K) -> the rows cuBLAS runs that GEMM at (smaller batches padded), or TRITON
 _PLAN: dict[tuple[int, bool, int, int], int] = {}
 _PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each probed group's plan, in words
@@ -315,7 +321,32 @@ def _cublaslt(
     if q.shape[0] < rows:
         q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
         s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], rows - s_t.shape[1])], dim=1)
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if q.shape[0] <= NO_WORKSPACE_ROWS and _NO_WORKSPACE.get((index, True, *w_fp8.shape), False):
+        grid = cublas_gemm.padded_grid(scale_inv)
+        return cublaslt.mm_1x128_128x128_no_workspace(q, s_t.contiguous(), w_fp8, grid, out_dtype)[:m]
     return cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:m]
+
+
+def _no_workspace_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
+    """Whether cuBLASLt without workspace runs the FP8 GEMM (N, K) at ``rows`` rows >= 5% faster than with
+    torch's, timed as the engine's chooser times (``linears.Fp8GemmChooser``: a CUDA graph over cold copies)."""
+    from infir2_rl.engines.native.linears import Fp8GemmChooser
+
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    q, s_t = quant_triton.quantize_rows((torch.randn(rows, k, device=device, generator=gen) * 2).bfloat16())
+    w8, s_plain = quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05)
+    grid = cublas_gemm.padded_grid(s_plain).contiguous()
+    copies = [(w8.clone(), grid.clone()) for _ in range(Fp8GemmChooser.cold_copies(w8, grid))]
+    with_ws = Fp8GemmChooser._time(
+        [functools.partial(cublas_gemm.mm_1x128_128x128, q, s_t, w, g[:, : s_plain.shape[1]], torch.bfloat16)
+         for w, g in copies]
+    )  # fmt: skip
+    without = Fp8GemmChooser._time(
+        [functools.partial(cublaslt.mm_1x128_128x128_no_workspace, q, s_t, w, g, torch.bfloat16)
+         for w, g in copies]
+    )  # fmt: skip
+    return without < 0.95 * with_ws
 
 
 def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
@@ -412,7 +443,15 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
         if fp8 and not all(cublas_gemm.fast_path_ok(probe, n, k) for n in shapes):
             rows, why = TRITON, "cuBLASLt's blockwise FP8 does not take this shape or GPU"
         else:
+            no_ws: list[str] = []
+            if fp8:  # decided once per shape, before any probe runs it
+                for key in keys:
+                    if key not in _NO_WORKSPACE:
+                        _NO_WORKSPACE[key] = _no_workspace_pays(key[2], k, device)
+                no_ws = [str(key[2]) for key in keys if _NO_WORKSPACE[key]]
             rows, why = _probe(k, parts, fp8, device)
+            if no_ws:
+                why += f" (N {'|'.join(no_ws)}: cuBLASLt without workspace up to {NO_WORKSPACE_ROWS} rows)"
         for key in keys:  # a shape in two groups (q and o at 1.5B) takes the stricter plan
             old = _PLAN.get(key, 1)
             _PLAN[key] = TRITON if TRITON in (old, rows) else max(old, rows)
