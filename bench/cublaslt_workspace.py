@@ -21,7 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}  # (N, K)
+# (N, K): the engine's decode GEMMs; the trainer's own (gate and up apart) and its dgrad GEMMs (dX = dY W: N, K
+# swapped), which run the same blockwise kernel
+SHAPES = {
+    "qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
+    "gate": (8960, 1536), "qkv_dgrad": (1536, 2048), "down_dgrad": (8960, 1536), "gate_dgrad": (1536, 8960),
+}  # fmt: skip
+DEFAULT_SHAPES = ["qkv", "o", "gate_up", "down"]
 BITS_ROWS = [1, 16, 17, 64, 80, 96, 255, 256, 1000, 4096]
 COLD_BYTES = 256 * 2**20
 
@@ -40,7 +46,7 @@ def no_ws(q: torch.Tensor, s_t: torch.Tensor, w: torch.Tensor, s: torch.Tensor) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256, 4096, 16384])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
