@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,10 +45,49 @@ def no_ws(q: torch.Tensor, s_t: torch.Tensor, w: torch.Tensor, s: torch.Tensor) 
     return cublaslt.mm_1x128_128x128_no_workspace(q, s_t, w, gemm.padded_grid(s), torch.bfloat16)
 
 
+WGRAD_SHAPES = {  # (out features, in features) of a decoder linear
+    "1.5B q|k|v": (2048, 1536), "1.5B o": (1536, 1536), "1.5B gate": (8960, 1536), "1.5B down": (1536, 8960),
+    "7B q|k|v": (4608, 3584), "7B o": (3584, 3584), "7B gate": (18944, 3584), "7B down": (3584, 18944),
+}  # fmt: skip
+
+
+def wgrad(rows: list[int], gen: torch.Generator, time_graph: Callable[[list], float]) -> int:
+    """us per weight-gradient GEMM added into an FP32 gradient, torch's workspace against none, and whether the
+    two give the same bits."""
+    from infir2_rl.fp8 import cublaslt, quant_triton
+
+    for name, (n, k) in WGRAD_SHAPES.items():
+        for tokens in rows:
+            if tokens < 1024:
+                continue
+            dy = torch.randn(tokens, n, device="cuda", generator=gen, dtype=torch.bfloat16)
+            x = torch.randn(tokens, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            ops = (*quant_triton.quantize_cols(dy), *quant_triton.quantize_cols(x))
+            targets = [torch.zeros(n, k, device="cuda"), torch.zeros(n, k, device="cuda")]
+            cublaslt.add_mm_1x128_1x128(targets[0], *ops)
+            cublaslt.add_mm_1x128_1x128(targets[1], *ops, use_workspace=False)
+            same = torch.equal(*targets)
+            t = [
+                time_graph(
+                    [functools.partial(cublaslt.add_mm_1x128_1x128, targets[i], *ops, use_workspace=i == 0)]
+                )
+                for i in (0, 1)
+            ]
+            print(f"   wgrad {name:11s} tokens {tokens:5d}: us with workspace {t[0]:7.1f}  without {t[1]:7.1f}"
+                  f"  ({t[0] / t[1]:.2f}x)  bits {'equal' if same else 'DIFFER'}", flush=True)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256, 4096, 16384])
+    parser.add_argument(
+        "--wgrad",
+        action="store_true",
+        help="instead: the weight-gradient GEMM adding into FP32 (fp8/cublaslt.add_mm_1x128_1x128) at the 1.5B and "
+        "7B shapes, --rows tokens, with torch's workspace and without",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/cublaslt_workspace.py: needs a CUDA GPU")
@@ -58,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
+    if args.wgrad:
+        return wgrad(args.rows, gen, time_graph)
     for name in args.shapes:
         n, k = SHAPES[name]
         big = max(BITS_ROWS + args.rows)

@@ -226,10 +226,12 @@ def add_mm_1x128_1x128(
     a_scale_t: torch.Tensor,
     b_fp8: torch.Tensor,
     b_scale_t: torch.Tensor,
+    use_workspace: bool = True,
 ) -> None:
     """``out += (A * sA) @ (B * sB)^T`` in FP32, in place: A (M, K) e4m3 with a_scale_t (Kb, M); B (N, K) e4m3
     with b_scale_t (Kb, N); out (M, N) FP32 contiguous. The operands of ``gemm.mm_1x128_1x128`` (the wgrad:
-    M, N the weight's out and in features, K the tokens)."""
+    M, N the weight's out and in features, K the tokens). ``use_workspace=False``: the heuristic's algorithm
+    without workspace (``bench/cublaslt_workspace.py --wgrad`` times both; the trainer keeps the default)."""
     m_rows, k = a_fp8.shape
     n_cols = b_fp8.shape[0]
     if out.dtype != torch.float32 or tuple(out.shape) != (m_rows, n_cols) or not out.is_contiguous():
@@ -241,10 +243,13 @@ def add_mm_1x128_1x128(
     device = out.device.index if out.device.index is not None else torch.cuda.current_device()
     handle, workspace = _handle_and_workspace(device)
     # torch's row-major out (M, N) is cuBLAS's column-major D (N x M): cuBLAS's A is our B, its B our A.
-    key = (device, n_cols, m_rows, k, _SCALE_VEC128_32F)
+    key = (device, n_cols, m_rows, k, _SCALE_VEC128_32F, use_workspace)
     problem = _problems.get(key)
     if problem is None:
-        problem = _Problem(handle, n_cols, m_rows, k, (b_scale_t.data_ptr(), a_scale_t.data_ptr()))
+        problem = _Problem(
+            handle, n_cols, m_rows, k, (b_scale_t.data_ptr(), a_scale_t.data_ptr()),
+            workspace=_WORKSPACE_BYTES if use_workspace else 0,
+        )  # fmt: skip
         _problems[key] = problem
     lib = _lib()
     stream = torch.cuda.current_stream(out.device).cuda_stream
