@@ -210,3 +210,17 @@ def test_a_scale_grid_stored_rows_apart_reaches_cublaslt_without_a_copy(fake_gpu
     a = gemm.mm_1x128_128x128(q_x, s_x, q_w, grid, torch.float32)
     b = gemm.mm_1x128_128x128(q_x, s_x, q_w, s_w, torch.float32)
     assert torch.equal(a, b)
+
+
+def test_the_no_workspace_gemm_refuses_what_cublaslt_would_misread() -> None:
+    """``cublaslt.mm_1x128_128x128_no_workspace`` hands raw pointers to cuBLASLt: an output dtype it has no type
+    for, or a grid still a view of padded storage (rows apart), is refused with one line before any GPU call."""
+    from infir2_rl.fp8 import cublaslt
+
+    q_w, s_w = _weight(torch.randn(384, 640) * 0.05)
+    q_x, s_x = _rows(torch.randn(20, 640))
+    grid = gemm.scale_grid(*s_w.shape, "cpu").copy_(s_w)
+    with pytest.raises(ValueError, match="BF16 or FP32"):
+        cublaslt.mm_1x128_128x128_no_workspace(q_x, s_x, q_w, gemm.padded_grid(grid), torch.float16)
+    with pytest.raises(ValueError, match="w_scale_grid must be contiguous"):
+        cublaslt.mm_1x128_128x128_no_workspace(q_x, s_x, q_w, grid, torch.bfloat16)
