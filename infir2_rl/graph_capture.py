@@ -20,6 +20,9 @@ chooser's timing graphs): one warm-up stream per device, one capture mode, no ga
   21, and CUDA's error log (``CUDA_LOG_FILE``) showed 14 ``cuGraphExecDestroy`` calls rejected on the
   capturing thread just before "Capture was invalidated by a prior API call". GPU test:
   ``tests/test_graph_capture_gpu.py``.
+* ``time_in_graph`` and ``cold_copies``: how GEMM candidates are timed (the engine's FP8 chooser,
+  ``engines/native/linears.py``, and the true_on_policy plan's workspace choice, ``models/invariant_ops.py``):
+  inside a CUDA graph, over copies of the weight that together exceed the L2 cache.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from collections.abc import Iterator
+import statistics
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,3 +57,38 @@ def capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
     finally:
         if collecting:
             gc.enable()
+
+
+def time_in_graph(
+    fn: Callable[[], Any] | list[Callable[[], Any]], calls: int = 10, replays: int = 5
+) -> float:
+    """Milliseconds per call: the callables in turn (a list rotates over operands), ``calls`` or more per
+    graph replay, median over ``replays`` replays. Launch overhead is excluded, which favours neither
+    Triton's nor cuBLAS's launcher."""
+    fns = fn if isinstance(fn, list) else [fn]
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    sequence = fns * -(-calls // len(fns))
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph):
+        for f in sequence:
+            f()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(sequence))
+    return statistics.median(times)
+
+
+def cold_copies(*tensors: torch.Tensor) -> int:
+    """How many copies of ``tensors`` exceed twice the L2 cache (at least 1, at most 64): timed calls that rotate
+    over them read their weight from device memory, as every layer's GEMM does once per decode step."""
+    l2 = getattr(torch.cuda.get_device_properties(tensors[0].device), "L2_cache_size", 50 * 2**20)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))

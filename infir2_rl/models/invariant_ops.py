@@ -53,6 +53,7 @@ from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
 from infir2_rl.fp8 import cublaslt, quant_triton
 from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8.ops import fp8_linear_forward
+from infir2_rl.graph_capture import cold_copies, time_in_graph
 
 try:
     import triton
@@ -330,19 +331,17 @@ def _cublaslt(
 
 def _no_workspace_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
     """Whether cuBLASLt without workspace runs the FP8 GEMM (N, K) at ``rows`` rows >= 5% faster than with
-    torch's, timed as the engine's chooser times (``linears.Fp8GemmChooser``: a CUDA graph over cold copies)."""
-    from infir2_rl.engines.native.linears import Fp8GemmChooser
-
+    torch's, timed as the engine's chooser times (``graph_capture.time_in_graph`` over ``cold_copies``)."""
     gen = torch.Generator(device=device).manual_seed(n + k)
     q, s_t = quant_triton.quantize_rows((torch.randn(rows, k, device=device, generator=gen) * 2).bfloat16())
     w8, s_plain = quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05)
     grid = cublas_gemm.padded_grid(s_plain).contiguous()
-    copies = [(w8.clone(), grid.clone()) for _ in range(Fp8GemmChooser.cold_copies(w8, grid))]
-    with_ws = Fp8GemmChooser._time(
+    copies = [(w8.clone(), grid.clone()) for _ in range(cold_copies(w8, grid))]
+    with_ws = time_in_graph(
         [functools.partial(cublas_gemm.mm_1x128_128x128, q, s_t, w, g[:, : s_plain.shape[1]], torch.bfloat16)
          for w, g in copies]
     )  # fmt: skip
-    without = Fp8GemmChooser._time(
+    without = time_in_graph(
         [functools.partial(cublaslt.mm_1x128_128x128_no_workspace, q, s_t, w, g, torch.bfloat16)
          for w, g in copies]
     )  # fmt: skip

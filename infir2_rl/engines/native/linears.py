@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -37,7 +36,7 @@ from infir2_rl.fp8 import cublaslt, quant_triton
 from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.ops import fp8_linear_forward
-from infir2_rl.graph_capture import capture
+from infir2_rl.graph_capture import cold_copies, time_in_graph
 
 logger = logging.getLogger(__name__)
 
@@ -119,34 +118,13 @@ class Fp8GemmChooser:
     def _time(
         fn: Callable[[], Tensor] | list[Callable[[], Tensor]], calls: int = 10, replays: int = 5
     ) -> float:
-        """Milliseconds per call: the callables in turn (a list rotates over operands), ``calls`` or more per
-        graph replay, median over replays."""
-        fns = fn if isinstance(fn, list) else [fn]
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        sequence = fns * -(-calls // len(fns))
-        graph = torch.cuda.CUDAGraph()
-        with capture(graph):
-            for f in sequence:
-                f()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / len(sequence))
-        return statistics.median(times)
+        """Milliseconds per call (``graph_capture.time_in_graph``)."""
+        return time_in_graph(fn, calls, replays)
 
     @staticmethod
     def cold_copies(*tensors: Tensor) -> int:
-        """How many copies of ``tensors`` exceed twice the L2 cache (at least 1, at most 64)."""
-        l2 = getattr(torch.cuda.get_device_properties(tensors[0].device), "L2_cache_size", 50 * 2**20)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))
+        """How many copies of ``tensors`` exceed twice the L2 cache (``graph_capture.cold_copies``)."""
+        return cold_copies(*tensors)
 
     @staticmethod
     def bucket(m: int, prequant: bool) -> int:
