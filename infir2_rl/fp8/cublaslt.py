@@ -205,7 +205,7 @@ class _Problem:
 _lock = threading.Lock()
 _handles: dict[int, ctypes.c_void_p] = {}
 _workspaces: dict[int, torch.Tensor] = {}
-_problems: dict[tuple[int, ...], _Problem] = {}
+_problems: dict[tuple[int, ...], _Problem] = {}  # (device, *key of _matmul) -> its problem
 _ONE = ctypes.c_float(1.0)
 _ZERO = ctypes.c_float(0.0)
 
@@ -218,6 +218,46 @@ def _handle_and_workspace(device: int) -> tuple[ctypes.c_void_p, torch.Tensor]:
             _handles[device] = handle
             _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
         return _handles[device], _workspaces[device]
+
+
+def _matmul(
+    key: tuple[int, int, int, int, int, bool],
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor,
+    beta: ctypes.c_float,
+) -> None:
+    """``D = A^T B (* scales) + beta * D`` in cuBLAS's column-major terms, D = ``out``, on torch's current stream.
+    ``key``: (m, n, k, A's scale mode, D's type, with workspace): the problem (descriptors and algorithm) is made
+    once per device and key. B's scales are always 1x128 vectors."""
+    m, n, k, a_mode, d_type, use_workspace = key
+    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    handle, workspace = _handle_and_workspace(device)
+    problem = _problems.get((device, *key))
+    if problem is None:
+        problem = _Problem(
+            handle, m, n, k, (a_scale.data_ptr(), b_scale.data_ptr()),
+            a_mode=a_mode, d_type=d_type, workspace=_WORKSPACE_BYTES if use_workspace else 0,
+        )  # fmt: skip
+        _problems[(device, *key)] = problem
+    lib = _lib()
+    stream = torch.cuda.current_stream(out.device).cuda_stream
+    with _lock:  # the scale pointers live in the shared descriptor
+        problem.set_scales(a_scale.data_ptr(), b_scale.data_ptr())
+        _check(
+            lib.cublasLtMatmul(
+                handle, problem.op, ctypes.byref(_ONE),
+                ctypes.c_void_p(a.data_ptr()), problem.la,
+                ctypes.c_void_p(b.data_ptr()), problem.lb,
+                ctypes.byref(beta), ctypes.c_void_p(out.data_ptr()), problem.ld,
+                ctypes.c_void_p(out.data_ptr()), problem.ld,
+                ctypes.byref(problem.algo), ctypes.c_void_p(workspace.data_ptr()), problem.workspace_size,
+                ctypes.c_void_p(stream),
+            ),
+            "cublasLtMatmul",
+        )  # fmt: skip
 
 
 def add_mm_1x128_1x128(
@@ -240,33 +280,9 @@ def add_mm_1x128_1x128(
     for name, t in (("a", a_fp8), ("b", b_fp8), ("a_scale_t", a_scale_t), ("b_scale_t", b_scale_t)):
         if not t.is_contiguous():
             raise ValueError(f"add_mm_1x128_1x128: {name} must be contiguous")
-    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    handle, workspace = _handle_and_workspace(device)
     # torch's row-major out (M, N) is cuBLAS's column-major D (N x M): cuBLAS's A is our B, its B our A.
-    key = (device, n_cols, m_rows, k, _SCALE_VEC128_32F, use_workspace)
-    problem = _problems.get(key)
-    if problem is None:
-        problem = _Problem(
-            handle, n_cols, m_rows, k, (b_scale_t.data_ptr(), a_scale_t.data_ptr()),
-            workspace=_WORKSPACE_BYTES if use_workspace else 0,
-        )  # fmt: skip
-        _problems[key] = problem
-    lib = _lib()
-    stream = torch.cuda.current_stream(out.device).cuda_stream
-    with _lock:  # the scale pointers live in the shared descriptor
-        problem.set_scales(b_scale_t.data_ptr(), a_scale_t.data_ptr())
-        _check(
-            lib.cublasLtMatmul(
-                handle, problem.op, ctypes.byref(_ONE),
-                ctypes.c_void_p(b_fp8.data_ptr()), problem.la,
-                ctypes.c_void_p(a_fp8.data_ptr()), problem.lb,
-                ctypes.byref(_ONE), ctypes.c_void_p(out.data_ptr()), problem.ld,
-                ctypes.c_void_p(out.data_ptr()), problem.ld,
-                ctypes.byref(problem.algo), ctypes.c_void_p(workspace.data_ptr()), problem.workspace_size,
-                ctypes.c_void_p(stream),
-            ),
-            "cublasLtMatmul",
-        )  # fmt: skip
+    key = (n_cols, m_rows, k, _SCALE_VEC128_32F, _CUDA_R_32F, use_workspace)
+    _matmul(key, b_fp8, b_scale_t, a_fp8, a_scale_t, out, _ONE)
 
 
 def mm_1x128_128x128_no_workspace(
@@ -287,31 +303,7 @@ def mm_1x128_128x128_no_workspace(
         if not t.is_contiguous():
             raise ValueError(f"mm_1x128_128x128_no_workspace: {name} must be contiguous")
     out = torch.empty(m_rows, n_cols, dtype=out_dtype, device=a_fp8.device)
-    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    handle, workspace = _handle_and_workspace(device)
     # As torch's scaled_mm: cuBLAS's A is W (block scales), its B is A (1x128 scales), D (N x M) column-major.
-    key = (device, n_cols, m_rows, k, _SCALE_BLK128X128_32F, _CUDA_TYPES[out_dtype])
-    problem = _problems.get(key)
-    if problem is None:
-        problem = _Problem(
-            handle, n_cols, m_rows, k, (w_scale_grid.data_ptr(), a_scale_t.data_ptr()),
-            a_mode=_SCALE_BLK128X128_32F, d_type=_CUDA_TYPES[out_dtype], workspace=0,
-        )  # fmt: skip
-        _problems[key] = problem
-    lib = _lib()
-    stream = torch.cuda.current_stream(out.device).cuda_stream
-    with _lock:
-        problem.set_scales(w_scale_grid.data_ptr(), a_scale_t.data_ptr())
-        _check(
-            lib.cublasLtMatmul(
-                handle, problem.op, ctypes.byref(_ONE),
-                ctypes.c_void_p(w_fp8.data_ptr()), problem.la,
-                ctypes.c_void_p(a_fp8.data_ptr()), problem.lb,
-                ctypes.byref(_ZERO), ctypes.c_void_p(out.data_ptr()), problem.ld,
-                ctypes.c_void_p(out.data_ptr()), problem.ld,
-                ctypes.byref(problem.algo), ctypes.c_void_p(workspace.data_ptr()), 0,
-                ctypes.c_void_p(stream),
-            ),
-            "cublasLtMatmul",
-        )  # fmt: skip
+    key = (n_cols, m_rows, k, _SCALE_BLK128X128_32F, _CUDA_TYPES[out_dtype], False)
+    _matmul(key, w_fp8, w_scale_grid, a_fp8, a_scale_t, out, _ZERO)
     return out
