@@ -224,3 +224,30 @@ def test_q_k_v_kept_one_after_another_run_as_one_view() -> None:
         m.main_grad is not None and m.main_grad.abs().sum() > 0
         for m in (attn.q_proj.weight, attn.v_proj.weight)
     )
+
+
+def test_the_layer_graphs_stale_check_finds_what_the_per_module_check_finds(tmp_path: Path) -> None:
+    """``refresh_kept_fp8`` (the check the layer graphs make before each micro-batch, inlined for host time)
+    refreshes exactly the kept weights ``refresh_fp8`` would: none when fresh, one whose weight was written in
+    place (version), one whose weight was replaced (storage); afterwards they equal the quantizer's."""
+    from infir2_rl.fp8.linear import Fp8Linear, refresh_kept_fp8
+    from infir2_rl.fp8.quant import quantize_weight_blockwise
+
+    model = init_model(tmp_path / "model", preset="tiny")
+    trainer = _trainer(model, "bfloat16", fp8=True)
+    linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    for m in linears:
+        m.export_fp8()  # fresh
+    assert refresh_kept_fp8(linears) == 0
+    a, b = linears[0], linears[3]
+    with torch.no_grad():
+        a.weight.mul_(0.5)  # in place: a version bump
+    b.weight.data = b.weight.data.clone() * 2.0  # new storage, same version counter value possible
+    assert sorted(id(m) for m in linears if m._kept_key != m._kept_stamp()) == sorted((id(a), id(b)))
+    assert refresh_kept_fp8(linears) == 2
+    assert refresh_kept_fp8(linears) == 0
+    for m in (a, b):
+        assert m.kept_fp8 is not None
+        ref_w, ref_s = quantize_weight_blockwise(m.weight.detach())
+        assert torch.equal(m.kept_fp8.w_fp8.view(torch.uint8), ref_w.view(torch.uint8))
+        assert torch.equal(m.kept_fp8.scale_inv, ref_s)

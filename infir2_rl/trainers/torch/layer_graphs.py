@@ -22,7 +22,7 @@ bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
   and every replay checks their identity (``GradsReplaced`` otherwise, never a silent write to freed memory).
 * FP8: an ``Fp8Linear`` with a kept FP8 weight (the trainer's FP32 masters give each one: master_weights.py)
   is read from those buffers by the graph, which the flat AdamW rewrites as it steps the masters; each
-  micro-batch's first replay quantizes any that are stale first (``Fp8Linear.refresh_fp8``: after a
+  micro-batch's first replay quantizes any that are stale first (``fp8.linear.refresh_kept_fp8``: after a
   checkpoint load, or with another optimizer). Without kept buffers ``Fp8Linear`` skips its weight cache
   while a capture runs, so the weight quantization is part of the forward graph and each replay quantizes
   the current master weights.
@@ -72,7 +72,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from infir2_rl.fp8.linear import Fp8Linear
+from infir2_rl.fp8.linear import Fp8Linear, refresh_kept_fp8
 from infir2_rl.graph_capture import capture, warmup_stream
 
 log = logging.getLogger(__name__)
@@ -357,8 +357,7 @@ class LayerGraphs:
         kwargs: dict[str, Any],
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
-        for m in self._fp8:  # the graphs read kept FP8 weights as they are (module docstring)
-            m.refresh_fp8()
+        refresh_kept_fp8(self._fp8)  # the graphs read kept FP8 weights as they are (module docstring)
         if not graphs.forward_only:  # the backward graphs add into the .grad tensors of their capture
             self._check_grads(graphs)
         graphs.cos.copy_(position_embeddings[0])
