@@ -263,3 +263,30 @@ def test_fused_token_scores_refuse_a_device_without_triton_kernels() -> None:
     h, w = torch.randn(4, 8), torch.randn(16, 8)
     with pytest.raises(ValueError, match="fused token scores need a CUDA device"):
         chunked_token_scores(h, w, torch.zeros(4, dtype=torch.long), fused=True)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_scoring_finds_its_positions_once(packed: bool) -> None:
+    """On a GPU every data-dependent count (``nonzero``, also inside a boolean index) waits for the device,
+    and the GPU then idles while the host catches up. A micro-batch's forward and backward find the scored
+    positions once (and, packed, the real tokens once); boolean indexing did it per use: 5 times padded, 10
+    packed. Counted on CPU, where the same aten ops run (the GPU's varlen attention adds its own wait for the
+    sequence lengths)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = str(func)
+            masks = args[1] if name.startswith(("aten.index.", "aten.index_put")) and len(args) > 1 else ()
+            if "nonzero" in name or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in masks):
+                calls.append(name)  # (a boolean index runs a nonzero inside the op)
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model()
+    ids, mask, select = ragged_batch()
+    with Count():
+        scores = _score(model, ids, mask, select, packed=packed, need_entropy=False)
+        scores.logprobs_BL.sum().backward()
+    assert len(calls) == (2 if packed else 1), calls

@@ -86,10 +86,11 @@ def score_tokens(
     select = select_BL.bool() & real
     select[:, 0] = False
     if packed:
+        # The real tokens' flat indices, found once (one device wait; boolean indexing waited per use).
+        flat = torch.nonzero(real.reshape(-1)).squeeze(1)
         ids, pos, sel = (
-            input_ids_BL[real][None],
-            _positions(attention_mask_BL)[real][None],
-            select[real][None],
+            t.reshape(-1).index_select(0, flat)[None]
+            for t in (input_ids_BL, _positions(attention_mask_BL), select)
         )
         n = ids.shape[1]
         padded_to = None if packed_length is None else packed_length(n)
@@ -114,11 +115,19 @@ def score_tokens(
     head = model.get_output_embeddings()  # type: ignore[operator]
 
     def forward(hidden_BTH: Tensor) -> Tensor:
-        picked = sel[:, 1:]
+        # The scored positions as flat row indices, found once: token t = rows + 1 is scored from the hidden
+        # state at rows. Boolean indexing instead made each of its four uses (two gathers, the scatter of
+        # the scores and the gathers' backward) wait for the device to find the count (a nonzero each), and
+        # every wait left the GPU idle while the host caught up (bench/gpu_idle.py, docs/performance.md).
+        T = sel.shape[1]
+        rows = torch.nonzero(sel[:, 1:].reshape(-1)).squeeze(1)
+        rows = rows + rows.div(
+            max(T - 1, 1), rounding_mode="floor"
+        )  # (b, t) in the B x (T-1) grid -> b * T + t
         logp, entropy = chunked_token_scores(
-            hidden_BTH[:, :-1][picked],
+            hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows),
             head.weight,
-            ids[:, 1:][picked],
+            ids.reshape(-1).index_select(0, rows + 1),
             temperature=temperature,
             need_entropy=need_entropy,
             compute_dtype=compute_dtype,
@@ -126,14 +135,10 @@ def score_tokens(
             fused=fused,
         )
         values = logp[:, None] if entropy is None else torch.stack((logp, entropy), dim=1)
-        out = values.new_zeros(*sel.shape, k)
-        out[:, 1:][picked] = values
-        return out
+        return values.new_zeros(sel.numel(), k).index_copy(0, rows + 1, values).view(*sel.shape, k)
 
     with _lm_head_forward(model, forward), attention, autocast():
         scores = model(input_ids=ids, use_cache=False, **kwargs).logits  # type: ignore[operator]
-    if packed:
-        full = scores.new_zeros(B, L, k)
-        full[real] = scores[0, :n]  # the real tokens, without the pads of packed_length
-        scores = full
+    if packed:  # the real tokens back in place, without the pads of packed_length
+        scores = scores.new_zeros(B * L, k).index_copy(0, flat, scores[0, :n]).view(B, L, k)
     return TokenScores(logprobs_BL=scores[..., 0], entropy_BL=scores[..., 1] if need_entropy else None)
