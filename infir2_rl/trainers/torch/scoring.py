@@ -116,9 +116,9 @@ def score_tokens(
 
     def forward(hidden_BTH: Tensor) -> Tensor:
         # The scored positions as flat row indices, found once: token t = rows + 1 is scored from the hidden
-        # state at rows. Boolean indexing instead made each of its four uses (two gathers, the scatter of
-        # the scores and the gathers' backward) wait for the device to find the count (a nonzero each), and
-        # every wait left the GPU idle while the host caught up (bench/gpu_idle.py, docs/performance.md).
+        # state at rows. Boolean indexing instead made each use (two gathers, the scatter of the scores, and
+        # their backward: five per micro-batch) wait for the device to count the mask, and every wait left
+        # the GPU idle while the host caught up (docs/performance.md, "The GPU waiting for the host").
         T = sel.shape[1]
         rows = torch.nonzero(sel[:, 1:].reshape(-1)).squeeze(1)
         rows = rows + rows.div(

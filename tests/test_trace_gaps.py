@@ -1,22 +1,20 @@
-"""bench/gpu_idle.py on a hand-made trace: busy periods merged over streams, gaps attributed to the host ops
-around the launch that ended them."""
+"""bench/trace_gaps.py on a hand-made trace: device activity merged over streams, idle gaps charged to the host
+op around the launch that ended them."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
-    "gpu_idle", Path(__file__).parents[1] / "bench" / "gpu_idle.py"
+    "trace_gaps", Path(__file__).parents[1] / "bench" / "trace_gaps.py"
 )
 assert _SPEC is not None and _SPEC.loader is not None
-gpu_idle = importlib.util.module_from_spec(_SPEC)
-sys.modules["gpu_idle"] = gpu_idle  # (its dataclass looks its module up)
-_SPEC.loader.exec_module(gpu_idle)
+trace_gaps = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(trace_gaps)
 
 
 def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict:
@@ -43,19 +41,24 @@ TRACE = {
 }
 
 
-def test_gaps_are_merged_over_streams_and_attributed_to_the_launching_op(tmp_path: Path) -> None:
-    gaps, busy, span = gpu_idle.idle_gaps(TRACE, min_us=5)
-    assert span == pytest.approx(743 - 100)
-    assert busy == pytest.approx(80 + 40 + 1)  # 100..180 merged, 700..740, 742..743
-    assert len(gaps) == 1
-    (gap,) = gaps
-    assert (gap.start, gap.end, gap.us) == (180, 700, 520)
-    assert gap.next_gpu == "adamw" and gap.launch == "cudaLaunchKernel"
-    assert gap.chain == ("step", "Optimizer.step#FlatAdamW.step")
+def test_gaps_are_merged_over_streams_and_charged_to_the_launching_op(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = [e for e in TRACE["traceEvents"] if e.get("ph") == "X"]
+    found = trace_gaps.gaps(events, min_us=5)
+    assert [(start, end, nxt["name"]) for start, end, nxt in found] == [(180, 700, "adamw")]
+    assert [(s, e) for s, e, _ in trace_gaps.gaps(events, min_us=1)] == [(180, 700), (740, 742)]
     path = tmp_path / "t.json"
     path.write_text(json.dumps(TRACE))
-    assert gpu_idle.main([str(path), "--min-us", "1"]) == 0  # the 2 us gap counted too: prints, no error
+    assert trace_gaps.main([str(path), "--min-us", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "1 gaps >= 5 us totalling 0.52 ms" in out
+    assert (
+        "step > Optimizer.step#FlatAdamW.step" not in out
+    )  # only cpu_op events are charged, not annotations
 
 
-def test_a_trace_without_gpu_activity_has_no_gaps() -> None:
-    assert gpu_idle.idle_gaps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 5)]}) == ([], 0.0, 0.0)
+def test_a_trace_without_device_activity_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 5)]}))
+    assert trace_gaps.main([str(path)]) == 1
