@@ -55,8 +55,8 @@ class Fp8Linear(nn.Linear):
     into them in place; an optimizer that writes them itself as it updates the master (the flat AdamW,
     trainers/flat_adamw.py) stamps them with ``mark_fp8_fresh``, and then no forward quantizes at all. A CUDA
     graph captured over the forward reads the buffers, so whoever replays it checks the stamps first
-    (``refresh_fp8``; trainers/torch/layer_graphs.py does, once per micro-batch, through ``refresh_kept_fp8``), and a capture that finds
-    them stale refuses.
+    (``refresh_fp8``; trainers/torch/layer_graphs.py does, once per micro-batch, through ``refresh_kept_fp8``),
+    and a capture that finds them stale refuses.
     """
 
     def __init__(

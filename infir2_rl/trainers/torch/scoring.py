@@ -120,10 +120,8 @@ def score_tokens(
         # their backward: five per micro-batch) wait for the device to count the mask, and every wait left
         # the GPU idle while the host caught up (docs/performance.md, "The GPU waiting for the host").
         T = sel.shape[1]
-        rows = torch.nonzero(sel[:, 1:].reshape(-1)).squeeze(1)
-        rows = rows + rows.div(
-            max(T - 1, 1), rounding_mode="floor"
-        )  # (b, t) in the B x (T-1) grid -> b * T + t
+        rows = torch.nonzero(sel[:, 1:].reshape(-1)).squeeze(1)  # b * (T - 1) + t for each scored (b, t + 1)
+        rows = rows + rows.div(max(T - 1, 1), rounding_mode="floor")  # -> b * T + t
         logp, entropy = chunked_token_scores(
             hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows),
             head.weight,
