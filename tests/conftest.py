@@ -52,3 +52,22 @@ def ray_local() -> Iterator[None]:
             yield
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def own_process_group() -> Iterator[None]:
+    """For a module that builds the megatron trainer in the pytest process: it makes a one-rank process group
+    there (gloo on CPU, NCCL on a GPU) and megatron's parallel state; both are torn down after the module, so
+    later tests run in a process without them, as they do alone, and the interpreter does not exit with a
+    process group's threads still up (a GPU group brings a watchdog thread that polls CUDA events)."""
+    yield
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        parallel_state = None
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

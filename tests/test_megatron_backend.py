@@ -22,7 +22,7 @@ from infir2_rl.trainers.torch.checkpoint_io import read_hf_weights  # noqa: E402
 from infir2_rl.trainers.torch.trainer import TorchTrainer  # noqa: E402
 from infir2_rl.types import TokenBatch  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "own_process_group")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ autocast over FP32 masters, FP8 linears on the Hopper fast path (cuBLASLt blockw
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,21 +22,7 @@ from infir2_rl.trainers.microbatch import micro_batches  # noqa: E402
 from infir2_rl.trainers.torch.trainer import TorchTrainer  # noqa: E402
 from infir2_rl.types import TokenBatch  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_process_group() -> Iterator[None]:
-    """The megatron trainer makes a one-rank NCCL process group in the pytest process; tear it down after
-    this module, so that later GPU tests run in a process without one, as they do alone (a process group
-    brings a watchdog thread that polls CUDA events)."""
-    yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("own_process_group")]
 
 
 @pytest.fixture(scope="module")

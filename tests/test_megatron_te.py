@@ -287,6 +287,7 @@ def test_lr_schedule_follows_the_torch_backends_scheduler() -> None:
     assert resumed.get_last_lr() == ours.get_last_lr()
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_hf_state_can_leave_out_the_projections_whose_fp8_bytes_come_from_te(tiny: Path) -> None:
     from infir2_rl.config import ModelConfig, TrainerConfig
     from infir2_rl.trainers.megatron.trainer import MegatronTrainer, _is_te_linear_weight
