@@ -62,12 +62,8 @@ def own_process_group() -> Iterator[None]:
     process group's threads still up (a GPU group brings a watchdog thread that polls CUDA events)."""
     yield
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        parallel_state = None
-    if parallel_state is not None:
-        parallel_state.destroy_model_parallel()
+    parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

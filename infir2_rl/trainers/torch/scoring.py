@@ -115,13 +115,12 @@ def score_tokens(
     head = model.get_output_embeddings()  # type: ignore[operator]
 
     def forward(hidden_BTH: Tensor) -> Tensor:
-        # The scored positions as flat row indices, found once: token t = rows + 1 is scored from the hidden
-        # state at rows. Boolean indexing instead made each use (two gathers, the scatter of the scores, and
+        # The scored positions as flat indices, found once: token rows + 1 is scored from the hidden state at
+        # rows. Boolean indexing instead made each use (two gathers, the scatter of the scores, and
         # their backward: five per micro-batch) wait for the device to count the mask, and every wait left
         # the GPU idle while the host caught up (docs/performance.md, "The GPU waiting for the host").
-        T = sel.shape[1]
-        rows = torch.nonzero(sel[:, 1:].reshape(-1)).squeeze(1)  # b * (T - 1) + t for each scored (b, t + 1)
-        rows = rows + rows.div(max(T - 1, 1), rounding_mode="floor")  # -> b * T + t
+        # No row's first position is selected (set above, padded and packed), so rows - 1 stays in its row.
+        rows = torch.nonzero(sel.reshape(-1)).squeeze(1) - 1
         logp, entropy = chunked_token_scores(
             hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows),
             head.weight,
