@@ -17,6 +17,9 @@ decoder linears and lm_head; hidden = heads x head_dim; the second term is causa
 The model is the ``qwen2.5-1.5b-shape`` preset with Qwen's 151,936-token vocabulary, built on the GPU
 and saved once (BF16 safetensors) under /tmp/infir2_bench, since the trainer loads from a directory.
 ``--profile`` runs torch.profiler over one more step per mode and groups the CUDA kernels by category.
+``--sync-sites`` runs one more step per mode under torch's sync debug mode and lists each place the host waited
+for the device (``.item()``, ``nonzero``, ...), counted: each wait drains the GPU's queue, which then idles
+while the host launches the next work (docs/performance.md, "The GPU waiting for the host").
 ``--cuda-graphs both`` (torch backend, GPU) adds BF16 and FP8 with ``trainer.cuda_graphs`` (the decoder layers'
 forward and backward replayed from CUDA graphs; the capture happens in the first warm-up step), so the
 table has four rows and the ratio is FP8 over the fastest BF16 (the trainer's own default, ``auto``, is the
@@ -186,6 +189,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def sync_sites(trainer: Any, batches: Any, loss_fn: Any, units: Any) -> list[tuple[int, str]]:
+    """(count, call chain) of each place one more train step makes the host wait for the device (torch's
+    sync debug mode: ``.item()``, ``nonzero``, device-to-host copies, boolean indexing). The chain lists the
+    innermost frames of this project and of transformers, innermost first."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = defaultdict(int)
+    keep = ("infir2_rl", "transformers")
+
+    def record(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: Any = None,
+    ) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in keep)]
+        chain = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+        sites[chain or f"{Path(filename).name}:{lineno}"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # restores showwarning and the filters after
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(batches, loss_fn, units)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sorted(((n, site) for site, n in sites.items()), reverse=True)
+
+
 def saved_activations(trainer: Any, batch: Any, loss_fn: Any, units: Any, top: int) -> dict[str, Any]:
     """What one more train step's forward keeps for its backward: each storage that autograd saves, once
     (``saved_tensors_hooks``), parameters and their masters left out, grouped by dtype and shape. Eager
@@ -342,6 +382,8 @@ def run_mode(
     }
     if args.saved and not graphs:
         out["saved"] = saved_activations(trainer, batch, loss_fn, num_target_tokens(batch), args.saved)
+    if args.sync_sites and device.type == "cuda":
+        out["sync_sites"] = sync_sites(trainer, batches, loss_fn, units)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -388,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="eager modes: after the timed steps, list the N largest groups of tensors the forward keeps for "
         "backward (dtype and shape; parameters left out) and their total",
+    )
+    parser.add_argument(
+        "--sync-sites",
+        action="store_true",
+        help="GPU: after the timed steps, one more step under torch's sync debug mode; list where it waits",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
@@ -544,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
             print("  top host ops by self CPU time (profiled step, ms, calls):")
             for name, ms, calls in r["profile"]["host_top"]:
                 print(f"  {ms:9.3f} ms {calls:6d}x  {name[:90]}")
+            print("  where the GPU idles: bench/trace_gaps.py on this step's --trace")
+        if "sync_sites" in r:
+            waits = sum(n for n, _ in r["sync_sites"])
+            print(f"\nhost waits for the device in one {mode} step: {waits} (count, where)")
+            for n, site in r["sync_sites"]:
+                print(f"  {n:5d}x  {site}")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     if args.out:
         report = dict(

@@ -24,6 +24,42 @@ import torch
 from torch import Tensor
 
 
+@dataclass(frozen=True)
+class HostCounts:
+    """A micro-batch's token counts as the host knows them without asking the device: counted from its CPU
+    tensors by ``TokenBatch.to``. Losses and the trainer's scoring read these instead of counting device
+    tensors (``.item()``, ``nonzero``): each such count made the host wait for the GPU to finish all queued
+    work, and the GPU then idled while the host launched the next (docs/performance.md, "The GPU waiting for
+    the host")."""
+
+    lengths: tuple[int, ...]  # real tokens of each row (attention_mask > 0: a prefix, rows are right-padded)
+    targets: tuple[int, ...]  # each row's trained positions t >= 1 (loss_mask > 0, all on real tokens)
+
+    @classmethod
+    def of(cls, attention_mask: Tensor, loss_mask: Tensor) -> HostCounts:
+        """Count a CPU batch; a row that is not right-padded, or trains a pad, is refused (ValueError)."""
+        real = attention_mask > 0
+        lengths = real.sum(1)
+        prefix = torch.arange(real.shape[1]) < lengths[:, None]
+        if not torch.equal(real, prefix):
+            row = int((real != prefix).any(1).nonzero()[0])
+            raise ValueError(
+                f"TokenBatch row {row}: attention_mask is not right-padded (real tokens, then pads)"
+            )
+        trained = loss_mask[:, 1:] > 0
+        if bool((trained & ~real[:, 1:]).any()):
+            row = int((trained & ~real[:, 1:]).any(1).nonzero()[0])
+            raise ValueError(f"TokenBatch row {row}: loss_mask selects a pad position (attention_mask 0)")
+        return cls(tuple(lengths.tolist()), tuple(trained.sum(1).tolist()))
+
+    @property
+    def num_targets(self) -> int:
+        return sum(self.targets)
+
+    def rows(self, start: int, stop: int) -> HostCounts:
+        return HostCounts(self.lengths[start:stop], self.targets[start:stop])
+
+
 @dataclass
 class TokenBatch:
     """One micro-batch of token sequences (right-padded) for the trainer."""
@@ -42,6 +78,8 @@ class TokenBatch:
     ref_logprobs: Tensor | None = None
     # RL: B advantages (one per sequence).
     advantages: Tensor | None = None
+    # Set by ``to`` from the CPU tensors (None: count on the device when needed).
+    counts: HostCounts | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -51,19 +89,32 @@ class TokenBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    @property
+    def num_targets(self) -> int:
+        """Trained positions t >= 1 (loss_mask > 0): the host's count when known, else the device's."""
+        if self.counts is not None:
+            return self.counts.num_targets
+        return int((self.loss_mask[:, 1:] > 0).sum().item())
+
+    def tensors(self) -> dict[str, Tensor | None]:
+        """The tensor fields by name (None where unset)."""
+        return {name: v for name, v in self.__dict__.items() if name != "counts"}
+
     def rows(self, start: int, stop: int) -> TokenBatch:
         """Sequences ``start:stop`` (views; per-sequence and per-token fields alike)."""
         return replace(
             self,
-            **{name: v[start:stop] for name, v in self.__dict__.items() if isinstance(v, Tensor)},
+            **{name: v[start:stop] for name, v in self.tensors().items() if v is not None},
+            counts=self.counts.rows(start, stop) if self.counts is not None else None,
         )
 
     def to(self, device: torch.device | str) -> TokenBatch:
-        moved = {
-            name: (value.to(device) if isinstance(value, Tensor) else value)
-            for name, value in self.__dict__.items()
-        }
-        return replace(self, **moved)
+        """The batch on ``device``; from CPU tensors it also counts them (``counts``) on the way."""
+        counts = self.counts
+        if counts is None and self.attention_mask.device.type == "cpu":
+            counts = HostCounts.of(self.attention_mask, self.loss_mask)
+        moved = {name: (v.to(device) if v is not None else None) for name, v in self.tensors().items()}
+        return replace(self, **moved, counts=counts)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -75,8 +126,9 @@ class LossOutput:
     # How many units the mean is over; the trainer weights micro-batches by it so the gradient is
     # that of the mean over the whole global batch, independent of how it was split.
     num_units: int
-    # Detached scalars for logging (metric name -> value), each a mean over `metric_weight` units.
-    metrics: dict[str, float] = field(default_factory=dict)
+    # Detached scalars for logging (metric name -> value), each a mean over `metric_weight` units: floats, or
+    # 0-dim tensors left on the device (the trainer brings a step's to the host at once, MetricMeans).
+    metrics: dict[str, float | Tensor] = field(default_factory=dict)
     # What the metrics are means over (GRPO's statistics: the micro-batch's response tokens; None: num_units).
     # The trainer's value is sum(value * weight) / sum(weight) over micro-batches and ranks, so it does not
     # depend on how the global batch was split (trainers/microbatch.MetricMeans).

@@ -81,7 +81,24 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, select
 
 
-def _score(model: Qwen2ForCausalLM, ids, mask, select, packed: bool, need_entropy: bool, t: float = 0.9):  # type: ignore[no-untyped-def]
+def _counts(mask: torch.Tensor, select: torch.Tensor) -> dict[str, object]:
+    """What the trainer takes from ``TokenBatch.counts``: each row's length and the scored positions' count."""
+    sel = (select > 0) & (mask > 0)
+    return {"lengths": mask.sum(1).tolist(), "num_selected": int(sel[:, 1:].sum())}
+
+
+def _score(  # type: ignore[no-untyped-def]
+    model: Qwen2ForCausalLM,
+    ids,
+    mask,
+    select,
+    packed: bool,
+    need_entropy: bool,
+    t: float = 0.9,
+    counted: bool = False,
+):
+    """``counted``: with the host's counts (``_counts``), as the trainer runs it."""
+    known = _counts(mask, select) if counted else {}
     return score_tokens(
         model,
         ids,
@@ -93,6 +110,7 @@ def _score(model: Qwen2ForCausalLM, ids, mask, select, packed: bool, need_entrop
         packed=packed,
         autocast=contextlib.nullcontext,
         chunk_tokens=5,
+        **known,  # type: ignore[arg-type]
     )
 
 
@@ -102,13 +120,16 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+@pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-def test_model_scores_and_gradients_equal_the_logits_path(packed: bool) -> None:
+def test_model_scores_and_gradients_equal_the_logits_path(packed: bool, counted: bool) -> None:
+    """Also with the host's counts (``counted``), where padded rows run without an attention mask: the
+    reference below (the model with its mask) is what they must equal."""
     model = tiny_model()
     ids, mask, select = ragged_batch()
     sel = (select > 0) & (mask > 0)
     sel[:, 0] = False
-    scores = _score(model, ids, mask, select, packed=packed, need_entropy=True)
+    scores = _score(model, ids, mask, select, packed=packed, need_entropy=True, counted=counted)
     assert scores.entropy_BL is not None
     loss = -(scores.logprobs_BL.sum() + 0.1 * scores.entropy_BL.sum())
     loss.backward()
@@ -290,3 +311,59 @@ def test_scoring_finds_its_positions_once(packed: bool) -> None:
         scores = _score(model, ids, mask, select, packed=packed, need_entropy=False)
         scores.logprobs_BL.sum().backward()
     assert len(calls) == (2 if packed else 1), calls
+
+
+def _waits_for_the_device(func: object, args: tuple) -> bool:  # type: ignore[type-arg]
+    """Whether an aten call makes the host wait for a GPU: a count (``nonzero``, a boolean index) or a
+    scalar read (``.item()``, ``bool(t)``). ``nonzero_static`` does not wait (its size is given)."""
+    name = str(func)
+    if "nonzero_static" in name:
+        return False
+    masks = args[1] if name.startswith(("aten.index.", "aten.index_put")) and len(args) > 1 else ()
+    return (
+        "nonzero" in name
+        or "_local_scalar_dense" in name
+        or "is_nonzero" in name
+        or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in masks)
+    )
+
+
+def test_scoring_with_the_hosts_counts_never_waits() -> None:
+    """Padded rows with ``lengths`` and ``num_selected`` (the trainer's ``TokenBatch.counts``): no count and
+    no scalar read in forward or backward, transformers' mask builder included (it read whether the mask
+    could be dropped). Packed rows are left out: on CPU transformers finds the packed sequences from the
+    position ids itself (a GPU runs varlen attention instead, whose offsets come from ``lengths``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if _waits_for_the_device(func, args):
+                calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model()
+    ids, mask, select = ragged_batch()
+    with Count():
+        uncounted = _score(model, ids, mask, select, packed=False, need_entropy=False)
+    assert calls, "the check finds the waits of the path without counts"
+    calls.clear()
+    known = _counts(mask, select)  # (counted here, outside the check: the trainer counts the CPU batch)
+    with Count():
+        scores = score_tokens(
+            model,
+            ids,
+            mask,
+            select,
+            temperature=0.9,
+            need_entropy=False,
+            compute_dtype=torch.float32,
+            packed=False,
+            autocast=contextlib.nullcontext,
+            chunk_tokens=5,
+            **known,  # type: ignore[arg-type]
+        )
+        scores.logprobs_BL.sum().backward()
+    assert calls == []
+    torch.testing.assert_close(scores.logprobs_BL, uncounted.logprobs_BL, rtol=1e-5, atol=1e-6)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from infir2_rl.algo.config import AlgorithmConfig
-from infir2_rl.algo.losses import policy_loss
+from infir2_rl.algo.losses import STAT_FIELDS, policy_loss_terms
 from infir2_rl.metrics import names
 from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
@@ -45,7 +47,11 @@ class GrpoLoss:
         mask = batch.loss_mask[:, 1:]
         rollout = batch.rollout_logprobs[:, 1:] if batch.rollout_logprobs is not None else None
         ref = batch.ref_logprobs[:, 1:].to(logp) if batch.ref_logprobs is not None else None
-        loss, stats = policy_loss(
+        by_tokens = self.cfg.loss_reduction == "token_mean"
+        # Counted on the host (TokenBatch.to) when the trainer moved the batch: then nothing here waits for the
+        # device, and the statistics stay there until the step's end (MetricMeans).
+        known = batch.counts.num_targets if batch.counts is not None else None
+        loss, values, num_tokens = policy_loss_terms(
             logp,
             batch.old_logprobs[:, 1:].to(logp),
             rollout,
@@ -54,18 +60,19 @@ class GrpoLoss:
             self.cfg,
             logp_ref=ref,
             entropy=entropy,
+            num_tokens=known,
         )
-        by_tokens = self.cfg.loss_reduction == "token_mean"
-        units = int(mask.sum().item()) if by_tokens else batch.num_sequences
-        metrics = {
-            names.TRAIN_PG_LOSS: stats.pg_loss,
-            names.TRAIN_PG_CLIP_FRAC: stats.pg_clip_frac,
-            names.TRAIN_RATIO_MEAN: stats.ratio_mean,
-            names.TRAIN_TIS_WEIGHT_MEAN: stats.tis_weight_mean,
+        stat = dict(zip(STAT_FIELDS, values.unbind(), strict=True))
+        metrics: dict[str, float | Tensor] = {
+            names.TRAIN_PG_LOSS: stat["pg_loss"],
+            names.TRAIN_PG_CLIP_FRAC: stat["pg_clip_frac"],
+            names.TRAIN_RATIO_MEAN: stat["ratio_mean"],
+            names.TRAIN_TIS_WEIGHT_MEAN: stat["tis_weight_mean"],
         }
-        if stats.kl is not None:
-            metrics[names.TRAIN_KL] = stats.kl
-        if stats.entropy is not None:
-            metrics[names.TRAIN_ENTROPY] = stats.entropy
-        # The statistics are token means over this micro-batch (PolicyLossStats): weighted by its tokens.
-        return LossOutput(loss=loss, num_units=units, metrics=metrics, metric_weight=stats.num_tokens)
+        if ref is not None:
+            metrics[names.TRAIN_KL] = stat["kl"]
+        if entropy is not None:
+            metrics[names.TRAIN_ENTROPY] = stat["entropy"]
+        units = num_tokens if by_tokens else batch.num_sequences
+        # The statistics are token means over this micro-batch: weighted by its tokens.
+        return LossOutput(loss=loss, num_units=units, metrics=metrics, metric_weight=num_tokens)

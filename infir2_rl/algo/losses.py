@@ -171,20 +171,18 @@ def _rollout_correction(
     return weight, keep, tis_clipped
 
 
-def _empty_stats(num_samples: int, logp_ref: Tensor | None, entropy: Tensor | None) -> PolicyLossStats:
-    return PolicyLossStats(
-        loss=0.0,
-        pg_loss=0.0,
-        pg_clip_frac=0.0,
-        ratio_mean=0.0,
-        tis_weight_mean=0.0,
-        tis_clip_frac=0.0,
-        mis_mask_frac=0.0,
-        kl=0.0 if logp_ref is not None else None,
-        entropy=0.0 if entropy is not None else None,
-        num_tokens=0,
-        num_samples=num_samples,
-    )
+# The statistics of ``policy_loss_terms``, in the order of its tensor (PolicyLossStats's float fields).
+STAT_FIELDS = (
+    "loss",
+    "pg_loss",
+    "pg_clip_frac",
+    "ratio_mean",
+    "tis_weight_mean",
+    "tis_clip_frac",
+    "mis_mask_frac",
+    "kl",
+    "entropy",
+)
 
 
 def policy_loss(
@@ -198,14 +196,51 @@ def policy_loss(
     entropy: Tensor | None = None,
     *,
     denominator: float | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[Tensor, PolicyLossStats]:
     """Scalar loss to minimise and its statistics; see the module docstring for every formula.
 
     ``logp_rollout`` may be None only when tis and mis are both off. ``denominator``: see the
     module docstring (gradient accumulation). A ``mask`` without a valid token (a micro-batch of empty
     responses, as SGLang returns for prompts it refuses) gives a loss of 0 that still reaches ``logp``'s graph
-    and statistics of 0 over ``num_tokens=0``.
+    and statistics of 0 over ``num_tokens=0``. ``num_tokens``: the count of ``mask > 0`` when the caller knows
+    it on the host. The statistics come to the host here (one wait for the device); ``policy_loss_terms``
+    leaves them on the device.
     """
+    loss, values, num_valid = policy_loss_terms(
+        logp,
+        logp_old,
+        logp_rollout,
+        advantages,
+        mask,
+        cfg,
+        logp_ref,
+        entropy,
+        denominator=denominator,
+        num_tokens=num_tokens,
+    )
+    stats = dict(zip(STAT_FIELDS, values.tolist(), strict=True))
+    stats["kl"] = stats["kl"] if logp_ref is not None else None
+    stats["entropy"] = stats["entropy"] if entropy is not None else None
+    return loss, PolicyLossStats(**stats, num_tokens=num_valid, num_samples=int(logp.shape[0]))
+
+
+def policy_loss_terms(
+    logp: Tensor,
+    logp_old: Tensor,
+    logp_rollout: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    logp_ref: Tensor | None = None,
+    entropy: Tensor | None = None,
+    *,
+    denominator: float | None = None,
+    num_tokens: int | None = None,
+) -> tuple[Tensor, Tensor, int]:
+    """``policy_loss`` with its statistics left on the device: (loss, the statistics as one float tensor in
+    ``STAT_FIELDS`` order, the number of valid tokens). Kl and entropy are NaN where not given. With
+    ``num_tokens`` given nothing here waits for the device (the trainer's micro-batches: GrpoLoss)."""
     others = {"logp_old": logp_old, "logp_rollout": logp_rollout, "logp_ref": logp_ref, "entropy": entropy}
     _check_inputs(logp, others, advantages, cfg, denominator)
     # At least float32: ratios of bf16 log-probs would round to steps of ~1% (bf16 has 8 mantissa bits).
@@ -215,9 +250,10 @@ def policy_loss(
     logp_ref = logp_ref.to(dtype) if logp_ref is not None else None
     entropy = entropy.to(dtype) if entropy is not None else None
     M = as_float_mask(mask, logp)
-    num_tokens = int((M > 0).sum().item())
+    if num_tokens is None:
+        num_tokens = int((M > 0).sum().item())
     if num_tokens == 0:  # nothing to train on; the sequences still count in sample_token_mean's denominator
-        return zero_masked(logp, M).sum() * 0.0, _empty_stats(logp.shape[0], logp_ref, entropy)
+        return zero_masked(logp, M).sum() * 0.0, M.new_zeros(len(STAT_FIELDS)), 0
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
 
@@ -238,7 +274,7 @@ def policy_loss(
     if entropy is not None and cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * _reduce(entropy, M, cfg.loss_reduction, denominator)
 
-    # Statistics: token means over valid tokens, gathered into one tensor for a single device sync.
+    # Statistics: token means over valid tokens, gathered into one tensor.
     nan = torch.tensor(float("nan"), device=M.device)
     kl_stat = (
         masked_mean(kl_estimate(logp.detach(), logp_ref.detach(), cfg.kl_type), M)
@@ -258,18 +294,5 @@ def policy_loss(
             kl_stat.to(M.dtype),
             ent_stat.to(M.dtype),
         ]
-    ).tolist()
-    stats = PolicyLossStats(
-        loss=values[0],
-        pg_loss=values[1],
-        pg_clip_frac=values[2],
-        ratio_mean=values[3],
-        tis_weight_mean=values[4],
-        tis_clip_frac=values[5],
-        mis_mask_frac=values[6],
-        kl=values[7] if logp_ref is not None else None,
-        entropy=values[8] if entropy is not None else None,
-        num_tokens=num_tokens,
-        num_samples=int(logp.shape[0]),
     )
-    return loss, stats
+    return loss, values, num_tokens

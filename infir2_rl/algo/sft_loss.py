@@ -25,7 +25,11 @@ from torch import Tensor
 
 
 def sft_loss(
-    logprobs_BL: Tensor, loss_mask_BL: Tensor, *, denominator: float | None = None
+    logprobs_BL: Tensor,
+    loss_mask_BL: Tensor,
+    *,
+    denominator: float | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[Tensor, int]:
     """Mean next-token cross-entropy over target tokens.
 
@@ -33,6 +37,8 @@ def sft_loss(
         logprobs_BL: log p(token t | tokens < t) at position t (``TokenScores.logprobs_BL``), shape (B, L).
         loss_mask_BL: 1 where the token at that position is a training target, shape (B, L).
         denominator: divide the summed CE by this instead of the local target count.
+        num_tokens: the target count when the caller knows it on the host (``TokenBatch.counts``); counting
+            the mask on a GPU makes the host wait for every queued kernel.
 
     Returns:
         (loss, num_tokens): scalar float32 loss and the number of target tokens in this batch.
@@ -47,7 +53,8 @@ def sft_loss(
 
     logp_BT = logprobs_BL[:, 1:].float()
     mask_BT = loss_mask_BL[:, 1:].to(torch.float32)
-    num_tokens = int(mask_BT.sum().item())
+    if num_tokens is None:
+        num_tokens = int((mask_BT > 0).sum().item())
     # torch.where, not multiplication, so a -inf log-prob at an unselected position cannot make NaN.
     nll_sum = -torch.where(mask_BT > 0, logp_BT, torch.zeros_like(logp_BT)).sum()
     denom = float(denominator) if denominator is not None else float(max(num_tokens, 1))

@@ -38,13 +38,14 @@ class SftLossFn:
     needs_entropy = False
 
     def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
-        loss, num_tokens = sft_loss(scores.logprobs_BL, batch.loss_mask)
+        known = batch.counts.num_targets if batch.counts is not None else None
+        loss, num_tokens = sft_loss(scores.logprobs_BL, batch.loss_mask, num_tokens=known)
         return LossOutput(loss=loss, num_units=num_tokens)
 
 
 def num_target_tokens(batch: TokenBatch) -> int:
     """Loss units of SftLossFn over a batch: masked tokens after position 0."""
-    return int(batch.loss_mask[:, 1:].sum().item())
+    return batch.num_targets
 
 
 def to_token_batch(examples: Sequence[SftExample], pad_token_id: int) -> TokenBatch:

@@ -33,14 +33,15 @@ def select_rows(batch: TokenBatch, start: int, stop: int) -> TokenBatch:
     """Rows [start, stop) of `batch`, cut to the longest of them (B x L fields) or sliced (B fields)."""
     length = max(max(row_lengths(batch)[start:stop], default=1), 1)
     fields: dict[str, Tensor | None] = {}
-    for name, value in batch.__dict__.items():
+    for name, value in batch.tensors().items():
         if value is None:
             fields[name] = None
         elif value.dim() == 1:
             fields[name] = value[start:stop]
         else:
             fields[name] = value[start:stop, :length]
-    return TokenBatch(**fields)  # type: ignore[arg-type]
+    counts = batch.counts.rows(start, stop) if batch.counts is not None else None
+    return TokenBatch(**fields, counts=counts)  # type: ignore[arg-type]
 
 
 def bucket_length(length: int, smallest: int = 64) -> int:
@@ -67,11 +68,11 @@ def pad_length(batch: TokenBatch, length: int) -> TokenBatch:
     if extra == 0:
         return batch
     fields: dict[str, Tensor | None] = {}
-    for name, value in batch.__dict__.items():
+    for name, value in batch.tensors().items():
         fields[name] = (
             value if value is None or value.dim() == 1 else torch.nn.functional.pad(value, (0, extra))
         )
-    return TokenBatch(**fields)  # type: ignore[arg-type]
+    return TokenBatch(**fields, counts=batch.counts)  # type: ignore[arg-type]  # pads add no token
 
 
 def shard_bounds(num_rows: int, world_size: int) -> list[tuple[int, int]]:
@@ -162,19 +163,30 @@ class MetricMeans:
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | Tensor] = {}
         self.weights: dict[str, float] = {}
 
     def add(self, out: LossOutput) -> None:
+        """Add a micro-batch's metrics; values that are device tensors are summed on the device."""
         weight = float(out.num_units if out.metric_weight is None else out.metric_weight)
         for name, value in out.metrics.items():
             self.weights[name] = self.weights.get(name, 0.0) + weight
             if weight > 0:
-                self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
+                term = (
+                    value.detach().double() * weight if isinstance(value, Tensor) else float(value) * weight
+                )
+                self.sums[name] = self.sums.get(name, 0.0) + term
 
     def totals(self, names: Sequence[str]) -> list[float]:
-        """Weighted sums, then weights, of `names` (in that order): the values to add up over ranks."""
-        return [self.sums.get(n, 0.0) for n in names] + [self.weights.get(n, 0.0) for n in names]
+        """Weighted sums, then weights, of `names` (in that order): the values to add up over ranks. Sums held
+        on the device come to the host together (one wait)."""
+        sums = [self.sums.get(n, 0.0) for n in names]
+        on_device = [i for i, v in enumerate(sums) if isinstance(v, Tensor)]
+        if on_device:
+            host = torch.stack([sums[i] for i in on_device]).tolist()  # type: ignore[misc]
+            for i, v in zip(on_device, host, strict=True):
+                sums[i] = v
+        return [float(v) for v in sums] + [self.weights.get(n, 0.0) for n in names]
 
     @staticmethod
     def means(names: Sequence[str], totals: Sequence[float]) -> dict[str, float]:

@@ -23,7 +23,7 @@ one sequence from scoring the first token of the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -60,6 +60,23 @@ def _positions(attention_mask_BL: Tensor) -> Tensor:
     return (attention_mask_BL.long().cumsum(1) - 1).clamp_min(0)
 
 
+def _no_mask(model: nn.Module) -> dict[str, None] | None:
+    """The ``attention_mask`` argument under which the model builds no mask and every layer attends causally:
+    the per-layer-type mapping ``{"full_attention": None}``, taken as given by the models that build their
+    masks per layer type (transformers' Qwen2 and Qwen3: they set ``has_sliding_layers``) when they have no
+    sliding-window layers. None for any other model (its mask is then built as usual; a plain None would not
+    do, since transformers then searches the position ids for packed sequences, a wait for the device)."""
+    base = getattr(model, "base_model", model)
+    return {"full_attention": None} if getattr(base, "has_sliding_layers", True) is False else None
+
+
+def _nonzero(mask: Tensor, count: int | None) -> Tensor:
+    """Indices of the set entries of a 1-D mask; with their ``count`` known, without waiting for the device."""
+    if count is None:
+        return torch.nonzero(mask).squeeze(1)
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
 def score_tokens(
     model: nn.Module,
     input_ids_BL: Tensor,
@@ -74,20 +91,30 @@ def score_tokens(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     packed_length: Callable[[int], int] | None = None,
     fused: bool = False,
+    lengths: Sequence[int] | None = None,
+    num_selected: int | None = None,
 ) -> TokenScores:
     """Scores of ``input_ids_BL`` (right-padded rows) at the selected positions; zeros elsewhere.
 
     ``packed_length`` (packed, under the trainer's layer graphs): the packed row of N real tokens is padded
     to ``packed_length(N)`` tokens, a sequence of its own that nothing scores (``varlen_kwargs(padded_to=)``),
     so that rows of any composition share a few captured shapes. ``fused``: the chunks' softmax work in
-    Triton (``token_scores.chunked_token_scores``)."""
+    Triton (``token_scores.chunked_token_scores``).
+
+    ``lengths`` (each row's real tokens) and ``num_selected`` (how many positions the scores cover), when the
+    caller knows them on the host (``TokenBatch.counts``), spare every wait for the device: the positions come
+    from ``nonzero_static`` of that size, and padded rows run without an attention mask (right padding: causal
+    attention keeps every pad out of every real token's output, so only the unscored pads' values change;
+    transformers' mask builder waited to find whether the mask could be skipped). ``num_selected`` must be the
+    count of ``select_BL & attention_mask`` at positions t >= 1."""
     B, L = input_ids_BL.shape
     real = attention_mask_BL.bool()
     select = select_BL.bool() & real
     select[:, 0] = False
     if packed:
-        # The real tokens' flat indices, found once (one device wait; boolean indexing waited per use).
-        flat = torch.nonzero(real.reshape(-1)).squeeze(1)
+        # The real tokens' flat indices, found once (one device wait where the count is not given; boolean
+        # indexing waited per use).
+        flat = _nonzero(real.reshape(-1), None if lengths is None else sum(lengths))
         ids, pos, sel = (
             t.reshape(-1).index_select(0, flat)[None]
             for t in (input_ids_BL, _positions(attention_mask_BL), select)
@@ -104,13 +131,20 @@ def score_tokens(
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
         attention: Any = nullcontext()
         if varlen_available(ids.device):  # flash over each sequence alone (varlen_attention.py)
-            lengths = attention_mask_BL.sum(1)
-            kwargs |= varlen_kwargs(lengths[lengths > 0], padded_to)
+            # (Varlen attention reads no mask: spare transformers the search of the position ids for packed
+            # sequences, which waits for the device, where the model lets us.)
+            kwargs["attention_mask"] = _no_mask(model)
+            if lengths is None:
+                seq_lens = attention_mask_BL.sum(1)
+                kwargs |= varlen_kwargs(seq_lens[seq_lens > 0], padded_to)
+            else:
+                kwargs |= varlen_kwargs([n for n in lengths if n > 0], padded_to, ids.device)
             attention = use_varlen(model)
     else:
         attention = nullcontext()
         ids, sel = input_ids_BL, select
-        kwargs = {"attention_mask": attention_mask_BL}
+        no_mask = _no_mask(model) if lengths is not None else None
+        kwargs = {"attention_mask": attention_mask_BL if no_mask is None else no_mask}
     k = 2 if need_entropy else 1
     head = model.get_output_embeddings()  # type: ignore[operator]
 
@@ -120,7 +154,7 @@ def score_tokens(
         # their backward: five per micro-batch) wait for the device to count the mask, and every wait left
         # the GPU idle while the host caught up (docs/performance.md, "The GPU waiting for the host").
         # No row's first position is selected (set above, padded and packed), so rows - 1 stays in its row.
-        rows = torch.nonzero(sel.reshape(-1)).squeeze(1) - 1
+        rows = _nonzero(sel.reshape(-1), num_selected) - 1
         logp, entropy = chunked_token_scores(
             hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows),
             head.weight,

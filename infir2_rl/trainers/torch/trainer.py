@@ -321,8 +321,10 @@ class TorchTrainer:
         temperature: float = 1.0,
         need_entropy: bool = False,
         model: PreTrainedModel | None = None,
+        num_selected: int | None = None,
     ) -> TokenScores:
-        """Per-token log-probs (and entropies) at the selected positions, never the full logits."""
+        """Per-token log-probs (and entropies) at the selected positions, never the full logits.
+        ``num_selected``: the count of ``select_BL & attention_mask`` at t >= 1 when the host knows it."""
         if self.true_on_policy:
             from infir2_rl.trainers.torch import invariant_scoring
 
@@ -348,15 +350,29 @@ class TorchTrainer:
             autocast=self.autocast,
             packed_length=self.packed_length if model is None else None,  # the policy's layers are graphed
             fused=bool(self.fused_layers),  # trainer.fused_kernels: the token scores' Triton passes too
+            # Counted on the host (TokenBatch.to): no wait for the device in the micro-batch.
+            lengths=batch.counts.lengths if batch.counts is not None else None,
+            num_selected=num_selected if batch.counts is not None else None,
         )
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
-        return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
+        num = batch.counts.num_targets if batch.counts is not None else None
+        return self._scores(
+            batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy, num_selected=num
+        )
+
+    def _token_scores(
+        self, batch: TokenBatch, temperature: float = 1.0, model: PreTrainedModel | None = None
+    ) -> Tensor:
+        """Log-probs of every real token after the first of its row (old and reference log-probs)."""
+        num = sum(max(n - 1, 0) for n in batch.counts.lengths) if batch.counts is not None else None
+        return self._scores(
+            batch, batch.attention_mask > 0, temperature, model=model, num_selected=num
+        ).logprobs_BL
 
     def _dummy_scores(self, model: PreTrainedModel | None = None) -> Tensor:
         """A one-token forward (FSDP: ranks with fewer micro-batches still join every collective)."""
-        batch = self._dummy_batch()
-        return self._scores(batch, batch.attention_mask > 0, model=model).logprobs_BL
+        return self._token_scores(self._dummy_batch(), model=model)
 
     def _padded(self, batches: Sequence[TokenBatch]) -> list[TokenBatch | None]:
         """Under FSDP every rank must run as many forwards as the busiest one: pad with None (dummy)."""
@@ -378,7 +394,9 @@ class TorchTrainer:
             if batch is None:
                 return 0
             if self.pack_sequences:  # the length scoring pads the packed row to
-                real = int(batch.attention_mask.sum())
+                real = (
+                    sum(batch.counts.lengths) if batch.counts is not None else int(batch.attention_mask.sum())
+                )
                 return self.packed_length(real) if self.packed_length is not None else real
             rows, length = batch.input_ids.shape
             return rows * bucket_length(length)
@@ -393,8 +411,10 @@ class TorchTrainer:
         return pad_length(batch, bucket_length(batch.input_ids.shape[1]))
 
     def _dummy_batch(self) -> TokenBatch:
-        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-        return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2))
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2)).to(
+            self.device
+        )
 
     def invalidate_fp8_cache(self) -> None:
         for m in self.model.modules():
@@ -574,9 +594,9 @@ class TorchTrainer:
             length = batch.input_ids.shape[1]
             if model is None:  # the policy model's layers are graphed; the reference model's are not
                 batch = self._bucketed(batch)
-            scores = self._scores(batch, batch.attention_mask > 0, temperature, model=model)
-            out[i] = scores.logprobs_BL[:, :length].cpu()
-        return [t for t in out if t is not None]  # in the order given (dummies have none)
+            out[i] = self._token_scores(batch, temperature, model)[:, :length]
+        # To the host after the last micro-batch is queued: a copy per micro-batch waited for each in turn.
+        return [t.cpu() for t in out if t is not None]  # in the order given (dummies have none)
 
     @torch.no_grad()
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:

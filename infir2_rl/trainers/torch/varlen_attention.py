@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -163,8 +164,11 @@ def graph_max_len(longest: int, padded_to: int) -> int:
     return short if longest <= short else padded_to
 
 
-def varlen_kwargs(lengths: Tensor, padded_to: int | None = None) -> dict[str, Any]:
-    """Model keyword arguments of a packed row of sequences of these lengths.
+def varlen_kwargs(
+    lengths: Tensor | Sequence[int], padded_to: int | None = None, device: torch.device | None = None
+) -> dict[str, Any]:
+    """Model keyword arguments of a packed row of sequences of these lengths (a tensor, or numbers the host
+    knows: then ``device`` is where the offsets go, copied without waiting for the device).
 
     ``padded_to`` (the layer graphs, which replay one launch for rows of any composition): the row has
     ``padded_to`` tokens, the real ones first; the pads follow as sequences of their own of at most
@@ -172,18 +176,24 @@ def varlen_kwargs(lengths: Tensor, padded_to: int | None = None) -> dict[str, An
     (empty sequences), and the longest length is given as ``graph_max_len``. So the arguments' shapes and the
     integers depend on ``padded_to``, the slot count and which of its two bounds applies, and each real
     sequence attends over itself as before."""
-    host = lengths.tolist()  # one device sync for the two integers below
+    if isinstance(lengths, Tensor):
+        host, device = lengths.tolist(), lengths.device  # one device sync for the integers below
+    else:
+        host = list(lengths)
+        if device is None:
+            raise ValueError("varlen_kwargs: lengths given as numbers need the device of the offsets")
     max_len = max(host, default=0)
     if padded_to is not None:
         extra = padded_to - sum(host)
         if extra < 0:
             raise ValueError(f"varlen_kwargs: {sum(host)} real tokens > padded_to={padded_to}")
         max_len = graph_max_len(max(max_len, 1), padded_to)
-        pads = [max_len] * (extra // max_len) + ([extra % max_len] if extra % max_len else [])
-        lengths = torch.cat([lengths, lengths.new_tensor(pads, dtype=lengths.dtype)])
-        lengths = torch.cat([lengths, lengths.new_zeros(sequence_slots(lengths.numel()) - lengths.numel())])
-    cu_seq = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    cu_seq[1:] = lengths.cumsum(0)
+        host += [max_len] * (extra // max_len) + ([extra % max_len] if extra % max_len else [])
+        host += [0] * (sequence_slots(len(host)) - len(host))
+    offsets = torch.tensor([0, *itertools.accumulate(host)], dtype=torch.int32)
+    if device.type == "cuda":  # from pinned memory the copy is queued, not waited for
+        offsets = offsets.pin_memory()
+    cu_seq = offsets.to(device, non_blocking=True)
     return {
         "cu_seq_lens_q": cu_seq,
         "cu_seq_lens_k": cu_seq,
