@@ -65,7 +65,8 @@ def _no_mask(model: nn.Module) -> dict[str, None] | None:
     the per-layer-type mapping ``{"full_attention": None}``, taken as given by the models that build their
     masks per layer type (transformers' Qwen2 and Qwen3: they set ``has_sliding_layers``) when they have no
     sliding-window layers. None for any other model (its mask is then built as usual; a plain None would not
-    do, since transformers then searches the position ids for packed sequences, a wait for the device)."""
+    do, since transformers then searches the position ids for packed sequences, a wait for the device; under
+    varlen attention, a custom implementation, it builds no mask at all)."""
     base = getattr(model, "base_model", model)
     return {"full_attention": None} if getattr(base, "has_sliding_layers", True) is False else None
 
@@ -131,9 +132,6 @@ def score_tokens(
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
         attention: Any = nullcontext()
         if varlen_available(ids.device):  # flash over each sequence alone (varlen_attention.py)
-            # (Varlen attention reads no mask: spare transformers the search of the position ids for packed
-            # sequences, which waits for the device, where the model lets us.)
-            kwargs["attention_mask"] = _no_mask(model)
             if lengths is None:
                 seq_lens = attention_mask_BL.sum(1)
                 kwargs |= varlen_kwargs(seq_lens[seq_lens > 0], padded_to)
