@@ -340,16 +340,21 @@ class MegatronTrainer:
         self.invalidate_fp8_cache()
         if self.te is not None:
             self.te.zero_grad()
-        loss_sum = 0.0
+        # The loss sum stays on the device and the token count comes from the host's counts (TokenBatch.to):
+        # nothing in a micro-batch waits for the device.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         metrics = MetricMeans()
         num_tokens = num_sequences = 0
         for batch in (b.to(self.device) for b in batches):
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             weight = out.num_units / total_units
             (out.loss * weight).backward()
-            loss_sum += float(out.loss.detach().double().item()) * weight
+            loss_sum += out.loss.detach().double() * weight
             metrics.add(out)
-            num_tokens += int(batch.attention_mask.sum().item())
+            counts = batch.counts  # (None only for a batch given on the device)
+            num_tokens += (
+                sum(counts.lengths) if counts is not None else int(batch.attention_mask.sum().item())
+            )
             num_sequences += batch.num_sequences
         lr = float(self.scheduler.get_last_lr()[0])
         norm, skipped = self._update(lr)
@@ -361,7 +366,7 @@ class MegatronTrainer:
             self.scheduler.step()
         self.step += 1
         names = self._metric_names(metrics.weights)
-        totals = self._sum_over_dp([loss_sum, num_tokens, num_sequences, *metrics.totals(names)])
+        totals = self._sum_over_dp([loss_sum.item(), num_tokens, num_sequences, *metrics.totals(names)])
         return TrainStats(
             step=self.step,
             loss=totals[0],
