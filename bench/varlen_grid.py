@@ -12,10 +12,16 @@ end return at once. This bench times, for micro-batches of the RL-shaped batch o
 varlen attention forward + backward (replayed from a CUDA graph, so no host time) with
 
 * exact: the row's own sequence count and longest sequence (what eager packing launches),
-* capped: ``cap`` sequences and ``max_len`` = ``--tokens`` (what one graph per row length needs),
+* capped: ``cap`` sequences and ``max_len`` = ``--tokens`` (one graph for every row of the budget),
+* trainer: what the trainer launches: the row padded to its length bucket (``bucket_length`` of its real
+  tokens), at least 16 sequence slots, ``graph_max_len`` (``varlen_kwargs(padded_to=)``),
 
-checks that the capped launch gives bit-equal outputs and gradients on the real tokens, and prints the
-per-call difference and what it adds to a micro-batch of 28 layers (the 1.5B shape).
+reports whether the capped launches give bit-equal outputs and gradients on the real tokens (they do not:
+flash's dQ atomics, docs/performance.md), and prints the per-call difference and what it adds to a
+micro-batch of 28 layers (the 1.5B shape). The last column times
+what the padded layout runs for the same sequences instead: SDPA's causal kernel (no mask, as the trainer's
+padded rows run since session 36) over the rows padded to the length bucket of the longest
+(``microbatch.bucket_length``), also forward + backward from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -69,6 +75,48 @@ def timed(
     }
 
 
+def timed_padded(
+    heads: int, kv_heads: int, head_dim: int, lengths: list[int], reps: int
+) -> tuple[float, int]:
+    """SDPA causal forward + backward over the sequences as right-padded rows (B, H, L, D) of random values,
+    L the length bucket of the longest, from one CUDA graph: (median ms, L)."""
+    from infir2_rl.trainers.microbatch import bucket_length
+
+    length = bucket_length(max(lengths))
+    gen = torch.Generator("cuda").manual_seed(2)
+    qs, ks, vs = (
+        torch.randn(
+            len(lengths), h, length, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen
+        ).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
+    grad = torch.randn_like(qs)
+
+    def step() -> Any:
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        return torch.autograd.grad(out, (qs, ks, vs), grad)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), length
+
+
 def same_on_real(got: dict[str, Any], exact: dict[str, Any], real: int) -> bool:
     """Outputs and gradients of two ``timed`` runs bit-equal on the first ``real`` (non-pad) tokens."""
     return torch.equal(got["out"][:real], exact["out"][:real]) and all(
@@ -77,7 +125,7 @@ def same_on_real(got: dict[str, Any], exact: dict[str, Any], real: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from infir2_rl.trainers.microbatch import packed_token_budget, row_lengths
+    from infir2_rl.trainers.microbatch import bucket_length, packed_token_budget, row_lengths
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'row':>4} {'seqs':>4} {'real':>5} {'longest':>7} {'exact ms':>9} "
         + " ".join(f"{'cap ' + str(c) + ' ms':>10}" for c in args.caps)
-        + "  trainer ms (slots, max_len)"
+        + "  trainer ms (slots, max_len)  padded SDPA ms (rows x length)"
     )
     rows = []
     for g in pick:
@@ -141,15 +189,20 @@ def main(argv: list[str] | None = None) -> int:
             equal = same_on_real(got, exact, real)
             row[f"cap{cap}_ms"], row[f"cap{cap}_equal"] = got["ms"], equal
             cells.append(f"{got['ms']:>8.3f}{'' if equal else ' !='}")
-        # What the trainer launches (varlen_kwargs(padded_to=)): its slot count and graph_max_len bound.
-        launch = varlen_kwargs(torch.tensor(ls), padded_to=N)
-        got = timed(q, k, v, launch["cu_seq_lens_q"].to(dev), launch["max_length_q"], args.reps)
+        # What the trainer launches (varlen_kwargs(padded_to=)): the row padded to its length bucket
+        # (TorchTrainer.packed_length), its slot count and graph_max_len bound.
+        bucket = bucket_length(real)
+        launch = varlen_kwargs(torch.tensor(ls), padded_to=bucket)
+        cu_t = launch["cu_seq_lens_q"].to(dev)
+        got = timed(q[:bucket], k[:bucket], v[:bucket], cu_t, launch["max_length_q"], args.reps)
         equal = same_on_real(got, exact, real)
         row["trainer_ms"], row["trainer_equal"] = got["ms"], equal
         row["trainer_launch"] = [launch["cu_seq_lens_q"].numel() - 1, launch["max_length_q"]]
         cells.append(
             f"{got['ms']:>8.3f}{'' if equal else ' !='} ({row['trainer_launch'][0]}, {row['trainer_launch'][1]})"
         )
+        row["padded_ms"], row["padded_length"] = timed_padded(args.heads, args.kv_heads, D, ls, args.reps)
+        cells.append(f"  {row['padded_ms']:>8.3f} ({len(ls)} x {row['padded_length']})")
         rows.append(row)
         print(f"{g:>4} {len(ls):>4} {real:>5} {max(ls):>7} {exact['ms']:>9.3f} " + " ".join(cells))
     for cap in args.caps:
@@ -162,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     deltas = [r["trainer_ms"] - r["exact_ms"] for r in rows]
     print(
-        f"trainer launch: +{statistics.mean(deltas):.3f} ms per attention fwd+bwd on average, x {args.layers} "
-        f"layers = +{statistics.mean(deltas) * args.layers:.1f} ms per micro-batch; bit-equal: "
+        f"trainer launch against exact (exact pads the row to --tokens, the trainer to its bucket): "
+        f"{statistics.mean(deltas):+.3f} ms per attention fwd+bwd on average, x {args.layers} layers = "
+        f"{statistics.mean(deltas) * args.layers:+.1f} ms per micro-batch; bit-equal: "
         f"{all(r['trainer_equal'] for r in rows)}"
+    )
+    packed, padded = sum(r["trainer_ms"] for r in rows), sum(r["padded_ms"] for r in rows)
+    print(
+        f"these rows' attention, forward + backward: packed (trainer launch) {packed:.3f} ms, padded SDPA "
+        f"{padded:.3f} ms: packed / padded time {packed / padded:.2f}"
     )
     write_report(
         args.out,
