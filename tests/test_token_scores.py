@@ -84,7 +84,8 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _counts(mask: torch.Tensor, select: torch.Tensor) -> dict[str, object]:
     """What the trainer takes from ``TokenBatch.counts``: each row's length and the scored positions' count."""
     sel = (select > 0) & (mask > 0)
-    return {"lengths": mask.sum(1).tolist(), "num_selected": int(sel[:, 1:].sum())}
+    # mask_free: padded rows without an attention mask, as on a GPU (the default keeps it on CPU)
+    return {"lengths": mask.sum(1).tolist(), "num_selected": int(sel[:, 1:].sum()), "mask_free": True}
 
 
 def _score(  # type: ignore[no-untyped-def]
@@ -367,3 +368,37 @@ def test_scoring_with_the_hosts_counts_never_waits() -> None:
         scores.logprobs_BL.sum().backward()
     assert calls == []
     torch.testing.assert_close(scores.logprobs_BL, uncounted.logprobs_BL, rtol=1e-5, atol=1e-6)
+
+
+def test_on_cpu_the_counts_keep_the_mask_and_every_bit() -> None:
+    """Without ``mask_free`` the mask is dropped only on CUDA: on CPU nothing waits anyway, and the scores with
+    the host's counts equal those without to the last bit (the CPU demo's outcome swings with last bits)."""
+    model = tiny_model()
+    ids, mask, select = ragged_batch()
+    seen: list[object] = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    known = _counts(mask, select)
+    with torch.no_grad():
+        plain = _score(model, ids, mask, select, packed=False, need_entropy=True)
+        free = _score(model, ids, mask, select, packed=False, need_entropy=True, counted=True)
+        del known["mask_free"]
+        counted = score_tokens(
+            model,
+            ids,
+            mask,
+            select,
+            temperature=0.9,
+            need_entropy=True,
+            compute_dtype=torch.float32,
+            packed=False,
+            autocast=contextlib.nullcontext,
+            chunk_tokens=5,
+            **known,  # type: ignore[arg-type]
+        )
+    # What the model was given: the mask, the mask-free mapping (mask_free=True), the mask again (CPU default).
+    assert seen[0] is mask and seen[1] == {"full_attention": None} and seen[2] is mask
+    assert free.entropy_BL is not None and plain.entropy_BL is not None and counted.entropy_BL is not None
+    assert torch.equal(plain.logprobs_BL, counted.logprobs_BL)
+    assert torch.equal(plain.entropy_BL, counted.entropy_BL)

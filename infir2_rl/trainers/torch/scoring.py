@@ -94,6 +94,7 @@ def score_tokens(
     fused: bool = False,
     lengths: Sequence[int] | None = None,
     num_selected: int | None = None,
+    mask_free: bool | None = None,
 ) -> TokenScores:
     """Scores of ``input_ids_BL`` (right-padded rows) at the selected positions; zeros elsewhere.
 
@@ -104,10 +105,12 @@ def score_tokens(
 
     ``lengths`` (each row's real tokens) and ``num_selected`` (how many positions the scores cover), when the
     caller knows them on the host (``TokenBatch.counts``), spare every wait for the device: the positions come
-    from ``nonzero_static`` of that size, and padded rows run without an attention mask (right padding: causal
-    attention keeps every pad out of every real token's output, so only the unscored pads' values change;
-    transformers' mask builder waited to find whether the mask could be skipped). ``num_selected`` must be the
-    count of ``select_BL & attention_mask`` at positions t >= 1."""
+    from ``nonzero_static`` of that size. ``num_selected`` must be the count of ``select_BL & attention_mask``
+    at positions t >= 1. ``mask_free`` (default: on CUDA, with ``lengths`` given): padded rows run without an
+    attention mask (right padding: causal attention keeps every pad out of every real token's output, so only
+    the unscored pads' values change; transformers' mask builder waited to find whether the mask could be
+    skipped, and SDPA with a padding mask cannot take the flash kernel). On CPU there is no wait to spare, and
+    the mask stays: the CPU path keeps its numerics to the last bit (the demo's outcome swings with them)."""
     B, L = input_ids_BL.shape
     real = attention_mask_BL.bool()
     select = select_BL.bool() & real
@@ -141,7 +144,9 @@ def score_tokens(
     else:
         attention = nullcontext()
         ids, sel = input_ids_BL, select
-        no_mask = _no_mask(model) if lengths is not None else None
+        if mask_free is None:
+            mask_free = lengths is not None and input_ids_BL.is_cuda
+        no_mask = _no_mask(model) if mask_free else None
         kwargs = {"attention_mask": attention_mask_BL if no_mask is None else no_mask}
     k = 2 if need_entropy else 1
     head = model.get_output_embeddings()  # type: ignore[operator]
