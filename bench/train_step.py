@@ -191,8 +191,8 @@ def sync(device: torch.device) -> None:
 
 def sync_sites(trainer: Any, batches: Any, loss_fn: Any, units: Any) -> list[tuple[int, str]]:
     """(count, call chain) of each place one more train step makes the host wait for the device (torch's
-    sync debug mode: ``.item()``, ``nonzero``, copies from pageable host memory and back, boolean indexing). The chain lists the
-    innermost frames of this project and of transformers, innermost first."""
+    sync debug mode: ``.item()``, ``nonzero``, copies between the device and pageable host memory, boolean
+    indexing). The chain lists the innermost frames of this project and of transformers, innermost first."""
     import traceback
     import warnings
 
