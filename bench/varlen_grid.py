@@ -33,10 +33,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from decoder_layer import graphed
 from train_packed import rl_batch
 from train_step import write_report
 
 from infir2_rl.trainers.torch.varlen_attention import varlen_causal, varlen_kwargs
+
+
+def graph_times(fn: Any, reps: int) -> tuple[list[float], Any]:
+    """``fn`` replayed from one CUDA graph (``decoder_layer.graphed``): the ms of each of ``reps`` replays, and
+    what ``fn`` returned in the capture (its tensors hold the last replay's values)."""
+    held: list[Any] = [None]
+
+    def call() -> None:
+        held[0] = fn()
+
+    replay = graphed(call)
+    replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, held[0]
 
 
 def timed(
@@ -47,26 +69,12 @@ def timed(
     grad = torch.randn(
         q.shape, generator=torch.Generator(q.device).manual_seed(1), device=q.device, dtype=q.dtype
     )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            out = varlen_causal(q, k, v, cu, max_len)
-            torch.autograd.grad(out, (q, k, v), grad)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         out = varlen_causal(q, k, v, cu, max_len)
-        grads = torch.autograd.grad(out, (q, k, v), grad)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        return out, torch.autograd.grad(out, (q, k, v), grad)
+
+    times, (out, grads) = graph_times(step, reps)
     return {
         "ms": statistics.median(times),
         "spread": [min(times), max(times)],
@@ -96,24 +104,7 @@ def timed_padded(
         out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         return torch.autograd.grad(out, (qs, ks, vs), grad)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times, _ = graph_times(step, reps)
     return statistics.median(times), length
 
 
