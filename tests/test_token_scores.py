@@ -96,10 +96,9 @@ def _score(  # type: ignore[no-untyped-def]
     packed: bool,
     need_entropy: bool,
     t: float = 0.9,
-    counted: bool = False,
+    known: dict[str, object] | None = None,
 ):
-    """``counted``: with the host's counts (``_counts``), as the trainer runs it."""
-    known = _counts(mask, select) if counted else {}
+    """``known``: the host's counts (``_counts``), as the trainer passes them."""
     return score_tokens(
         model,
         ids,
@@ -111,7 +110,7 @@ def _score(  # type: ignore[no-untyped-def]
         packed=packed,
         autocast=contextlib.nullcontext,
         chunk_tokens=5,
-        **known,  # type: ignore[arg-type]
+        **(known or {}),  # type: ignore[arg-type]
     )
 
 
@@ -130,7 +129,8 @@ def test_model_scores_and_gradients_equal_the_logits_path(packed: bool, counted:
     ids, mask, select = ragged_batch()
     sel = (select > 0) & (mask > 0)
     sel[:, 0] = False
-    scores = _score(model, ids, mask, select, packed=packed, need_entropy=True, counted=counted)
+    known = _counts(mask, select) if counted else None
+    scores = _score(model, ids, mask, select, packed=packed, need_entropy=True, known=known)
     assert scores.entropy_BL is not None
     loss = -(scores.logprobs_BL.sum() + 0.1 * scores.entropy_BL.sum())
     loss.backward()
@@ -352,19 +352,7 @@ def test_scoring_with_the_hosts_counts_never_waits() -> None:
     calls.clear()
     known = _counts(mask, select)  # (counted here, outside the check: the trainer counts the CPU batch)
     with Count():
-        scores = score_tokens(
-            model,
-            ids,
-            mask,
-            select,
-            temperature=0.9,
-            need_entropy=False,
-            compute_dtype=torch.float32,
-            packed=False,
-            autocast=contextlib.nullcontext,
-            chunk_tokens=5,
-            **known,  # type: ignore[arg-type]
-        )
+        scores = _score(model, ids, mask, select, packed=False, need_entropy=False, known=known)
         scores.logprobs_BL.sum().backward()
     assert calls == []
     torch.testing.assert_close(scores.logprobs_BL, uncounted.logprobs_BL, rtol=1e-5, atol=1e-6)
@@ -382,21 +370,9 @@ def test_on_cpu_the_counts_keep_the_mask_and_every_bit() -> None:
     known = _counts(mask, select)
     with torch.no_grad():
         plain = _score(model, ids, mask, select, packed=False, need_entropy=True)
-        free = _score(model, ids, mask, select, packed=False, need_entropy=True, counted=True)
+        free = _score(model, ids, mask, select, packed=False, need_entropy=True, known=known)
         del known["mask_free"]
-        counted = score_tokens(
-            model,
-            ids,
-            mask,
-            select,
-            temperature=0.9,
-            need_entropy=True,
-            compute_dtype=torch.float32,
-            packed=False,
-            autocast=contextlib.nullcontext,
-            chunk_tokens=5,
-            **known,  # type: ignore[arg-type]
-        )
+        counted = _score(model, ids, mask, select, packed=False, need_entropy=True, known=known)
     # What the model was given: the mask, the mask-free mapping (mask_free=True), the mask again (CPU default).
     assert seen[0] is mask and seen[1] == {"full_attention": None} and seen[2] is mask
     assert free.entropy_BL is not None and plain.entropy_BL is not None and counted.entropy_BL is not None
