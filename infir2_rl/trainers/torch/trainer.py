@@ -352,7 +352,7 @@ class TorchTrainer:
             fused=bool(self.fused_layers),  # trainer.fused_kernels: the token scores' Triton passes too
             # Counted on the host (TokenBatch.to): no wait for the device in the micro-batch.
             lengths=batch.counts.lengths if batch.counts is not None else None,
-            num_selected=num_selected if batch.counts is not None else None,
+            num_selected=num_selected,
         )
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
