@@ -1,20 +1,25 @@
 """Packed vs padded micro-batches on an RL-shaped batch: one trainer step, 1.5B shape, BF16 and FP8.
 
     python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8]
-                                 [--layouts padded packed] [--cuda-graphs auto|on|off|both]
-                                 [--max-shapes N] [--out PATH]
+                                 [--layouts padded packed sorted] [--cuda-graphs auto|on|off|both]
+                                 [--max-shapes N] [--profile] [--profile-top 12] [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
 RL loss), in random order as a rollout returns them. Padded: micro-batches of consecutive rows with rows x
 longest row <= --budget (``trainer.max_tokens_per_gpu``), each padded to its longest row. Packed
 (``trainer.pack_sequences``): consecutive rows with summed length <= --budget, one row of real tokens each.
+Sorted (``trainer.sort_by_length``, the default with a token budget): the padded grouping over the rows
+ordered by length, longest first (rows of like length share a micro-batch, so little is padded, and
+attention stays on SDPA's kernel instead of varlen flash); sorted-packed: packed over the sorted rows.
 Tokens/s counts real tokens. Median of --steps steps after one warm-up step, synchronized wall time.
 ``--cuda-graphs`` sets ``trainer.cuda_graphs`` (auto, the trainer's default: graphs for both precisions on one
 GPU; both: every mode and layout eager and graphed); ``--max-shapes`` caps the training shapes captured (the
 trainer's default 64; micro-batches of later shapes run eagerly). With graphs, padded micro-batches are padded
 to a length bucket and packed rows to the bucket of their real tokens; "computed" counts those pads. FP8/BF16
-ratios are printed per layout against the fastest BF16 of that layout.
+ratios are printed per layout against the fastest BF16 of that layout. ``--profile`` runs one more step per
+case under torch.profiler and prints its device kernels by category (bench/train_step.py's grouping), per
+computed token, and the share of the step the GPU was busy: where a packed token costs more than a padded one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from train_step import model_dir, sync, write_report
+from train_step import kernel_times, model_dir, print_kernels, summarize_kernels, sync, write_report
 
 
 def rl_batch(num: int, vocab: int, seed: int = 0) -> Any:
@@ -47,11 +52,17 @@ def rl_batch(num: int, vocab: int, seed: int = 0) -> Any:
 
 
 def run(
-    path: Path, fp8: bool, packed: bool, graphs: bool | str, batch: Any, args: argparse.Namespace
+    path: Path,
+    fp8: bool,
+    packed: bool,
+    graphs: bool | str,
+    batch: Any,
+    args: argparse.Namespace,
+    layout: str = "padded",
 ) -> dict[str, Any]:
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
-    from infir2_rl.trainers.microbatch import bucket_length, micro_batches
+    from infir2_rl.trainers.microbatch import bucket_length, micro_batches, row_lengths, shard_rows, take_rows
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     gc.collect()
@@ -64,6 +75,8 @@ def run(
         fp8=fp8,
         total_steps=args.steps + 2,
     )
+    if layout.startswith("sorted"):  # the rows ordered by length, longest first (trainer.sort_by_length)
+        batch = take_rows(batch, shard_rows(row_lengths(batch), 1, sort_by_length=True)[0])
     parts = micro_batches(batch, 1, args.budget, packed=packed)
     graphed = trainer.layer_graphs is not None
     if graphed and args.max_shapes is not None:
@@ -92,6 +105,7 @@ def run(
     out = {
         "fp8": fp8,
         "packed": packed,
+        "layout": layout,
         "graphs": graphed,
         "graph_shapes": trainer.layer_graphs.num_shapes
         if graphed and trainer.layer_graphs is not None
@@ -105,8 +119,15 @@ def run(
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
         "loss": stats.loss,
     }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.train_step(parts, loss_fn, units)
+            sync(trainer.device)
+        out["profile"] = summarize_kernels(kernel_times(prof), top=args.profile_top)
     print(
-        f"  {'fp8' if fp8 else 'bf16'} {'packed' if packed else 'padded'} graphs={graphed}: "
+        f"  {'fp8' if fp8 else 'bf16'} {layout} graphs={graphed}: "
         f"step {step_s:.2f} s [{min(times):.2f}, {max(times):.2f}], {out['tokens_per_s']:.0f} tok/s "
         f"(first step {first:.2f} s)",
         flush=True,
@@ -122,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=8192, help="trainer.max_tokens_per_gpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per case (median)")
     parser.add_argument("--modes", nargs="*", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    parser.add_argument("--layouts", nargs="*", default=["padded", "packed"], choices=["padded", "packed"])
+    parser.add_argument(
+        "--layouts",
+        nargs="*",
+        default=["padded", "packed"],
+        choices=["padded", "packed", "sorted", "sorted-packed"],
+    )
     parser.add_argument(
         "--max-shapes",
         type=int,
@@ -132,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cuda-graphs", default="auto", choices=["auto", "on", "off", "both"], help="trainer.cuda_graphs"
     )
+    parser.add_argument("--profile", action="store_true", help="profile one more step per case (kernels)")
+    parser.add_argument("--profile-top", type=int, default=12, help="--profile: top kernels printed")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
@@ -159,24 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     graph_settings = graph_choices[args.cuda_graphs]
     results = [
-        run(path, mode == "fp8", packed, graphs, batch, args)
+        run(path, mode == "fp8", layout.endswith("packed"), graphs, batch, args, layout)
         for mode in args.modes
         for graphs in graph_settings
-        for packed in (False, True)
-        if ("packed" if packed else "padded") in args.layouts
+        for layout in args.layouts
     ]
     print(
         f"\n{'mode':<5} {'layout':<7} {'graphs':<6} | {'micro':>5} | {'computed':>9} | {'step s':>7} | {'tok/s':>8} | {'peak GiB':>8}"
     )
     for r in results:
         print(
-            f"{'fp8' if r['fp8'] else 'bf16':<5} {'packed' if r['packed'] else 'padded':<7} "
+            f"{'fp8' if r['fp8'] else 'bf16':<5} {r['layout']:<7} "
             f"{('on/' + str(r['graph_shapes'])) if r['graphs'] else 'off':<6} | {r['micro_batches']:5d} | "
             f"{r['computed_tokens']:9d} | {r['step_s']['median']:7.2f} | {r['tokens_per_s']:8.0f} | {r['peak_memory_gb']:8.2f}"
         )
 
-    def best(fp8: bool, packed: bool) -> dict[str, Any] | None:
-        rows = [r for r in results if r["fp8"] == fp8 and r["packed"] == packed]
+    def best(fp8: bool, layout: str) -> dict[str, Any] | None:
+        rows = [r for r in results if r["fp8"] == fp8 and r["layout"] == layout]
         return max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
 
     def ratio(label: str, num: dict[str, Any] | None, den: dict[str, Any] | None, goal: str = "") -> None:
@@ -187,13 +214,29 @@ def main(argv: list[str] | None = None) -> int:
         name = "fp8" if fp8 else "bf16"
         ratio(
             f"packed/padded tokens/s ({name}, fastest of each)",
-            best(fp8, True),
-            best(fp8, False),
+            best(fp8, "packed"),
+            best(fp8, "padded"),
             " (goal >= 1.5)",
         )
-    for packed in (False, True):
-        name = "packed" if packed else "padded"
-        ratio(f"FP8/BF16 tokens/s ({name}, fastest of each)", best(True, packed), best(False, packed))
+        ratio(f"sorted/padded tokens/s ({name}, fastest of each)", best(fp8, "sorted"), best(fp8, "padded"))
+        ratio(f"sorted/packed tokens/s ({name}, fastest of each)", best(fp8, "sorted"), best(fp8, "packed"))
+        ratio(
+            f"sorted/sorted-packed tokens/s ({name}, fastest of each)",
+            best(fp8, "sorted"),
+            best(fp8, "sorted-packed"),
+        )
+    for r in results:
+        if "profile" in r:
+            prof = r["profile"]
+            name = f"{'fp8' if r['fp8'] else 'bf16'} {r['layout']}"
+            per_token = {c: 1e6 * ms / r["computed_tokens"] for c, ms in prof["categories_ms"].items()}
+            print_kernels(f"profile of one {name} step ({r['micro_batches']} micro-batches)", prof)
+            print(
+                f"  busy {prof['total_ms'] / 1e3 / r['step_s']['median']:.0%} of the step; ns per computed token: "
+                + ", ".join(f"{c} {v:.0f}" for c, v in per_token.items())
+            )
+    for layout in args.layouts:
+        ratio(f"FP8/BF16 tokens/s ({layout}, fastest of each)", best(True, layout), best(False, layout))
     write_report(
         args.out,
         {

@@ -62,25 +62,82 @@ def graph_times(fn: Any, reps: int) -> tuple[list[float], Any]:
 
 
 def timed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, reps: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    reps: int,
+    backend: str = "flash",
+    eager: bool = False,
 ) -> dict[str, Any]:
-    """Forward + backward in one CUDA graph: median ms per replay, and the outputs and gradients."""
+    """Forward + backward in one CUDA graph (``eager``: launched from Python each time, host included):
+    median ms per replay, and the outputs and gradients."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     grad = torch.randn(
         q.shape, generator=torch.Generator(q.device).manual_seed(1), device=q.device, dtype=q.dtype
     )
 
     def step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        out = varlen_causal(q, k, v, cu, max_len)
+        attend = cudnn_varlen_causal if backend == "cudnn" else varlen_causal
+        out = attend(q, k, v, cu, max_len)
         return out, torch.autograd.grad(out, (q, k, v), grad)
 
-    times, (out, grads) = graph_times(step, reps)
+    kernel_ms = None
+    if eager:
+        times, ((out, grads), kernel_ms) = eager_times(step, reps)
+    else:
+        times, (out, grads) = graph_times(step, reps)
     return {
+        "kernel_ms": kernel_ms,
         "ms": statistics.median(times),
         "spread": [min(times), max(times)],
         "out": out.detach(),
         "grads": grads,
     }
+
+
+def cudnn_varlen_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int
+) -> Any:
+    """``varlen_causal`` on torch's cuDNN attention over ragged sequences (``_cudnn_attention_forward`` given
+    offsets; autograd runs ``_cudnn_attention_backward``): timed against flash by ``--cudnn``, not used by the
+    trainer (torch 2.11 on an H100, session 37: outputs and gradients up to 15 away from flash's with these
+    GQA shapes, through this call of torch's private op, not debugged further; 100-140 ms per eager call,
+    a cuDNN graph built each time; and its CUDA graph capture failed; docs/performance.md, "Packed
+    micro-batches", session 37)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), None, cu, cu, max_len, max_len, needs_grad)
+    return torch.ops.aten._cudnn_attention_forward(*args, 0.0, True, False)[0]
+
+
+def eager_times(fn: Any, reps: int) -> tuple[list[float], Any]:
+    """``fn`` called from Python ``reps`` times after a warm-up: wall ms of each call, synchronized (the host's
+    launch work included), and the last call's result."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+    from train_step import kernel_times
+
+    held = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        held = fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sum(us for _, _, us, _ in kernel_times(prof)) / 1e3
+    return times, (held, kernels)
+
+
+def max_diff(got: dict[str, Any], ref: dict[str, Any], real: int) -> float:
+    """Largest |difference| of outputs and gradients on the first ``real`` tokens."""
+    pairs = [(got["out"], ref["out"]), *zip(got["grads"], ref["grads"], strict=True)]
+    return max(float((a[:real].float() - b[:real].float()).abs().max()) for a, b in pairs)
 
 
 def timed_padded(
@@ -132,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caps", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=6, help="micro-batches timed (spread over the batch)")
+    parser.add_argument(
+        "--cudnn",
+        action="store_true",
+        help="also time the trainer's launch on cuDNN's ragged attention (graphed and eager, flash eager too)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -192,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(
             f"{got['ms']:>8.3f}{'' if equal else ' !='} ({row['trainer_launch'][0]}, {row['trainer_launch'][1]})"
         )
+        if args.cudnn:  # eager only: torch 2.11's ragged cuDNN attention cannot be captured (below)
+            qb, kb, vb, mlen = q[:bucket], k[:bucket], v[:bucket], launch["max_length_q"]
+            fl = timed(qb, kb, vb, cu_t, mlen, args.reps, eager=True)
+            cud = timed(qb, kb, vb, cu_t, mlen, args.reps, backend="cudnn", eager=True)
+            row["flash_eager_ms"], row["cudnn_eager_ms"] = fl["ms"], cud["ms"]
+            row["cudnn_diff"] = max_diff(cud, fl, real)
+            cells.append(f" eager flash {fl['ms']:.3f} / cudnn {cud['ms']:.3f} (|d| {row['cudnn_diff']:.1e})")
         row["padded_ms"], row["padded_length"] = timed_padded(args.heads, args.kv_heads, D, ls, args.reps)
         cells.append(f"  {row['padded_ms']:>8.3f} ({len(ls)} x {row['padded_length']})")
         rows.append(row)
@@ -216,6 +285,19 @@ def main(argv: list[str] | None = None) -> int:
         f"these rows' attention, forward + backward: packed (trainer launch) {packed:.3f} ms, padded SDPA "
         f"{padded:.3f} ms: packed / padded time {packed / padded:.2f}"
     )
+    if args.cudnn:
+        cud, fl = sum(r["cudnn_eager_ms"] for r in rows), sum(r["flash_eager_ms"] for r in rows)
+        kc, kf = sum(r["cudnn_kernel_ms"] for r in rows), sum(r["flash_kernel_ms"] for r in rows)
+        print(
+            f"eager, host included: cuDNN ragged {cud:.3f} ms against flash {fl:.3f} (cudnn / flash "
+            f"{cud / fl:.2f}); device kernels {kc:.3f} against {kf:.3f} ({kc / kf:.2f}); largest "
+            f"|difference| from flash {max(r['cudnn_diff'] for r in rows):.2e}"
+        )
+        try:  # last: a failed capture may leave the device unusable for this process
+            timed(q, k, v, cu, max(seq), 1, backend="cudnn")
+            print("cuDNN ragged attention: captured in a CUDA graph")
+        except Exception as exc:
+            print(f"cuDNN ragged attention: CUDA graph capture failed: {str(exc).splitlines()[0]}")
     write_report(
         args.out,
         {

@@ -59,6 +59,9 @@ class HostCounts:
     def rows(self, start: int, stop: int) -> HostCounts:
         return HostCounts(self.lengths[start:stop], self.targets[start:stop])
 
+    def take(self, index: Sequence[int]) -> HostCounts:
+        return HostCounts(tuple(self.lengths[i] for i in index), tuple(self.targets[i] for i in index))
+
 
 @dataclass
 class TokenBatch:

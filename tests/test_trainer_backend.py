@@ -23,6 +23,9 @@ from infir2_rl.trainers.microbatch import (
     row_lengths,
     shard_bounds,
     shard_micro_batches,
+    shard_rows,
+    take_rows,
+    unshuffle_rows,
 )
 from infir2_rl.trainers.optim import LrFactor
 from infir2_rl.trainers.torch.trainer import TorchTrainer
@@ -235,6 +238,41 @@ def test_micro_batches_cover_every_row_in_order_under_a_token_budget(assets: tup
     assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
     shards = shard_micro_batches(batch, world_size=2, micro_batch_size=3)
     assert [[p.num_sequences for p in s] for s in shards] == [[3, 1], [3, 1]]
+
+
+def test_sorted_shards_deal_rows_by_length_and_results_come_back_in_batch_order(
+    assets: tuple[Path, TokenBatch],
+) -> None:
+    """trainer.sort_by_length: rows ordered by length, longest first, dealt to the ranks in turn; each rank's
+    micro-batches hold rows of like length, and unshuffle_rows puts per-row results back in batch order."""
+    _, batch = assets
+    lengths = row_lengths(batch)
+    assert shard_rows(lengths, 2) == [list(range(*b)) for b in shard_bounds(len(lengths), 2)]
+    rows = shard_rows(lengths, 2, sort_by_length=True)
+    flat = [i for index in rows for i in index]
+    assert sorted(flat) == list(range(len(lengths))) and flat != list(range(len(lengths)))
+    by_length = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    assert rows[0] == by_length[0::2] and rows[1] == by_length[1::2]
+    for index in rows:
+        assert [lengths[i] for i in index] == sorted((lengths[i] for i in index), reverse=True)
+    assert shard_rows([5, 9, 9, 1], 1, sort_by_length=True) == [[1, 2, 0, 3]]  # ties keep batch order
+    # take_rows: the rows in the given order, cut to their longest, the host's counts taken with them.
+    counted = batch.to("cpu")
+    assert counted.counts is not None
+    picked = take_rows(counted, rows[1])
+    assert picked.input_ids.shape == (len(rows[1]), max(lengths[i] for i in rows[1]))
+    for k, i in enumerate(rows[1]):
+        assert torch.equal(picked.input_ids[k], batch.input_ids[i, : picked.input_ids.shape[1]])
+        assert torch.equal(picked.loss_mask[k], batch.loss_mask[i, : picked.input_ids.shape[1]])
+    assert picked.counts is not None and picked.counts.lengths == tuple(lengths[i] for i in rows[1])
+    assert picked.counts.targets == tuple(counted.counts.targets[i] for i in rows[1])
+    # Micro-batches of the sorted shards: per-row results merged in rank order, then unshuffled.
+    budget = 2 * max(lengths)
+    shards = shard_micro_batches(batch, 2, 8, budget, rows=rows)
+    parts = [p.input_ids * p.attention_mask for shard in shards for p in shard]
+    merged = merge_rows(parts, batch.input_ids.shape[1])
+    assert not torch.equal(merged, batch.input_ids * batch.attention_mask)
+    assert torch.equal(unshuffle_rows(merged, flat), batch.input_ids * batch.attention_mask)
 
 
 def test_export_after_a_fused_optimizer_step_sends_the_updated_fp8_weights(

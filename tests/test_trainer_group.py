@@ -16,7 +16,7 @@ from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
-from infir2_rl.trainers.microbatch import select_rows
+from infir2_rl.trainers.microbatch import row_lengths, select_rows, shard_rows
 from infir2_rl.types import LossOutput, TokenBatch, TokenScores
 
 
@@ -81,6 +81,9 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
         )
         with placed_trainer_group(cfg, total_steps=5, fsdp=fsdp) as group:
             assert group.pack_sequences is (pack is True)
+            if budget is not None:  # trainer.sort_by_length: these ranks get rows by length, not in order
+                lengths = row_lengths(batches[0])
+                assert shard_rows(lengths, 2, sort_by_length=True) != shard_rows(lengths, 2)
             key = (num_workers, fsdp, gather) if pack == "auto" else (num_workers, fsdp, "packed")
             results[key] = run(group, batches)
             if num_workers == 2 and fsdp is None:

@@ -56,7 +56,7 @@ def test_packed_and_padded_train_the_same(tmp_path: Path, fp8: bool) -> None:
 
 def test_pack_sequences_auto_packs_only_where_varlen_flash_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer.pack_sequences: "auto" packs on a CUDA device with varlen flash attention and BF16/FP16
-    compute, not under true_on_policy; true/false are kept as given."""
+    compute, not under true_on_policy nor where the rows are sorted by length; true/false are kept as given."""
     from infir2_rl.trainers.torch import trainer as trainer_mod
     from infir2_rl.trainers.torch import varlen_attention
 
@@ -77,6 +77,8 @@ def test_pack_sequences_auto_packs_only_where_varlen_flash_runs(monkeypatch: pyt
     assert resolve("auto", cuda, torch.float16, False) is True
     assert resolve("auto", cuda, torch.float32, False) is False  # flash runs in BF16/FP16 only
     assert resolve("auto", cuda, bf16, True) is False  # true_on_policy's walk scores padded rows
+    assert resolve("auto", cuda, bf16, False, sorted_rows=True) is False  # sorted padded rows beat packing
+    assert resolve(True, cuda, bf16, False, sorted_rows=True) is True
     monkeypatch.setattr(varlen_attention, "varlen_available", lambda device, warn=True: False)
     assert resolve("auto", cuda, bf16, False) is False  # no torch.nn.attention.varlen
 

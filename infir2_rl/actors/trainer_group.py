@@ -31,7 +31,13 @@ from infir2_rl.actors.remote import stop_actors
 from infir2_rl.actors.trainer_worker import TrainerSpec, TrainerWorker, unpack_tensors
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
-from infir2_rl.trainers.microbatch import merge_rows, shard_micro_batches
+from infir2_rl.trainers.microbatch import (
+    merge_rows,
+    row_lengths,
+    shard_micro_batches,
+    shard_rows,
+    unshuffle_rows,
+)
 from infir2_rl.types import LossFn, TokenBatch, TrainStats
 from infir2_rl.weight_sync.broadcast import BucketMeta
 from infir2_rl.weight_sync.digest import Digest
@@ -109,13 +115,35 @@ class TrainerGroup:
     def _per_rank(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
         return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args)])
 
-    def _shards(self, batch: TokenBatch) -> list[list[TokenBatch]]:
+    def _rows(self, batch: TokenBatch) -> list[list[int]]:
+        """Each model replica's row indices (``microbatch.shard_rows``: by length under trainer.sort_by_length
+        with a token budget, else contiguous blocks)."""
+        t = self.trainer_cfg
+        sort = t.sort_by_length and t.max_tokens_per_gpu is not None
+        return shard_rows(row_lengths(batch), self.num_workers // self.model_parallel, sort)
+
+    def _shards(self, batch: TokenBatch, rows: list[list[int]] | None = None) -> list[list[TokenBatch]]:
         t = self.trainer_cfg
         mp = self.model_parallel
         shards = shard_micro_batches(
-            batch, self.num_workers // mp, t.micro_batch_size, t.max_tokens_per_gpu, self.pack_sequences
+            batch,
+            self.num_workers // mp,
+            t.micro_batch_size,
+            t.max_tokens_per_gpu,
+            self.pack_sequences,
+            rows if rows is not None else self._rows(batch),
         )
         return [shards[rank // mp] for rank in range(self.num_workers)]
+
+    def _per_row(self, method: str, batch: TokenBatch, *args: Any) -> Tensor:
+        """B x L per-row results of ``method`` over the ranks' micro-batches of ``batch``, in batch order."""
+        rows = self._rows(batch)
+        parts: list[list[Tensor]] = self._per_rank(
+            method, [(shard, *args) for shard in self._shards(batch, rows)]
+        )
+        replicas = parts[:: self.model_parallel]  # one answer per model replica
+        merged = merge_rows([p for rank_parts in replicas for p in rank_parts], int(batch.input_ids.shape[1]))
+        return unshuffle_rows(merged, [i for index in rows for i in index])
 
     # ------------------------------------------------------------------ trainer API
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, total_units: int) -> TrainStats:
@@ -138,19 +166,11 @@ class TrainerGroup:
 
         ``fp8=False``: the FP8 linears run dense on their master weights (see ``fp8.linear.fp8_disabled``).
         """
-        parts: list[list[Tensor]] = self._per_rank(
-            "forward_logprobs", [(shard, temperature, fp8) for shard in self._shards(batch)]
-        )
-        replicas = parts[:: self.model_parallel]  # one answer per model replica
-        return merge_rows([p for rank_parts in replicas for p in rank_parts], int(batch.input_ids.shape[1]))
+        return self._per_row("forward_logprobs", batch, temperature, fp8)
 
     def forward_ref_logprobs(self, batch: TokenBatch, temperature: float) -> Tensor:
         """Per-token log-probs under the frozen reference model (algorithm.kl_coef > 0), like forward_logprobs."""
-        parts: list[list[Tensor]] = self._per_rank(
-            "forward_ref_logprobs", [(shard, temperature) for shard in self._shards(batch)]
-        )
-        replicas = parts[:: self.model_parallel]  # one answer per model replica
-        return merge_rows([p for rank_parts in replicas for p in rank_parts], int(batch.input_ids.shape[1]))
+        return self._per_row("forward_ref_logprobs", batch, temperature)
 
     def evaluate_loss(self, batch: TokenBatch, loss_fn: LossFn) -> float:
         """Mean loss over all units of `batch` (no update)."""

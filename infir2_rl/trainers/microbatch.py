@@ -9,6 +9,12 @@ Two micro-batch rules (trainer config): a fixed number of rows (`micro_batch_siz
 budget (`max_tokens_per_gpu`): as many rows as fit with rows x longest row <= budget, or, when the
 trainer packs micro-batches (`pack_sequences`: it computes only real tokens), with the sum of the rows'
 lengths <= budget.
+
+Sorted shards (`shard_rows(sort_by_length=True)`, `trainer.sort_by_length` with a token budget): the rows
+ordered by length, longest first, and dealt to the ranks in turn (rank r takes the r-th, (r+W)-th, ...), so
+rows of like length share a micro-batch (little padding) and every rank gets as many long rows as another.
+The rows are then not in batch order: `shard_rows` returns each rank's row indices, and `unshuffle_rows`
+puts per-row results back in place.
 """
 
 from __future__ import annotations
@@ -41,6 +47,25 @@ def select_rows(batch: TokenBatch, start: int, stop: int) -> TokenBatch:
         else:
             fields[name] = value[start:stop, :length]
     counts = batch.counts.rows(start, stop) if batch.counts is not None else None
+    return TokenBatch(**fields, counts=counts)  # type: ignore[arg-type]
+
+
+def take_rows(batch: TokenBatch, index: Sequence[int]) -> TokenBatch:
+    """Rows ``index`` of ``batch`` in that order, cut to the longest of them (``select_rows`` for a run)."""
+    index = list(index)
+    if index and index == list(range(index[0], index[-1] + 1)):
+        return select_rows(batch, index[0], index[-1] + 1)
+    lengths = row_lengths(batch)
+    length = max(max((lengths[i] for i in index), default=1), 1)
+    rows = torch.tensor(index, dtype=torch.long, device=batch.input_ids.device)
+    fields: dict[str, Tensor | None] = {}
+    for name, value in batch.tensors().items():
+        if value is None:
+            fields[name] = None
+        else:
+            picked = value.index_select(0, rows)
+            fields[name] = picked if value.dim() == 1 else picked[:, :length]
+    counts = batch.counts.take(index) if batch.counts is not None else None
     return TokenBatch(**fields, counts=counts)  # type: ignore[arg-type]
 
 
@@ -84,6 +109,15 @@ def shard_bounds(num_rows: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def shard_rows(lengths: Sequence[int], world_size: int, sort_by_length: bool = False) -> list[list[int]]:
+    """Each rank's row indices: contiguous blocks (``shard_bounds``), or with ``sort_by_length`` the rows by
+    length, longest first (ties in batch order), dealt to the ranks in turn (module docstring)."""
+    if not sort_by_length:
+        return [list(range(start, stop)) for start, stop in shard_bounds(len(lengths), world_size)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[rank::world_size] for rank in range(world_size)]
 
 
 def packed_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -131,14 +165,26 @@ def shard_micro_batches(
     micro_batch_size: int,
     max_tokens_per_gpu: int | None = None,
     packed: bool = False,
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> list[list[TokenBatch]]:
-    """Per rank, its list of micro-batches of the global `batch`."""
+    """Per rank, its list of micro-batches of the global `batch`: of the rows ``rows[rank]``, in that order
+    (``shard_rows``; default: contiguous blocks)."""
+    if rows is None:
+        rows = shard_rows([0] * batch.num_sequences, world_size)
     return [
-        micro_batches(select_rows(batch, start, stop), micro_batch_size, max_tokens_per_gpu, packed)
-        if stop > start
-        else []
-        for start, stop in shard_bounds(batch.num_sequences, world_size)
+        micro_batches(take_rows(batch, index), micro_batch_size, max_tokens_per_gpu, packed) if index else []
+        for index in rows
     ]
+
+
+def unshuffle_rows(merged: Tensor, order: Sequence[int]) -> Tensor:
+    """Per-row results in batch order: row i of ``merged`` belongs to batch row ``order[i]`` (the ranks' row
+    indices of ``shard_rows``, concatenated in rank order)."""
+    if list(order) == list(range(len(order))):
+        return merged
+    out = torch.empty_like(merged)
+    out[torch.tensor(list(order), dtype=torch.long)] = merged
+    return out
 
 
 def merge_rows(parts: Sequence[Tensor], length: int) -> Tensor:
