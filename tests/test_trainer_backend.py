@@ -256,6 +256,9 @@ def test_sorted_shards_deal_rows_by_length_and_results_come_back_in_batch_order(
     for index in rows:
         assert [lengths[i] for i in index] == sorted((lengths[i] for i in index), reverse=True)
     assert shard_rows([5, 9, 9, 1], 1, sort_by_length=True) == [[1, 2, 0, 3]]  # ties keep batch order
+    # The setting applies with a token budget only (a fixed micro_batch_size keeps batch order).
+    assert TrainerConfig(max_tokens_per_gpu=100).sorts_rows and not TrainerConfig().sorts_rows
+    assert not TrainerConfig(max_tokens_per_gpu=100, sort_by_length=False).sorts_rows
     # take_rows: the rows in the given order, cut to their longest, the host's counts taken with them.
     counted = batch.to("cpu")
     assert counted.counts is not None

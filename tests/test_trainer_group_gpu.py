@@ -72,10 +72,11 @@ def test_two_fsdp_ranks_with_packed_rows_train_like_one_gpu(
                 "global_batch_size": 16,
                 "micro_batch_size": 4,
                 "max_tokens_per_gpu": budget,
+                "sort_by_length": False,  # sorted rows would make auto pad (trainer.sort_by_length)
             },
         )
         with placed_trainer_group(cfg, total_steps=5, fsdp=fsdp) as group:
-            assert group.pack_sequences is True  # auto packs on a GPU
+            assert group.pack_sequences is True  # auto packs on a GPU (unsorted rows)
             stats = [group.train_step(b, SftLossFn(), num_target_tokens(b)) for b in batches]
             logp = group.forward_logprobs(batches[0])
             results[num_workers] = ([s.loss for s in stats], [s.grad_norm for s in stats], logp)

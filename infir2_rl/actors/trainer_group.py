@@ -104,8 +104,9 @@ class TrainerGroup:
             raise RuntimeError(f"trainer ranks disagree on trainer.pack_sequences=auto (devices {devices})")
         self.pack_sequences: bool = packs.pop()
         log.info(
-            "trainer group: %d ranks on %s (fsdp=%s, packed micro-batches: %s)",
+            "trainer group: %d ranks on %s (fsdp=%s, packed micro-batches: %s, rows sorted by length: %s)",
             self.num_workers, sorted(set(devices)), fsdp, self.pack_sequences,
+            self.trainer_cfg.sorts_rows,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ fan-out helpers
@@ -118,9 +119,9 @@ class TrainerGroup:
     def _rows(self, batch: TokenBatch) -> list[list[int]]:
         """Each model replica's row indices (``microbatch.shard_rows``: by length under trainer.sort_by_length
         with a token budget, else contiguous blocks)."""
-        t = self.trainer_cfg
-        sort = t.sort_by_length and t.max_tokens_per_gpu is not None
-        return shard_rows(row_lengths(batch), self.num_workers // self.model_parallel, sort)
+        return shard_rows(
+            row_lengths(batch), self.num_workers // self.model_parallel, self.trainer_cfg.sorts_rows
+        )
 
     def _shards(self, batch: TokenBatch, rows: list[list[int]] | None = None) -> list[list[TokenBatch]]:
         t = self.trainer_cfg

@@ -172,6 +172,11 @@ class TrainerConfig(_Config):
     context_parallel_size: int = Field(default=1, ge=1)
 
     @property
+    def sorts_rows(self) -> bool:
+        """Whether batches are split by length order (``sort_by_length`` applies with a token budget only)."""
+        return self.sort_by_length and self.max_tokens_per_gpu is not None
+
+    @property
     def model_parallel_size(self) -> int:
         return self.tensor_parallel_size * self.context_parallel_size
 

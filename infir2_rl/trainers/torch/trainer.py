@@ -173,7 +173,7 @@ class TorchTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Packed micro-batches (trainer.pack_sequences): see scoring.py. The trainer group asks for the
         # resolved setting (TrainerWorker.packs_sequences), since it splits batches into micro-batches.
-        sorted_rows = trainer_cfg.sort_by_length and trainer_cfg.max_tokens_per_gpu is not None
+        sorted_rows = trainer_cfg.sorts_rows
         self.pack_sequences = resolve_pack_sequences(
             trainer_cfg.pack_sequences, self.device, self.compute_dtype, true_on_policy, sorted_rows
         )
