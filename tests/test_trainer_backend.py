@@ -71,6 +71,18 @@ def test_accumulation_gives_the_global_mean_whatever_the_split(assets: tuple[Pat
         torch.testing.assert_close(value, params(split)[name], rtol=1e-5, atol=2e-5)
 
 
+def test_evaluate_loss_is_the_loss_a_step_reports_before_it_updates(assets: tuple[Path, TokenBatch]) -> None:
+    """(sum of loss x units, units) over micro-batches, summed on the device and read once at the end."""
+    model, batch = assets
+    trainer = make_trainer(model)
+    total, units = trainer.evaluate_loss(micro_batches(batch, 3), SftLossFn())
+    assert units == num_target_tokens(batch)
+    stats = trainer.train_step(micro_batches(batch, 3), SftLossFn(), units)
+    assert total / units == pytest.approx(stats.loss, rel=1e-6)
+    after, _ = trainer.evaluate_loss(micro_batches(batch, 3), SftLossFn())
+    assert after < total  # the step lowered the loss on its own batch
+
+
 def test_grpo_statistics_are_token_means_whatever_the_split(assets: tuple[Path, TokenBatch]) -> None:
     """train/tis_weight_mean and the other GRPO statistics are means over response tokens: they were averaged
     by sequences over micro-batches, so micro-batches of one row logged +25% here. A micro-batch with no

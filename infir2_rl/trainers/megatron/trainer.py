@@ -446,13 +446,14 @@ class MegatronTrainer:
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
         self.model.eval()
         self.invalidate_fp8_cache()
-        total, units = 0.0, 0
+        total: Tensor | float = 0.0  # on the device until the end, as the torch trainer's
+        units = 0
         for batch in (b.to(self.device) for b in batches):
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
-            total += float(out.loss.item()) * out.num_units
+            total = total + out.loss.detach().double() * out.num_units
             units += out.num_units
         self.model.train()
-        return total, units
+        return float(total), units
 
     def forward_ref_logprobs(self, batches: Sequence[TokenBatch], temperature: float = 1.0) -> list[Tensor]:
         raise RuntimeError(

@@ -614,7 +614,10 @@ class TorchTrainer:
         """(sum over micro-batches of loss x units, units) on this rank, without gradients."""
         self.model.eval()
         self.fp8_step_boundary()
-        total, units = 0.0, 0
+        # The sum stays on the device (FP64: the same arithmetic as summing Python floats) and comes to the host
+        # once, after the last micro-batch: a read per micro-batch made the host wait for each in turn.
+        total: Tensor | float = 0.0
+        units = 0
         items = self._padded(batches)
         for batch in (items[i] for i in self._graph_order(items)):
             if batch is None:
@@ -622,10 +625,10 @@ class TorchTrainer:
                 continue
             batch = self._bucketed(batch)
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
-            total += float(out.loss.item()) * out.num_units
+            total = total + out.loss.detach().double() * out.num_units
             units += out.num_units
         self.model.train()
-        return total, units
+        return float(total), units
 
     def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors for the engines; with ``fp8`` the decoder linears as (weight fp8, weight_scale_inv),
