@@ -89,10 +89,6 @@ class TokenBatch:
         return int(self.input_ids.shape[0])
 
     @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum().item())
-
-    @property
     def num_targets(self) -> int:
         """Trained positions t >= 1 (loss_mask > 0): the host's count when known, else the device's."""
         if self.counts is not None:

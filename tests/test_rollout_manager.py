@@ -177,7 +177,7 @@ def test_token_batches_align_response_tokens_logprobs_and_advantages() -> None:
         torch.tensor([[0, 0, -0.1, -0.2, -0.3], [0, 0, -0.4, 0, 0], [0, 0, 0, -0.5, -0.6]]),
     )
     assert first.advantages is not None and first.advantages.tolist() == [1.0, -1.0, -1.0]
-    assert micro[1].input_ids.tolist() == [[12, 13, 14, 26]] and micro[1].num_loss_tokens == 1
+    assert micro[1].input_ids.tolist() == [[12, 13, 14, 26]] and micro[1].num_targets == 1
     with pytest.raises(ValueError, match="one each"):
         to_token_batches(batch, adv[:3], pad_id=0, micro_batch_size=2)
 

@@ -180,7 +180,8 @@ def _train_on(
     all_stats = []
     for start in range(0, tokens.num_sequences, size):
         part = tokens.rows(start, start + size)
-        units = part.num_loss_tokens if cfg.algorithm.loss_reduction == "token_mean" else part.num_sequences
+        # The units each micro-batch's GrpoLoss counts (trained positions t >= 1), so the means add up exactly.
+        units = part.num_targets if cfg.algorithm.loss_reduction == "token_mean" else part.num_sequences
         all_stats.append(actors.trainer.train_step(part, loss_fn, total_units=units))
     return all_stats
 
