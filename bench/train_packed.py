@@ -2,7 +2,7 @@
 
     python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8]
                                  [--layouts padded packed sorted] [--cuda-graphs auto|on|off|both]
-                                 [--max-shapes N] [--profile] [--profile-top 12] [--out PATH]
+                                 [--max-shapes N] [--score-steps 0] [--profile] [--profile-top 12] [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
@@ -17,7 +17,9 @@ Tokens/s counts real tokens. Median of --steps steps after one warm-up step, syn
 GPU; both: every mode and layout eager and graphed); ``--max-shapes`` caps the training shapes captured (the
 trainer's default 64; micro-batches of later shapes run eagerly). With graphs, padded micro-batches are padded
 to a length bucket and packed rows to the bucket of their real tokens; "computed" counts those pads. FP8/BF16
-ratios are printed per layout against the fastest BF16 of that layout. ``--profile`` runs one more step per
+ratios are printed per layout against the fastest BF16 of that layout. ``--score-steps N`` then times N scoring passes
+(``forward_logprobs``, the RL step's old log-probs) after one that captures, with how many micro-batches
+replayed from forward-only graphs (at most 16 shapes). ``--profile`` runs one more step per
 case under torch.profiler and prints its device kernels by category (bench/train_step.py's grouping), per
 computed token, and the share of the step the GPU was busy: where a packed token costs more than a padded one.
 """
@@ -102,7 +104,7 @@ def run(
     first, times = times[0], times[1:]  # the first step also captures the graphs of the shapes it meets
     real = int(batch.attention_mask.sum())
     step_s = statistics.median(times)
-    out = {
+    out: dict[str, Any] = {
         "fp8": fp8,
         "packed": packed,
         "layout": layout,
@@ -119,6 +121,21 @@ def run(
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
         "loss": stats.loss,
     }
+    if args.score_steps:  # old log-probs over the same micro-batches, as an RL step scores its batch
+        layer_graphs = trainer.layer_graphs
+        trainer.forward_logprobs(parts)  # captures the forward-only shapes (at most 16)
+        before = layer_graphs.replays if layer_graphs is not None else 0
+        score_times = []
+        for _ in range(args.score_steps):
+            sync(trainer.device)
+            start = time.perf_counter()
+            trainer.forward_logprobs(parts)
+            sync(trainer.device)
+            score_times.append(time.perf_counter() - start)
+        out["score_s"] = statistics.median(score_times)
+        after = layer_graphs.replays if layer_graphs is not None else 0
+        out["score_graphed"] = (after - before) / args.score_steps
+        out["graph_shapes_after_scoring"] = layer_graphs.num_shapes if layer_graphs is not None else 0
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -129,7 +146,13 @@ def run(
     print(
         f"  {'fp8' if fp8 else 'bf16'} {layout} graphs={graphed}: "
         f"step {step_s:.2f} s [{min(times):.2f}, {max(times):.2f}], {out['tokens_per_s']:.0f} tok/s "
-        f"(first step {first:.2f} s)",
+        f"(first step {first:.2f} s)"
+        + (
+            f"; scoring {out['score_s']:.2f} s ({out['score_graphed']:.0f} of {len(parts)} micro-batches graphed), "
+            f"train + score {real / (step_s + float(out['score_s'])):.0f} tok/s"
+            if "score_s" in out
+            else ""
+        ),
         flush=True,
     )
     del trainer
@@ -157,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpointing", action="store_true", help="model.gradient_checkpointing")
     parser.add_argument(
         "--cuda-graphs", default="auto", choices=["auto", "on", "off", "both"], help="trainer.cuda_graphs"
+    )
+    parser.add_argument(
+        "--score-steps",
+        type=int,
+        default=0,
+        help="then time this many scoring passes (forward_logprobs, after one that captures) per case",
     )
     parser.add_argument("--profile", action="store_true", help="profile one more step per case (kernels)")
     parser.add_argument("--profile-top", type=int, default=12, help="--profile: top kernels printed")
