@@ -75,7 +75,8 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
     for num_workers, fsdp, budget, gather, pack in runs:
         # budget: token-budget micro-batches give the FSDP ranks unequal forward counts (dummy padding).
         # gather: trainer.fsdp_param_dtype ("auto" gathers the FP32 masters on CPU; bfloat16 is the GPU default).
-        # pack: trainer.pack_sequences ("auto" pads on CPU; true packs, the default on GPUs, here with the mask).
+        # pack: trainer.pack_sequences ("auto" pads on CPU; true packs, the GPU default for unsorted rows, here with
+        # the mask). With the budget the rows are sorted by length (trainer.sort_by_length).
         cfg = stage_cfg(
             model, num_workers, max_tokens_per_gpu=budget, fsdp_param_dtype=gather, pack_sequences=pack
         )

@@ -1,5 +1,5 @@
 """TrainerGroup on two GPUs: two FSDP2 ranks over NCCL, with packed micro-batches (``trainer.pack_sequences:
-auto`` packs on a GPU) and the BF16 gather of the GPU default, train like one worker on one GPU, in BF16 and
+auto`` packs unsorted rows on a GPU) and the BF16 gather of the GPU default, train like one worker on one GPU, in BF16 and
 in FP8. The same comparison runs on CPU over gloo in ``test_trainer_group.py``. Needs two GPUs."""
 
 from __future__ import annotations
