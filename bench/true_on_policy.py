@@ -142,7 +142,7 @@ def run(path: Path, fp8: bool, mode: str, args: argparse.Namespace) -> dict[str,
         # The rest of an RL step: one GRPO update, then the new weights pushed to the engine.
         for mb, lp in zip(micro, logps):
             mb.old_logprobs = lp
-        units = sum(mb.num_loss_tokens for mb in micro)
+        units = sum(mb.num_targets for mb in micro)
         _sync()
         start = time.perf_counter()
         trainer.train_step(micro, loss_fn, units)
