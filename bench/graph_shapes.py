@@ -1,0 +1,77 @@
+"""How many CUDA-graph shapes the trainer's micro-batches meet over many RL-shaped batches, per layout (CPU only).
+
+    python bench/graph_shapes.py [--batches 50] [--seqs 256] [--budget 8192] [--report 1 10 50]
+
+``trainer.cuda_graphs`` captures each decoder layer once per micro-batch shape, at most 64 training and 16
+forward-only shapes (trainers/torch/layer_graphs.py); micro-batches of later shapes run eagerly. A benchmark
+that repeats one batch (bench/train_packed.py) meets only that batch's shapes; an RL run meets new lengths
+every step. This counts, for ``--batches`` batches of bench/train_packed.py's length distribution (seeds 0, 1,
+...), the distinct keys each layout's micro-batches would have, as the trainer builds them:
+
+* padded: consecutive rows with rows x longest <= budget, padded to the length bucket: (rows, bucket);
+* sorted (``trainer.sort_by_length``): the same over the rows ordered by length;
+* packed: one row of the group's real tokens padded to its bucket, with the offsets and longest length that
+  ``varlen_attention.varlen_kwargs(padded_to=)`` makes for it: (bucket, offsets, max length).
+
+Nothing runs on a GPU; the counts say when a run passes the caps, not what that costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from train_packed import rl_batch
+
+
+def shape_keys(lengths: list[int], budget: int, layout: str) -> list[tuple[Any, ...]]:
+    """The graph key of each micro-batch of a batch with these row lengths."""
+    import torch
+
+    from infir2_rl.data.batching import batch_by_token_budget
+    from infir2_rl.trainers.microbatch import bucket_length, packed_token_budget
+    from infir2_rl.trainers.torch.varlen_attention import varlen_kwargs
+
+    if layout == "sorted":
+        lengths = sorted(lengths, reverse=True)
+    if layout in ("padded", "sorted"):
+        groups = batch_by_token_budget(lengths, budget)
+        return [(len(g), bucket_length(max(lengths[i] for i in g))) for g in groups]
+    keys = []
+    for g in packed_token_budget(lengths, budget):
+        seqs = [lengths[i] for i in g]
+        padded_to = bucket_length(sum(seqs))  # TorchTrainer.packed_length under graphs
+        launch = varlen_kwargs(seqs, padded_to, torch.device("cpu"))
+        keys.append((padded_to, launch["cu_seq_lens_q"].numel(), launch["max_length_q"]))
+    return keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from infir2_rl.trainers.microbatch import row_lengths
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=50)
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=8192, help="trainer.max_tokens_per_gpu")
+    parser.add_argument(
+        "--report", type=int, nargs="+", default=[1, 10, 50], help="batches after which to print"
+    )
+    args = parser.parse_args(argv)
+    layouts = ("padded", "sorted", "packed")
+    seen: dict[str, set[tuple[Any, ...]]] = {name: set() for name in layouts}
+    print(
+        f"distinct micro-batch shapes (training graphs cap at 64, forward-only at 16); budget {args.budget}"
+    )
+    print(f"{'batches':>7} " + " ".join(f"{name:>7}" for name in layouts))
+    for b in range(args.batches):
+        lengths = row_lengths(rl_batch(args.seqs, 1000, seed=b))
+        for name in layouts:
+            seen[name].update(shape_keys(lengths, args.budget, name))
+        if b + 1 in args.report or b + 1 == args.batches:
+            print(f"{b + 1:>7} " + " ".join(f"{len(seen[name]):>7}" for name in layouts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
