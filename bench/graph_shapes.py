@@ -1,6 +1,6 @@
 """How many CUDA-graph shapes the trainer's micro-batches meet over many RL-shaped batches, per layout (CPU only).
 
-    python bench/graph_shapes.py [--batches 50] [--seqs 256] [--budget 8192] [--report 1 10 50]
+    python bench/graph_shapes.py [--batches 50] [--seqs 256] [--budget 8192] [--report 1 10 50] [--cap 64]
 
 ``trainer.cuda_graphs`` captures each decoder layer once per micro-batch shape, at most 64 training and 16
 forward-only shapes (trainers/torch/layer_graphs.py); micro-batches of later shapes run eagerly. A benchmark
@@ -13,7 +13,8 @@ every step. This counts, for ``--batches`` batches of bench/train_packed.py's le
 * packed: one row of the group's real tokens padded to its bucket, with the offsets and longest length that
   ``varlen_attention.varlen_kwargs(padded_to=)`` makes for it: (bucket, offsets, max length).
 
-Nothing runs on a GPU; the counts say when a run passes the caps, not what that costs.
+It also counts the micro-batches whose shape is not among the first ``--cap`` met (the captured ones), which
+run eagerly. Nothing runs on a GPU; the counts say when a run passes the caps, not what that costs.
 """
 
 from __future__ import annotations
@@ -57,9 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report", type=int, nargs="+", default=[1, 10, 50], help="batches after which to print"
     )
+    parser.add_argument(
+        "--cap", type=int, default=64, help="shapes captured (LayerGraphs.max_shapes; 16 forward-only)"
+    )
     args = parser.parse_args(argv)
     layouts = ("padded", "sorted", "packed")
     seen: dict[str, set[tuple[Any, ...]]] = {name: set() for name in layouts}
+    # The first --cap shapes met are the captured ones (layer_graphs captures on first use, up to its cap).
+    captured: dict[str, set[tuple[Any, ...]]] = {name: set() for name in layouts}
+    eager = dict.fromkeys(layouts, 0)
+    total = dict.fromkeys(layouts, 0)
     print(
         f"distinct micro-batch shapes (training graphs cap at 64, forward-only at 16); budget {args.budget}"
     )
@@ -67,9 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     for b in range(args.batches):
         lengths = row_lengths(rl_batch(args.seqs, 1000, seed=b))
         for name in layouts:
-            seen[name].update(shape_keys(lengths, args.budget, name))
+            for key in shape_keys(lengths, args.budget, name):
+                seen[name].add(key)
+                if len(captured[name]) < args.cap:
+                    captured[name].add(key)
+                total[name] += 1
+                eager[name] += key not in captured[name]
         if b + 1 in args.report or b + 1 == args.batches:
             print(f"{b + 1:>7} " + " ".join(f"{len(seen[name]):>7}" for name in layouts))
+    print(
+        f"micro-batches of shapes past the first {args.cap} met (eager under that cap), over all batches: "
+        + ", ".join(
+            f"{name} {eager[name]} of {total[name]} ({eager[name] / total[name]:.1%})" for name in layouts
+        )
+    )
     return 0
 
 
