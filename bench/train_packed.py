@@ -54,19 +54,14 @@ def rl_batch(num: int, vocab: int, seed: int = 0) -> Any:
 
 
 def run(
-    path: Path,
-    fp8: bool,
-    packed: bool,
-    graphs: bool | str,
-    batch: Any,
-    args: argparse.Namespace,
-    layout: str = "padded",
+    path: Path, fp8: bool, layout: str, graphs: bool | str, batch: Any, args: argparse.Namespace
 ) -> dict[str, Any]:
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
     from infir2_rl.trainers.microbatch import bucket_length, micro_batches, row_lengths, shard_rows, take_rows
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
+    packed = layout.endswith("packed")  # packed or sorted-packed
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -216,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     graph_settings = graph_choices[args.cuda_graphs]
     results = [
-        run(path, mode == "fp8", layout.endswith("packed"), graphs, batch, args, layout)
+        run(path, mode == "fp8", layout, graphs, batch, args)
         for mode in args.modes
         for graphs in graph_settings
         for layout in args.layouts

@@ -37,33 +37,27 @@ def row_lengths(batch: TokenBatch) -> list[int]:
 
 def select_rows(batch: TokenBatch, start: int, stop: int) -> TokenBatch:
     """Rows [start, stop) of `batch`, cut to the longest of them (B x L fields) or sliced (B fields)."""
-    length = max(max(row_lengths(batch)[start:stop], default=1), 1)
-    fields: dict[str, Tensor | None] = {}
-    for name, value in batch.tensors().items():
-        if value is None:
-            fields[name] = None
-        elif value.dim() == 1:
-            fields[name] = value[start:stop]
-        else:
-            fields[name] = value[start:stop, :length]
-    counts = batch.counts.rows(start, stop) if batch.counts is not None else None
-    return TokenBatch(**fields, counts=counts)  # type: ignore[arg-type]
+    return take_rows(batch, range(start, stop))
 
 
 def take_rows(batch: TokenBatch, index: Sequence[int]) -> TokenBatch:
-    """Rows ``index`` of ``batch`` in that order, cut to the longest of them (``select_rows`` for a run)."""
+    """Rows ``index`` of ``batch`` in that order, cut to the longest of them: views for a run of consecutive
+    rows (``select_rows``), copies otherwise."""
     index = list(index)
-    if index and index == list(range(index[0], index[-1] + 1)):
-        return select_rows(batch, index[0], index[-1] + 1)
     lengths = row_lengths(batch)
     length = max(max((lengths[i] for i in index), default=1), 1)
-    rows = torch.tensor(index, dtype=torch.long, device=batch.input_ids.device)
+    run = bool(index) and index == list(range(index[0], index[-1] + 1))
+    rows: slice | Tensor = (
+        slice(index[0], index[-1] + 1)
+        if run
+        else torch.tensor(index, dtype=torch.long, device=batch.input_ids.device)
+    )
     fields: dict[str, Tensor | None] = {}
     for name, value in batch.tensors().items():
         if value is None:
             fields[name] = None
         else:
-            picked = value.index_select(0, rows)
+            picked = value[rows]
             fields[name] = picked if value.dim() == 1 else picked[:, :length]
     counts = batch.counts.take(index) if batch.counts is not None else None
     return TokenBatch(**fields, counts=counts)  # type: ignore[arg-type]
