@@ -2,13 +2,16 @@
 
     python bench/graph_shapes.py [--batches 50] [--seqs 256] [--budget 8192] [--report 1 10 50] [--cap 64]
 
-``trainer.cuda_graphs`` captures each decoder layer once per micro-batch shape, at most 64 training and 16
-forward-only shapes (trainers/torch/layer_graphs.py); micro-batches of later shapes run eagerly. A benchmark
+``trainer.cuda_graphs`` captures each decoder layer once per micro-batch shape, at most 64 training and 64
+forward-only shapes (16 forward-only before session 38) (trainers/torch/layer_graphs.py); micro-batches of later shapes run eagerly. A benchmark
 that repeats one batch (bench/train_packed.py) meets only that batch's shapes; an RL run meets new lengths
 every step. This counts, for ``--batches`` batches of bench/train_packed.py's length distribution (seeds 0, 1,
 ...), the distinct keys each layout's micro-batches would have, as the trainer builds them:
 
-* padded: consecutive rows with rows x longest <= budget, padded to the length bucket: (rows, bucket);
+* padded: consecutive rows with rows x bucket(longest) <= budget (``micro_batches(bucketed=True)``: what the
+  trainer group does where the trainer pads to length buckets, since session 38; ``--rule longest``: rows x
+  longest <= budget, the rule before, which gave one bucket several row counts), padded to the length
+  bucket: (rows, bucket);
 * sorted (``trainer.sort_by_length``): the same over the rows ordered by length;
 * packed: one row of the group's real tokens padded to its bucket, with the offsets and longest length that
   ``varlen_attention.varlen_kwargs(padded_to=)`` makes for it: (bucket, offsets, max length).
@@ -26,8 +29,8 @@ from typing import Any
 from train_packed import rl_batch
 
 
-def shape_keys(lengths: list[int], budget: int, layout: str) -> list[tuple[Any, ...]]:
-    """The graph key of each micro-batch of a batch with these row lengths."""
+def shape_keys(lengths: list[int], budget: int, layout: str, rule: str = "bucket") -> list[tuple[Any, ...]]:
+    """The graph key of each micro-batch of a batch with these row lengths (``rule``: module docstring)."""
     import torch
 
     from infir2_rl.data.batching import batch_by_token_budget
@@ -37,7 +40,8 @@ def shape_keys(lengths: list[int], budget: int, layout: str) -> list[tuple[Any, 
     if layout == "sorted":
         lengths = sorted(lengths, reverse=True)
     if layout in ("padded", "sorted"):
-        groups = batch_by_token_budget(lengths, budget)
+        pad = bucket_length if rule == "bucket" else None
+        groups = batch_by_token_budget(lengths, budget, padded_length=pad)
         return [(len(g), bucket_length(max(lengths[i] for i in g))) for g in groups]
     keys = []
     for g in packed_token_budget(lengths, budget):
@@ -59,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         "--report", type=int, nargs="+", default=[1, 10, 50], help="batches after which to print"
     )
     parser.add_argument(
-        "--cap", type=int, default=64, help="shapes captured (LayerGraphs.max_shapes; 16 forward-only)"
+        "--cap",
+        type=int,
+        default=64,
+        help="shapes captured (LayerGraphs.max_shapes, max_forward_only_shapes)",
+    )
+    parser.add_argument(
+        "--rule", choices=("bucket", "longest"), default="bucket", help="padded rows: budget rule (docstring)"
     )
     args = parser.parse_args(argv)
     layouts = ("padded", "sorted", "packed")
@@ -69,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     eager = dict.fromkeys(layouts, 0)
     total = dict.fromkeys(layouts, 0)
     print(
-        f"distinct micro-batch shapes (training graphs cap at 64, forward-only at 16); budget {args.budget}"
+        f"distinct micro-batch shapes (graphs cap at 64 training and 64 forward-only); budget {args.budget}, "
+        f"padded rows x {'bucket(longest)' if args.rule == 'bucket' else 'longest'} <= budget"
     )
     print(f"{'batches':>7} " + " ".join(f"{name:>7}" for name in layouts))
     for b in range(args.batches):
         lengths = row_lengths(rl_batch(args.seqs, 1000, seed=b))
         for name in layouts:
-            for key in shape_keys(lengths, args.budget, name):
+            for key in shape_keys(lengths, args.budget, name, args.rule):
                 seen[name].add(key)
                 if len(captured[name]) < args.cap:
                     captured[name].add(key)

@@ -2,12 +2,15 @@
 
     python bench/train_packed.py [--seqs 64] [--budget 8192] [--steps 2] [--modes bf16 fp8]
                                  [--layouts padded packed sorted] [--cuda-graphs auto|on|off|both]
-                                 [--max-shapes N] [--score-steps 0] [--profile] [--profile-top 12] [--out PATH]
+                                 [--max-shapes N] [--score-steps 0] [--vary 0] [--profile] [--profile-top 12]
+                                 [--out PATH]
 
 The batch: --seqs sequences whose lengths are long-tailed between 200 and 8,192 tokens (log-normal, median
 900, clipped; seeded), a 128-token prompt and the rest trained (SFT loss: the same per-token work as the
 RL loss), in random order as a rollout returns them. Padded: micro-batches of consecutive rows with rows x
-longest row <= --budget (``trainer.max_tokens_per_gpu``), each padded to its longest row. Packed
+longest row <= --budget (``trainer.max_tokens_per_gpu``), each padded to its longest row; with graphs, rows x
+the longest row's length bucket <= --budget (the trainer group's split where the trainer pads to buckets,
+since session 38; ``padded-longest``, ``sorted-longest``: rows x longest row, the rule before). Packed
 (``trainer.pack_sequences``): consecutive rows with summed length <= --budget, one row of real tokens each.
 Sorted (``trainer.sort_by_length``, the default with a token budget): the padded grouping over the rows
 ordered by length, longest first (rows of like length share a micro-batch, so little is padded, and
@@ -19,7 +22,10 @@ trainer's default 64; micro-batches of later shapes run eagerly). With graphs, p
 to a length bucket and packed rows to the bucket of their real tokens; "computed" counts those pads. FP8/BF16
 ratios are printed per layout against the fastest BF16 of that layout. ``--score-steps N`` then times N scoring passes
 (``forward_logprobs``, the RL step's old log-probs) after one that captures, with how many micro-batches
-replayed from forward-only graphs (at most 16 shapes). ``--profile`` runs one more step per
+replayed from forward-only graphs (at most 64 shapes; 16 before session 38). ``--vary N`` then runs N RL-shaped
+steps on N new batches (seeds 1..N of the same distribution; each scored, then trained, as an RL step does),
+as a run meets them: new lengths every step, so new graph shapes are captured along the way; it prints each
+step's time, the tokens/s over all N, and the share of micro-batches replayed from graphs. ``--profile`` runs one more step per
 case under torch.profiler and prints its device kernels by category (bench/train_step.py's grouping), per
 computed token, and the share of the step the GPU was busy: where a packed token costs more than a padded one.
 """
@@ -54,7 +60,7 @@ def rl_batch(num: int, vocab: int, seed: int = 0) -> Any:
 
 
 def run(
-    path: Path, fp8: bool, layout: str, graphs: bool | str, batch: Any, args: argparse.Namespace
+    path: Path, fp8: bool, layout: str, graphs: bool | str, batch: Any, args: argparse.Namespace, vocab: int
 ) -> dict[str, Any]:
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
@@ -70,11 +76,18 @@ def run(
         TrainerConfig(pack_sequences=packed, max_tokens_per_gpu=args.budget, cuda_graphs=graphs),  # type: ignore[arg-type]
         OptimizerConfig(lr=1e-5, min_lr=0.0, schedule="constant", warmup_ratio=0.0),
         fp8=fp8,
-        total_steps=args.steps + 2,
+        total_steps=args.steps + args.vary + 2,
     )
-    if layout.startswith("sorted"):  # the rows ordered by length, longest first (trainer.sort_by_length)
-        batch = take_rows(batch, shard_rows(row_lengths(batch), 1, sort_by_length=True)[0])
-    parts = micro_batches(batch, 1, args.budget, packed=packed)
+    pads_to_buckets = trainer.pads_to_buckets
+
+    def split(b: Any) -> tuple[Any, list[Any]]:
+        """The batch in the layout's row order, and its micro-batches as the trainer group makes them."""
+        if layout.startswith("sorted"):  # the rows ordered by length, longest first (trainer.sort_by_length)
+            b = take_rows(b, shard_rows(row_lengths(b), 1, sort_by_length=True)[0])
+        bucketed = pads_to_buckets and not layout.endswith("-longest")
+        return b, micro_batches(b, 1, args.budget, packed=packed, bucketed=bucketed)
+
+    batch, parts = split(batch)
     graphed = trainer.layer_graphs is not None
     if graphed and args.max_shapes is not None:
         trainer.layer_graphs.max_shapes = args.max_shapes  # type: ignore[union-attr]
@@ -118,7 +131,7 @@ def run(
     }
     if args.score_steps:  # old log-probs over the same micro-batches, as an RL step scores its batch
         layer_graphs = trainer.layer_graphs
-        trainer.forward_logprobs(parts)  # captures the forward-only shapes (at most 16)
+        trainer.forward_logprobs(parts)  # captures the forward-only shapes (at most 64)
         before = layer_graphs.replays if layer_graphs is not None else 0
         score_times = []
         for _ in range(args.score_steps):
@@ -131,6 +144,8 @@ def run(
         after = layer_graphs.replays if layer_graphs is not None else 0
         out["score_graphed"] = (after - before) / args.score_steps
         out["graph_shapes_after_scoring"] = layer_graphs.num_shapes if layer_graphs is not None else 0
+    if args.vary:
+        out["vary"] = run_varied(trainer, split, loss_fn, args, vocab)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -150,9 +165,56 @@ def run(
         ),
         flush=True,
     )
+    if "vary" in out:
+        v = out["vary"]
+        print(
+            f"    --vary {args.vary} new batches: score + train s per step "
+            + " ".join(f"{a:.1f}+{b:.1f}" for a, b in zip(v["score_s"], v["train_s"], strict=True))
+            + f"; {v['tokens_per_s']:.0f} tok/s over all; graphed {v['train_graphed']} of {v['micro_batches']} "
+            f"training and {v['score_graphed']} of {v['micro_batches']} scoring micro-batches; "
+            f"{v['graph_shapes']} shapes captured in all",
+            flush=True,
+        )
     del trainer
     gc.collect()
     return out
+
+
+def run_varied(
+    trainer: Any, split: Any, loss_fn: Any, args: argparse.Namespace, vocab: int
+) -> dict[str, Any]:
+    """--vary: N RL-shaped steps (score, then train) on N new batches; times, tokens/s, graphed shares."""
+    from infir2_rl.stages.sft_eval import num_target_tokens
+
+    graphs = trainer.layer_graphs
+    replays = (lambda: graphs.replays) if graphs is not None else (lambda: 0)
+    score_s, train_s = [], []
+    real = micro = score_graphed = train_graphed = 0
+    for seed in range(1, args.vary + 1):
+        batch, parts = split(rl_batch(args.seqs, vocab, seed=seed))
+        real += int(batch.attention_mask.sum())
+        micro += len(parts)
+        sync(trainer.device)
+        start, before = time.perf_counter(), replays()
+        trainer.forward_logprobs(parts)
+        sync(trainer.device)
+        middle, scored = time.perf_counter(), replays()
+        trainer.train_step(parts, loss_fn, num_target_tokens(batch))
+        sync(trainer.device)
+        score_s.append(middle - start)
+        train_s.append(time.perf_counter() - middle)
+        score_graphed += scored - before
+        train_graphed += replays() - scored
+    return {
+        "score_s": score_s,
+        "train_s": train_s,
+        "tokens_per_s": real / (sum(score_s) + sum(train_s)),
+        "real_tokens": real,
+        "micro_batches": micro,
+        "score_graphed": score_graphed,
+        "train_graphed": train_graphed,
+        "graph_shapes": graphs.num_shapes if graphs is not None else 0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layouts",
         nargs="*",
         default=["padded", "packed"],
-        choices=["padded", "packed", "sorted", "sorted-packed"],
+        choices=["padded", "padded-longest", "packed", "sorted", "sorted-longest", "sorted-packed"],
     )
     parser.add_argument(
         "--max-shapes",
@@ -182,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="then time this many scoring passes (forward_logprobs, after one that captures) per case",
     )
+    parser.add_argument(
+        "--vary", type=int, default=0, help="then run this many RL-shaped steps on new batches per case"
+    )
     parser.add_argument("--profile", action="store_true", help="profile one more step per case (kernels)")
     parser.add_argument("--profile-top", type=int, default=12, help="--profile: top kernels printed")
     parser.add_argument("--out", type=Path)
@@ -197,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(tiny=False)
     from transformers import AutoConfig
 
-    batch = rl_batch(args.seqs, AutoConfig.from_pretrained(path).vocab_size)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    batch = rl_batch(args.seqs, vocab)
     lengths = batch.attention_mask.sum(1)
     print(
         f"# {torch.cuda.get_device_name()} | {args.seqs} sequences, lengths {int(lengths.min())}..{int(lengths.max())} "
@@ -211,17 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     graph_settings = graph_choices[args.cuda_graphs]
     results = [
-        run(path, mode == "fp8", layout, graphs, batch, args)
+        run(path, mode == "fp8", layout, graphs, batch, args, vocab)
         for mode in args.modes
         for graphs in graph_settings
         for layout in args.layouts
     ]
     print(
-        f"\n{'mode':<5} {'layout':<7} {'graphs':<6} | {'micro':>5} | {'computed':>9} | {'step s':>7} | {'tok/s':>8} | {'peak GiB':>8}"
+        f"\n{'mode':<5} {'layout':<14} {'graphs':<6} | {'micro':>5} | {'computed':>9} | {'step s':>7} | {'tok/s':>8} | {'peak GiB':>8}"
     )
     for r in results:
         print(
-            f"{'fp8' if r['fp8'] else 'bf16':<5} {r['layout']:<7} "
+            f"{'fp8' if r['fp8'] else 'bf16':<5} {r['layout']:<14} "
             f"{('on/' + str(r['graph_shapes'])) if r['graphs'] else 'off':<6} | {r['micro_batches']:5d} | "
             f"{r['computed_tokens']:9d} | {r['step_s']['median']:7.2f} | {r['tokens_per_s']:8.0f} | {r['peak_memory_gb']:8.2f}"
         )
@@ -243,6 +309,16 @@ def main(argv: list[str] | None = None) -> int:
             " (goal >= 1.5)",
         )
         ratio(f"sorted/padded tokens/s ({name}, fastest of each)", best(fp8, "sorted"), best(fp8, "padded"))
+        ratio(
+            f"sorted/padded-longest tokens/s ({name}, fastest of each)",
+            best(fp8, "sorted"),
+            best(fp8, "padded-longest"),
+        )
+        ratio(
+            f"sorted/sorted-longest tokens/s ({name}, fastest of each)",
+            best(fp8, "sorted"),
+            best(fp8, "sorted-longest"),
+        )
         ratio(f"sorted/packed tokens/s ({name}, fastest of each)", best(fp8, "sorted"), best(fp8, "packed"))
         ratio(
             f"sorted/sorted-packed tokens/s ({name}, fastest of each)",
@@ -261,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     for layout in args.layouts:
         ratio(f"FP8/BF16 tokens/s ({layout}, fastest of each)", best(True, layout), best(False, layout))
+    varied = [r for r in results if "vary" in r]
+    for r in varied:  # --vary: score + train tokens/s over the new batches, against the first layout's
+        base = next(b for b in varied if b["fp8"] == r["fp8"])
+        print(
+            f"--vary {'fp8' if r['fp8'] else 'bf16'} {r['layout']}: {r['vary']['tokens_per_s']:.0f} tok/s "
+            f"(score + train), {r['vary']['tokens_per_s'] / base['vary']['tokens_per_s']:.3f}x {base['layout']}"
+        )
     write_report(
         args.out,
         {

@@ -34,6 +34,19 @@ def test_token_budget_groups_respect_padded_size() -> None:
     assert batch_by_token_budget([1] * 5, max_tokens=100, max_examples=2) == [[0, 1], [2, 3], [4]]
 
 
+def test_token_budget_counts_the_padded_length_a_group_runs_at() -> None:
+    """padded_length: the length a group is padded to when it runs (CUDA-graph buckets); a group still takes
+    its first example when that one's padded length alone is over the budget."""
+    lengths = [9, 7, 7, 5, 3]
+    assert batch_by_token_budget(lengths, max_tokens=19) == [[0, 1], [2, 3], [4]]  # 2 x 9, 2 x 7
+    to_even = lambda n: n + n % 2  # noqa: E731
+    groups = batch_by_token_budget(lengths, max_tokens=19, padded_length=to_even)
+    assert groups == [[0], [1, 2], [3, 4]]  # 2 x 10 > 19; then 2 x 8, 2 x 6
+    for g in groups:
+        assert len(g) == 1 or len(g) * to_even(max(lengths[i] for i in g)) <= 19
+    assert batch_by_token_budget([9, 1], max_tokens=9, padded_length=to_even) == [[0], [1]]
+
+
 def test_token_budget_rejects_an_example_over_budget() -> None:
     with pytest.raises(ValueError, match="example 1 has 11 tokens > max_tokens=10"):
         batch_by_token_budget([2, 11], max_tokens=10)

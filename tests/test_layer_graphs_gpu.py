@@ -78,6 +78,9 @@ def test_graphed_layers_train_as_the_eager_layers(tmp_path: Path, fp8: bool) -> 
     # Both shapes ran from graphs: training (2 shapes) and scoring (2 shapes x FP8 on/off; BF16: on = off)...
     assert graphs.num_shapes == graphs.captures == 2 + (4 if fp8 else 2)
     assert graphs.replays == 4 * 2 + 4 * 2 * 2  # ...in every step
+    # Every forward-only shape read and wrote one shared buffer set (the largest scored first), as every
+    # training shape did another: equal log-probs above mean no shape's replay spoiled another's.
+    assert [len(graphs._boundary_sets[kind]) for kind in (False, True)] == [1, 1]
     # The updates change the loss far more than graphs and eager differ: stale weights in a replay (an FP8
     # quantization cached at capture time, say) would show.
     assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2

@@ -54,10 +54,15 @@ def test_auto_captures_another_shape_only_when_memory_looks_enough(
     assert graphs._memory_allows(double, forward_only=False)
     _free(monkeypatch, driver_free=need2 - 1, reserved=0, allocated=0)
     assert not graphs._memory_allows(double, forward_only=False)
-    # Forward-only shapes need room for 8 activations.
+    # Forward-only shapes need room for 8 activations, 5 where a shared buffer set already fits them.
     _free(monkeypatch, driver_free=8 * act, reserved=0, allocated=0)
     assert graphs._memory_allows(hidden, forward_only=True)
     _free(monkeypatch, driver_free=8 * act - 1, reserved=0, allocated=0)
+    assert not graphs._memory_allows(hidden, forward_only=True)
+    graphs._boundaries(hidden, forward_only=True)
+    _free(monkeypatch, driver_free=5 * act, reserved=0, allocated=0)
+    assert graphs._memory_allows(hidden, forward_only=True)
+    _free(monkeypatch, driver_free=5 * act - 1, reserved=0, allocated=0)
     assert not graphs._memory_allows(hidden, forward_only=True)
 
 
@@ -97,9 +102,9 @@ def test_training_and_forward_only_shapes_have_caps_of_their_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Training shapes are capped at 64 (a padded RL-shaped batch meets ~47, and FP8 past the cap runs eagerly,
-    host-bound), forward-only shapes at 16 (each keeps two activations of its own)."""
+    host-bound), forward-only shapes too (they share their buffers, ``_boundaries``), each kind counted apart."""
     graphs = _graphs(tmp_path, monkeypatch, check_memory=False)
-    assert (graphs.max_shapes, graphs.max_forward_only_shapes) == (64, 16)
+    assert (graphs.max_shapes, graphs.max_forward_only_shapes) == (64, 64)
     graphs.max_shapes, graphs.max_forward_only_shapes = 3, 2
     captured: list[tuple[str, int]] = []
 
@@ -121,3 +126,28 @@ def test_training_and_forward_only_shapes_have_caps_of_their_own(
             graphs._capture_or_none(("score", rows), torch.zeros(rows, 64, 8), None, pe)
     assert [r for kind, r in captured if kind == "training"] == [1, 2, 3]
     assert [r for kind, r in captured if kind == "scoring"] == [1, 2]
+
+
+def test_shapes_of_a_kind_share_the_buffers_between_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shape of a kind that fits a buffer set reads and writes the same memory (no memory per shape); a
+    larger shape adds a set; training and forward-only shapes never share (a training forward's activations
+    must outlive a scoring forward run before its backward)."""
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=False)
+    n = len(graphs.layers)
+    big = graphs._boundaries(torch.zeros(4, 64, 8), forward_only=True)
+    small = graphs._boundaries(torch.zeros(2, 32, 8), forward_only=True)
+    assert len(big) == len(small) == 3  # the input and two ping-pong outputs
+    assert [t.shape for t in small] == [torch.Size([2, 32, 8])] * 3
+    assert [t.data_ptr() for t in small] == [t.data_ptr() for t in big]
+    assert len({t.data_ptr() for t in big}) == 3
+    larger = graphs._boundaries(torch.zeros(8, 64, 8), forward_only=True)
+    assert larger[0].data_ptr() not in {t.data_ptr() for t in big}
+    assert len(graphs._boundary_sets[True]) == 2
+    training = graphs._boundaries(torch.zeros(2, 32, 8), forward_only=False)
+    assert len(training) == 2 * n + 2  # each layer's input (and the last output), and their gradients
+    assert not {t.data_ptr() for t in training} & {t.data_ptr() for t in big + larger}
+    assert (
+        graphs._boundaries(torch.zeros(1, 32, 8), forward_only=False)[0].data_ptr() == training[0].data_ptr()
+    )

@@ -107,7 +107,17 @@ def test_the_trainer_group_splits_by_the_workers_resolved_setting(tmp_path: Path
     group = TrainerGroup.__new__(TrainerGroup)
     group.trainer_cfg = TrainerConfig(pack_sequences="auto", max_tokens_per_gpu=16)
     group.model_parallel, group.num_workers = 1, 1
+    group.pads_to_buckets = False
     for packed, rows in ((False, [2, 2]), (True, [4])):  # padded: 2 rows x 8 <= 16; packed: 8+2+2+2 <= 16
         group.pack_sequences = packed
         (shard,) = group._shards(batch)
         assert [int(mb.input_ids.shape[0]) for mb in shard] == rows, packed
+    # A worker that pads rows to length buckets (the layer graphs) has the bucket counted against the budget:
+    # 8 tokens run as 64, so a budget of 128 takes 2 rows, not 16 (rows x 8).
+    group.pack_sequences, group.pads_to_buckets = False, True
+    group.trainer_cfg = TrainerConfig(pack_sequences="auto", max_tokens_per_gpu=128)
+    (shard,) = group._shards(batch)
+    assert [int(mb.input_ids.shape[0]) for mb in shard] == [2, 2]
+    group.pads_to_buckets = False
+    (shard,) = group._shards(batch)
+    assert [int(mb.input_ids.shape[0]) for mb in shard] == [4]

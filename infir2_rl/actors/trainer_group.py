@@ -96,17 +96,23 @@ class TrainerGroup:
             addr, port = ray.get(self.workers[0].master_address.remote())
             devices = self._all("setup", addr, port)
             packs = set(self._all("packs_sequences"))  # "auto" resolves on the workers' devices
+            buckets = set(self._all("pads_to_buckets"))
         except Exception:
             self.shutdown()
             raise
-        if len(packs) != 1:
+        if len(packs) != 1 or len(buckets) != 1:
             self.shutdown()
-            raise RuntimeError(f"trainer ranks disagree on trainer.pack_sequences=auto (devices {devices})")
+            raise RuntimeError(
+                f"trainer ranks disagree on trainer.pack_sequences or cuda_graphs=auto (devices {devices})"
+            )
         self.pack_sequences: bool = packs.pop()
+        # Padded micro-batches run padded to a length bucket: the token budget counts the bucket.
+        self.pads_to_buckets: bool = buckets.pop()
         log.info(
-            "trainer group: %d ranks on %s (fsdp=%s, packed micro-batches: %s, rows sorted by length: %s)",
+            "trainer group: %d ranks on %s (fsdp=%s, packed micro-batches: %s, rows sorted by length: %s, "
+            "padded to length buckets: %s)",
             self.num_workers, sorted(set(devices)), fsdp, self.pack_sequences,
-            self.trainer_cfg.sorts_rows,
+            self.trainer_cfg.sorts_rows, self.pads_to_buckets,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ fan-out helpers
@@ -133,6 +139,7 @@ class TrainerGroup:
             t.max_tokens_per_gpu,
             self.pack_sequences,
             rows if rows is not None else self._rows(batch),
+            bucketed=self.pads_to_buckets,  # rows x bucket(longest) <= budget (microbatch docstring)
         )
         return [shards[rank // mp] for rank in range(self.num_workers)]
 

@@ -163,6 +163,11 @@ class TrainerWorker:
         """Whether this rank runs packed micro-batches (``trainer.pack_sequences`` resolved on its device)."""
         return bool(getattr(self.backend, "pack_sequences", False))  # megatron: always padded
 
+    def pads_to_buckets(self) -> bool:
+        """Whether this rank pads each padded micro-batch to its length bucket (torch trainer with layer graphs;
+        ``TorchTrainer.pads_to_buckets``)."""
+        return bool(getattr(self.backend, "pads_to_buckets", False))  # megatron: no graphs
+
     def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
         stats: TrainStats = self.backend.train_step(batches, loss_fn, total_units)
         # Peak memory is per rank; the group reports the maximum over ranks.

@@ -121,8 +121,9 @@ class TrainerConfig(_Config):
     max_tokens_per_gpu: int | None = Field(default=None, ge=1)
     # With max_tokens_per_gpu: order the batch's rows by length, longest first, before they are split among
     # the ranks (dealt in turn: each gets as many long rows) and grouped into micro-batches, so rows of like
-    # length share a micro-batch and little padding is computed. Results come back in batch order; the loss
-    # does not depend on the order. At 1.5B on one H100, an RL-shaped batch (256 sequences of 200..8,192
+    # length share a micro-batch and little padding is computed; a micro-batch then holds budget //
+    # bucket(longest row) rows (the length it runs at under cuda_graphs), so each length bucket is one graph
+    # shape. Results come back in batch order; the loss does not depend on the order. At 1.5B on one H100, an RL-shaped batch (256 sequences of 200..8,192
     # tokens) trained 1.31x (BF16) / 1.33x (FP8) the tokens/s of the unsorted padded layout and 1.06x /
     # 1.07x that of packed micro-batches (docs/performance.md, "Packed micro-batches", session 37).
     sort_by_length: bool = True
@@ -139,13 +140,13 @@ class TrainerConfig(_Config):
     pack_sequences: bool | Literal["auto"] = "auto"
     # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
     # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
-    # micro-batch shape (at most 64 training and 16 forward-only; others run eagerly); micro-batches, and
+    # micro-batch shape (at most 64 training and 64 forward-only; others run eagerly); micro-batches, and
     # packed rows, are right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling,
     # at most 12.5% padding) so that few shapes occur, and run largest first. Takes the host out of the step
     # (Python autograd, cuBLASLt setup, launches: at 1.5B x 2,048 tokens the eager step took 2.0x (BF16) and
     # 3.6x (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved
-    # between steps: the largest shape's working memory and two activations per layer, both shared by all
-    # shapes. Under true_on_policy the graphs replay its invariant walk's layers (log-probs stay bit-equal to
+    # between steps: the largest shape's working memory, two activations per layer for training and three
+    # for forward-only graphs, all shared by every shape. Under true_on_policy the graphs replay its invariant walk's layers (log-probs stay bit-equal to
     # the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (one CUDA GPU,
     # neither of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
     # looks enough; true: required (an error where it cannot be); false: eager.

@@ -5,7 +5,7 @@ Shapes: B = examples in the micro-batch, T = longest example in it (right paddin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,15 +51,22 @@ def collate_sft(examples: Sequence[SftExample], pad_token_id: int, pad_to_multip
 
 
 def batch_by_token_budget(
-    lengths: Sequence[int], max_tokens: int, max_examples: int | None = None
+    lengths: Sequence[int],
+    max_tokens: int,
+    max_examples: int | None = None,
+    padded_length: Callable[[int], int] | None = None,
 ) -> list[list[int]]:
-    """Group indices, in order, so each group's padded size len(group) * max length <= `max_tokens`.
+    """Group indices, in order, so each group's padded size len(group) * padded_length(max length) <= `max_tokens`.
 
     Greedy and order-preserving (shuffle or sort beforehand if wanted), so the grouping is
-    deterministic. `max_examples` optionally caps the examples per group.
+    deterministic. `max_examples` optionally caps the examples per group. `padded_length` (default: the
+    length itself) is the length a group is padded to when it runs (the trainer's CUDA-graph length buckets,
+    ``trainers/microbatch.bucket_length``); a group always takes its first example, even where that one's
+    padded length alone is over the budget (its own length never is).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+    pad = padded_length or (lambda n: n)
     groups: list[list[int]] = []
     current: list[int] = []
     current_max = 0
@@ -71,7 +78,7 @@ def batch_by_token_budget(
             )
         new_max = max(current_max, length)
         full = max_examples is not None and len(current) >= max_examples
-        if current and (full or (len(current) + 1) * new_max > max_tokens):
+        if current and (full or (len(current) + 1) * pad(new_max) > max_tokens):
             groups.append(current)
             current, new_max = [], length
         current.append(index)

@@ -15,6 +15,12 @@ ordered by length, longest first, and dealt to the ranks in turn (rank r takes t
 rows of like length share a micro-batch (little padding) and every rank gets as many long rows as another.
 The rows are then not in batch order: `shard_rows` returns each rank's row indices, and `unshuffle_rows`
 puts per-row results back in place.
+
+Where the trainer runs padded micro-batches padded to a length bucket (its CUDA graphs, `bucket_length`), the
+budget counts the bucket (`bucketed`: rows x `bucket_length(longest)` <= budget), so it bounds the tokens
+computed, padding included, and every sorted micro-batch whose longest row falls in one bucket has as many
+rows as another: one graph shape per bucket (but for a shard's last micro-batch), where rows x longest gave
+a bucket several row counts (bench/graph_shapes.py: 73 shapes against 98 over 50 RL-shaped batches, sorted).
 """
 
 from __future__ import annotations
@@ -35,16 +41,17 @@ def row_lengths(batch: TokenBatch) -> list[int]:
     return (mask.ne(0) * positions).amax(dim=1).tolist()
 
 
-def select_rows(batch: TokenBatch, start: int, stop: int) -> TokenBatch:
+def select_rows(batch: TokenBatch, start: int, stop: int, lengths: Sequence[int] | None = None) -> TokenBatch:
     """Rows [start, stop) of `batch`, cut to the longest of them (B x L fields) or sliced (B fields)."""
-    return take_rows(batch, range(start, stop))
+    return take_rows(batch, range(start, stop), lengths)
 
 
-def take_rows(batch: TokenBatch, index: Sequence[int]) -> TokenBatch:
+def take_rows(batch: TokenBatch, index: Sequence[int], lengths: Sequence[int] | None = None) -> TokenBatch:
     """Rows ``index`` of ``batch`` in that order, cut to the longest of them: views for a run of consecutive
-    rows (``select_rows``), copies otherwise."""
+    rows (``select_rows``), copies otherwise. ``lengths``: ``row_lengths(batch)`` where the caller has them."""
     index = list(index)
-    lengths = row_lengths(batch)
+    if lengths is None:
+        lengths = row_lengths(batch)
     length = max(max((lengths[i] for i in index), default=1), 1)
     run = bool(index) and index == list(range(index[0], index[-1] + 1))
     rows: slice | Tensor = (
@@ -136,21 +143,28 @@ def packed_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[in
 
 
 def micro_batches(
-    batch: TokenBatch, micro_batch_size: int, max_tokens_per_gpu: int | None = None, packed: bool = False
+    batch: TokenBatch,
+    micro_batch_size: int,
+    max_tokens_per_gpu: int | None = None,
+    packed: bool = False,
+    bucketed: bool = False,
 ) -> list[TokenBatch]:
-    """Split `batch` (one rank's shard) into micro-batches by row count or by token budget."""
+    """Split `batch` (one rank's shard) into micro-batches by row count or by token budget (padded rows:
+    rows x longest, or with ``bucketed`` rows x ``bucket_length(longest)``, <= budget; module docstring)."""
     num_rows = batch.num_sequences
     if num_rows == 0:
         return []
+    lengths = row_lengths(batch)
     if max_tokens_per_gpu is None:
         groups = [
             list(range(i, min(i + micro_batch_size, num_rows))) for i in range(0, num_rows, micro_batch_size)
         ]
     elif packed:
-        groups = packed_token_budget(row_lengths(batch), max_tokens_per_gpu)
+        groups = packed_token_budget(lengths, max_tokens_per_gpu)
     else:
-        groups = batch_by_token_budget(row_lengths(batch), max_tokens_per_gpu)
-    return [select_rows(batch, g[0], g[-1] + 1) for g in groups]
+        pad = bucket_length if bucketed else None
+        groups = batch_by_token_budget(lengths, max_tokens_per_gpu, padded_length=pad)
+    return [select_rows(batch, g[0], g[-1] + 1, lengths) for g in groups]
 
 
 def shard_micro_batches(
@@ -160,13 +174,19 @@ def shard_micro_batches(
     max_tokens_per_gpu: int | None = None,
     packed: bool = False,
     rows: Sequence[Sequence[int]] | None = None,
+    bucketed: bool = False,
 ) -> list[list[TokenBatch]]:
     """Per rank, its list of micro-batches of the global `batch`: of the rows ``rows[rank]``, in that order
-    (``shard_rows``; default: contiguous blocks)."""
+    (default: contiguous blocks, ``shard_bounds``); ``bucketed`` as in ``micro_batches``."""
     if rows is None:
-        rows = shard_rows([0] * batch.num_sequences, world_size)
+        rows = [list(range(start, stop)) for start, stop in shard_bounds(batch.num_sequences, world_size)]
+    lengths = row_lengths(batch)
     return [
-        micro_batches(take_rows(batch, index), micro_batch_size, max_tokens_per_gpu, packed) if index else []
+        micro_batches(
+            take_rows(batch, index, lengths), micro_batch_size, max_tokens_per_gpu, packed, bucketed
+        )
+        if index
+        else []
         for index in rows
     ]
 

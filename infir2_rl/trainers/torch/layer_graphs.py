@@ -7,7 +7,7 @@ them. Replaying each layer's forward and backward from a CUDA graph takes that h
 eager is the embedding, the final norm, the token scores, the loss and the optimizer.
 
 How, for one input shape (captured on its first use, at most ``max_shapes`` training and
-``max_forward_only_shapes`` forward-only shapes; the trainer pads its training micro-batches to a length
+``max_forward_only_shapes`` forward-only shapes, 64 each; the trainer pads its training micro-batches to a length
 bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
 
 * Forward graphs of layers 0..n-1 are captured in that order, layer i ending with a copy of its output into
@@ -36,8 +36,12 @@ bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
 
 Forwards without gradients (old log-probs, evaluation, the dense-trainer mismatch scoring) get graphs of their
 own, forward only, per shape: layer i's graph ends by copying its output into one of two ping-pong buffers,
-which layer i+1 reads, so a shape keeps two activations, not one per layer. The trainer pads such batches to
-a length bucket too. A training forward whose backward has not run yet and a replayed forward without
+which layer i+1 reads. The input and the two ping-pong buffers are shared by every forward-only shape that
+fits them, as the training boundaries are (so the last layer's output, which the caller reads, is valid until
+the next forward-only replay of any shape), and a forward-only shape costs ~no memory of its own: their cap
+is the training one (it was 16 while each shape kept its own three buffers, and rows sorted by length met 32
+shapes in one RL batch, so 30 of 52 scoring micro-batches ran eagerly; docs/performance.md, session 37). The
+trainer pads such batches to a length bucket too. A training forward whose backward has not run yet and a replayed forward without
 gradients cannot interleave (the forward counter below refuses the backward).
 
 Packed micro-batches (``trainer.pack_sequences``) pass varlen attention arguments to every layer: the offsets
@@ -140,25 +144,22 @@ class _ShapeGraphs:
 
 
 class _Boundaries:
-    """The tensors between the decoder layers of a training micro-batch, shared by every training shape of at
-    most ``capacity`` elements: ``acts[i]`` is layer i's input (i = n: the last layer's output), ``grads[i]``
-    its gradient. One set serves any number of shapes (their replays never interleave, and each replay writes
-    these before reading them), where each shape's own buffers would cost two activations per layer each."""
+    """``count`` flat tensors between the decoder layers, shared by every shape of one kind with at most
+    ``capacity`` elements. Training (2n + 2): layer i's input (i = n: the last layer's output), then their
+    gradients; forward-only (3): the input and the two ping-pong outputs. One set serves any number of shapes
+    (their replays never interleave, and each replay writes these before reading them), where each shape's own
+    buffers would cost two activations per layer (training) or three (forward-only) each."""
 
-    def __init__(self, n: int, like: Tensor) -> None:
+    def __init__(self, count: int, like: Tensor) -> None:
         self.capacity = like.numel()
         self.dtype, self.device = like.dtype, like.device
-        self.acts = [torch.zeros(self.capacity, dtype=like.dtype, device=like.device) for _ in range(n + 1)]
-        self.grads = [torch.zeros(self.capacity, dtype=like.dtype, device=like.device) for _ in range(n + 1)]
+        self.flats = [torch.zeros(self.capacity, dtype=like.dtype, device=like.device) for _ in range(count)]
 
     def fits(self, like: Tensor) -> bool:
         return like.numel() <= self.capacity and like.dtype == self.dtype and like.device == self.device
 
-    def views(self, like: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        def view(flat: Tensor) -> Tensor:
-            return flat[: like.numel()].view(like.shape)
-
-        return [view(t) for t in self.acts], [view(t) for t in self.grads]
+    def views(self, like: Tensor) -> list[Tensor]:
+        return [flat[: like.numel()].view(like.shape) for flat in self.flats]
 
 
 class _Replay(torch.autograd.Function):
@@ -194,7 +195,7 @@ class LayerGraphs:
         self,
         model: nn.Module,
         max_shapes: int = 64,
-        max_forward_only_shapes: int = 16,
+        max_forward_only_shapes: int = 64,
         check_memory: bool = False,
         forwards: list[Callable[..., Tensor]] | None = None,
     ) -> None:
@@ -204,8 +205,8 @@ class LayerGraphs:
         # Shapes captured at most, per kind. Training: 64, since a padded RL-shaped batch meets ~47 shapes, and
         # micro-batches past the cap run eagerly, where FP8 is host-bound (docs/performance.md, session 29:
         # with 16, padded FP8 ran at 0.74-0.84x BF16's tokens/s; with all 47 graphed, 1.02-1.03x). Each shape
-        # costs ~0.8 s of capture once and ~no memory (the pool and the buffers between layers are shared).
-        # Forward-only shapes keep two activations each, so their cap stays lower.
+        # costs ~0.8 s of capture once and ~no memory (the pool and the buffers between layers are shared), a
+        # forward-only one too (module docstring).
         self.max_shapes = max_shapes
         self.max_forward_only_shapes = max_forward_only_shapes
         # check_memory ("auto" mode): before each shape after the first, compare the free memory with what
@@ -213,7 +214,8 @@ class LayerGraphs:
         self.check_memory = check_memory
         self._capture_bytes_per_element: float | None = None  # the first training capture's pool growth
         self._largest_training = 0  # elements of the largest training input captured
-        self._boundary_sets: list[_Boundaries] = []  # a larger shape after smaller ones adds a set
+        # Per kind (forward_only), the shared buffer sets: a larger shape after smaller ones adds a set.
+        self._boundary_sets: dict[bool, list[_Boundaries]] = {False: [], True: []}
         # What each layer computes: its own forward (patched below), or the given functions (called through
         # ``call``; the true_on_policy walk, trainers/torch/invariant_scoring.py).
         if forwards is not None and len(forwards) != len(self.layers):
@@ -433,12 +435,13 @@ class LayerGraphs:
         one captured before fits in it: the pool grew by 0.0-0.35 GiB for each of 12 smaller shapes after
         24.9-28.4 GiB for the first (bench/train_packed.py, 1.5B, H100). So a new training shape needs the
         first capture's growth, scaled by size, beyond that of the largest shape captured, plus a tenth of its
-        own as a margin. Forward-only shapes need 8 activations (their buffers, and the layer's working
-        memory, a few activations' worth, in the shared pool)."""
+        own as a margin. Forward-only shapes need 5 activations (the layer's working memory, a few
+        activations' worth, in the shared pool), and 3 more where no shared buffer set fits them."""
         if not self.check_memory:
             return True
         if forward_only:
-            need = 8.0 * hidden.numel() * hidden.element_size()
+            new_set = not any(b.fits(hidden) for b in self._boundary_sets[True])
+            need = (5.0 + 3.0 * new_set) * hidden.numel() * hidden.element_size()
         elif self._capture_bytes_per_element is None:
             return True  # the first training shape: the eager step at this shape needs about as much
         else:
@@ -499,9 +502,9 @@ class LayerGraphs:
         torch.cuda.synchronize()
 
         static_pe = self._static(graphs, mask, pe, kwargs)
-        # Allocated outside the captures: the input buffer and the two buffers the layers' outputs alternate in.
-        x = torch.zeros_like(hidden)
-        pingpong = (torch.empty_like(hidden), torch.empty_like(hidden))
+        # Outside the captures, shared by the forward-only shapes: the input buffer and the two buffers the
+        # layers' outputs alternate in.
+        x, *pingpong = self._boundaries(hidden, forward_only=True)
         for i in range(n):
             buffer = pingpong[i % 2]
             with capture(graphs.fwd[i], self._pool):
@@ -519,13 +522,16 @@ class LayerGraphs:
         torch.cuda.synchronize()
         return graphs
 
-    def _boundaries(self, hidden: Tensor) -> _Boundaries:
-        for boundaries in self._boundary_sets:
+    def _boundaries(self, hidden: Tensor, forward_only: bool) -> list[Tensor]:
+        """Views, shaped like ``hidden``, of a shared buffer set of the kind that fits it (``_Boundaries``)."""
+        sets = self._boundary_sets[forward_only]
+        for boundaries in sets:
             if boundaries.fits(hidden):
-                return boundaries
-        boundaries = _Boundaries(len(self.layers), hidden)  # allocated outside any capture: not pool memory
-        self._boundary_sets.append(boundaries)
-        return boundaries
+                return boundaries.views(hidden)
+        count = 3 if forward_only else 2 * len(self.layers) + 2
+        boundaries = _Boundaries(count, hidden)  # allocated outside any capture: not pool memory
+        sets.append(boundaries)
+        return boundaries.views(hidden)
 
     def _capture(
         self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
@@ -563,7 +569,8 @@ class LayerGraphs:
 
         static_pe = self._static(graphs, mask, pe, kwargs)
         # The activations and gradients between layers live in buffers shared by every training shape.
-        acts, grad_bufs = self._boundaries(hidden).views(hidden)
+        views = self._boundaries(hidden, forward_only=False)
+        acts, grad_bufs = views[: n + 1], views[n + 1 :]
         outs: list[Tensor | None] = []
         for i in range(n):
             x = acts[i].detach().requires_grad_()  # the leaf the backward differentiates against

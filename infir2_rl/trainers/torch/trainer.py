@@ -415,9 +415,16 @@ class TorchTrainer:
         sizes = [tokens(b) for b in items]
         return sorted(order, key=lambda i: -sizes[i])
 
+    @property
+    def pads_to_buckets(self) -> bool:
+        """Whether padded micro-batches run right-padded to their length bucket (the layer graphs, not packed:
+        scoring pads the packed row instead); the trainer group then counts the bucket against the token
+        budget (``microbatch.micro_batches(bucketed=)``)."""
+        return self.layer_graphs is not None and not self.pack_sequences
+
     def _bucketed(self, batch: TokenBatch) -> TokenBatch:
         """With the layer graphs: ``batch`` right-padded to its length bucket, so that few shapes occur."""
-        if self.layer_graphs is None or self.pack_sequences:  # packed: scoring pads the packed row instead
+        if not self.pads_to_buckets:
             return batch
         return pad_length(batch, bucket_length(batch.input_ids.shape[1]))
 
