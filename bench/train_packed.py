@@ -110,6 +110,7 @@ def run(
         sync(trainer.device)
         times.append(time.perf_counter() - start)
     first, times = times[0], times[1:]  # the first step also captures the graphs of the shapes it meets
+    captured_s = trainer.layer_graphs.capture_s if trainer.layer_graphs is not None else 0.0
     real = int(batch.attention_mask.sum())
     step_s = statistics.median(times)
     out: dict[str, Any] = {
@@ -125,6 +126,7 @@ def run(
         "computed_tokens": computed,
         "step_s": dict(median=step_s, min=min(times), max=max(times), n=len(times)),
         "first_step_s": first,
+        "first_step_capture_s": captured_s,
         "tokens_per_s": real / step_s,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
         "loss": stats.loss,
@@ -156,7 +158,7 @@ def run(
     print(
         f"  {'fp8' if fp8 else 'bf16'} {layout} graphs={graphed}: "
         f"step {step_s:.2f} s [{min(times):.2f}, {max(times):.2f}], {out['tokens_per_s']:.0f} tok/s "
-        f"(first step {first:.2f} s)"
+        f"(first step {first:.2f} s, of which capturing {captured_s:.2f} s)"
         + (
             f"; scoring {out['score_s']:.2f} s ({out['score_graphed']:.0f} of {len(parts)} micro-batches graphed), "
             f"train + score {real / (step_s + float(out['score_s'])):.0f} tok/s"
@@ -172,7 +174,7 @@ def run(
             + " ".join(f"{a:.1f}+{b:.1f}" for a, b in zip(v["score_s"], v["train_s"], strict=True))
             + f"; {v['tokens_per_s']:.0f} tok/s over all; graphed {v['train_graphed']} of {v['micro_batches']} "
             f"training and {v['score_graphed']} of {v['micro_batches']} scoring micro-batches; "
-            f"{v['graph_shapes']} shapes captured in all",
+            f"{v['graph_shapes']} shapes captured in all, capturing {v['capture_s']:.1f} s of the {args.vary} steps",
             flush=True,
         )
     del trainer
@@ -188,6 +190,7 @@ def run_varied(
 
     graphs = trainer.layer_graphs
     replays = (lambda: graphs.replays) if graphs is not None else (lambda: 0)
+    captured_before = graphs.capture_s if graphs is not None else 0.0
     score_s, train_s = [], []
     real = micro = score_graphed = train_graphed = 0
     for seed in range(1, args.vary + 1):
@@ -214,6 +217,7 @@ def run_varied(
         "score_graphed": score_graphed,
         "train_graphed": train_graphed,
         "graph_shapes": graphs.num_shapes if graphs is not None else 0,
+        "capture_s": (graphs.capture_s - captured_before) if graphs is not None else 0.0,
     }
 
 

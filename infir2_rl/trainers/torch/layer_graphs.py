@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +82,13 @@ from infir2_rl.graph_capture import capture, warmup_stream
 
 log = logging.getLogger(__name__)
 
+# Eager runs of each layer on the warm-up stream before its capture: Triton compiles and autotunes, cuBLAS(Lt)
+# handles and workspaces, cuDNN's attention plans and the FP8 self-check happen there, not inside a capture.
+# Two for a kind's first shape (torch's own advice is "a few"), one after: what is left to set up for a new
+# shape (a kernel specialised on its sizes, a cuDNN plan) happens on its first run; a capture costs ~1 s at
+# 1.5B, and an RL run meets dozens of shapes (docs/performance.md, session 38).
 WARMUP_ITERS = 2
+WARMUP_ITERS_LATER = 1
 # The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
 VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
@@ -240,6 +247,7 @@ class LayerGraphs:
         # legacy stream depend on a capturing blocking stream"; seen at 256 sequences in bench/train_packed.py).
         self._refused: set[bool] = set()
         self.captures = 0
+        self.capture_s = 0.0  # wall time spent capturing (warm-up included), for benchmarks
         self.replays = 0
         if forwards is None:
             for i, layer in enumerate(self.layers):
@@ -411,11 +419,14 @@ class LayerGraphs:
             return None
         assert position_embeddings is not None
         torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved(hidden.device)
+        before, started = torch.cuda.memory_reserved(hidden.device), time.perf_counter()
+        first = not any(g.forward_only == forward_only for g in self._shapes.values())
+        warmups = WARMUP_ITERS if first else WARMUP_ITERS_LATER
         if forward_only:
-            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {})
+            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {}, warmups)
         else:
-            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {})
+            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {}, warmups)
+        self.capture_s += time.perf_counter() - started  # both captures end with a synchronize
         grown = max(torch.cuda.memory_reserved(hidden.device) - before, 0)
         if not forward_only:
             if self._capture_bytes_per_element is None:
@@ -488,7 +499,12 @@ class LayerGraphs:
         return cos, sin
 
     def _capture_forward_only(
-        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        pe: tuple[Tensor, Tensor],
+        kwargs: dict[str, Any],
+        warmups: int = WARMUP_ITERS,
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock, forward_only=True)
@@ -496,7 +512,7 @@ class LayerGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in range(n):
-                for _ in range(WARMUP_ITERS):
+                for _ in range(warmups):
                     self._run_eager(i, torch.randn_like(hidden), mask, pe, kwargs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
@@ -534,7 +550,12 @@ class LayerGraphs:
         return boundaries.views(hidden)
 
     def _capture(
-        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        pe: tuple[Tensor, Tensor],
+        kwargs: dict[str, Any],
+        warmups: int = WARMUP_ITERS,
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
@@ -556,7 +577,7 @@ class LayerGraphs:
                     t for t in (getattr(p, "main_grad", None) for p in self._params[i]) if t is not None
                 ]
                 kept = [t.clone() for t in targets]
-                for _ in range(WARMUP_ITERS):
+                for _ in range(warmups):
                     x = torch.randn_like(hidden).requires_grad_()
                     out = self._run_eager(i, x, mask, pe, kwargs)
                     torch.autograd.grad(out, (x, *self._params[i]), torch.randn_like(out), allow_unused=True)
