@@ -82,13 +82,7 @@ from infir2_rl.graph_capture import capture, warmup_stream
 
 log = logging.getLogger(__name__)
 
-# Eager runs of each layer on the warm-up stream before its capture: Triton compiles and autotunes, cuBLAS(Lt)
-# handles and workspaces, cuDNN's attention plans and the FP8 self-check happen there, not inside a capture.
-# Two for a kind's first shape (torch's own advice is "a few"), one after: what is left to set up for a new
-# shape (a kernel specialised on its sizes, a cuDNN plan) happens on its first run; a capture costs ~1 s at
-# 1.5B, and an RL run meets dozens of shapes (docs/performance.md, session 38).
 WARMUP_ITERS = 2
-WARMUP_ITERS_LATER = 1
 # The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
 VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
@@ -420,12 +414,10 @@ class LayerGraphs:
         assert position_embeddings is not None
         torch.cuda.synchronize()
         before, started = torch.cuda.memory_reserved(hidden.device), time.perf_counter()
-        first = not any(g.forward_only == forward_only for g in self._shapes.values())
-        warmups = WARMUP_ITERS if first else WARMUP_ITERS_LATER
         if forward_only:
-            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {}, warmups)
+            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {})
         else:
-            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {}, warmups)
+            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {})
         self.capture_s += time.perf_counter() - started  # both captures end with a synchronize
         grown = max(torch.cuda.memory_reserved(hidden.device) - before, 0)
         if not forward_only:
@@ -504,7 +496,6 @@ class LayerGraphs:
         mask: Tensor | None,
         pe: tuple[Tensor, Tensor],
         kwargs: dict[str, Any],
-        warmups: int = WARMUP_ITERS,
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock, forward_only=True)
@@ -512,7 +503,7 @@ class LayerGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in range(n):
-                for _ in range(warmups):
+                for _ in range(WARMUP_ITERS):
                     self._run_eager(i, torch.randn_like(hidden), mask, pe, kwargs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
@@ -555,7 +546,6 @@ class LayerGraphs:
         mask: Tensor | None,
         pe: tuple[Tensor, Tensor],
         kwargs: dict[str, Any],
-        warmups: int = WARMUP_ITERS,
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
@@ -577,7 +567,7 @@ class LayerGraphs:
                     t for t in (getattr(p, "main_grad", None) for p in self._params[i]) if t is not None
                 ]
                 kept = [t.clone() for t in targets]
-                for _ in range(warmups):
+                for _ in range(WARMUP_ITERS):
                     x = torch.randn_like(hidden).requires_grad_()
                     out = self._run_eager(i, x, mask, pe, kwargs)
                     torch.autograd.grad(out, (x, *self._params[i]), torch.randn_like(out), allow_unused=True)
