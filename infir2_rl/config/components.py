@@ -121,11 +121,13 @@ class TrainerConfig(_Config):
     max_tokens_per_gpu: int | None = Field(default=None, ge=1)
     # With max_tokens_per_gpu: order the batch's rows by length, longest first, before they are split among
     # the ranks (dealt in turn: each gets as many long rows) and grouped into micro-batches, so rows of like
-    # length share a micro-batch and little padding is computed; a micro-batch then holds budget //
-    # bucket(longest row) rows (the length it runs at under cuda_graphs), so each length bucket is one graph
-    # shape. Results come back in batch order; the loss does not depend on the order. At 1.5B on one H100, an RL-shaped batch (256 sequences of 200..8,192
-    # tokens) trained 1.31x (BF16) / 1.33x (FP8) the tokens/s of the unsorted padded layout and 1.06x /
-    # 1.07x that of packed micro-batches (docs/performance.md, "Packed micro-batches", session 37).
+    # length share a micro-batch and little padding is computed; under cuda_graphs a micro-batch then holds
+    # budget // bucket(longest row) rows (the bucket is the length it runs at), so each length bucket is one
+    # graph shape. Results come back in batch order; the loss does not depend on the order. At 1.5B on one
+    # H100, an RL-shaped batch (256 sequences of 200..8,192 tokens) trained 1.31x (BF16) / 1.33x (FP8) the
+    # tokens/s of the unsorted padded layout and 1.05-1.07x that of packed micro-batches, training and
+    # scoring 1.06x (FP8); over the first 6-8 new batches of a run, whose new shapes are captured, 0.97-1.00x
+    # packed (docs/performance.md, "Packed micro-batches", sessions 37 and 38).
     sort_by_length: bool = True
     # Torch backend: run each micro-batch as one packed row of its real tokens (no padding computed; attention
     # stays within each sequence: varlen flash attention on CUDA, a block-diagonal mask elsewhere). Same loss
@@ -146,8 +148,8 @@ class TrainerConfig(_Config):
     # (Python autograd, cuBLASLt setup, launches: at 1.5B x 2,048 tokens the eager step took 2.0x (BF16) and
     # 3.6x (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved
     # between steps: the largest shape's working memory, two activations per layer for training and three
-    # for forward-only graphs, all shared by every shape. Under true_on_policy the graphs replay its invariant walk's layers (log-probs stay bit-equal to
-    # the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (one CUDA GPU,
+    # for forward-only graphs, all shared by every shape. Under true_on_policy the graphs replay its
+    # invariant walk's layers (log-probs stay bit-equal to the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (one CUDA GPU,
     # neither of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
     # looks enough; true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"

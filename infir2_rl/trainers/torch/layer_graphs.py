@@ -7,8 +7,8 @@ them. Replaying each layer's forward and backward from a CUDA graph takes that h
 eager is the embedding, the final norm, the token scores, the loss and the optimizer.
 
 How, for one input shape (captured on its first use, at most ``max_shapes`` training and
-``max_forward_only_shapes`` forward-only shapes, 64 each; the trainer pads its training micro-batches to a length
-bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
+``max_forward_only_shapes`` forward-only shapes, 64 each; the trainer pads its training micro-batches to a
+length bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
 
 * Forward graphs of layers 0..n-1 are captured in that order, layer i ending with a copy of its output into
   the buffer layer i+1 reads; backward graphs in reverse, layer i copying its input gradient where layer
@@ -41,8 +41,8 @@ fits them, as the training boundaries are (so the last layer's output, which the
 the next forward-only replay of any shape), and a forward-only shape costs ~no memory of its own: their cap
 is the training one (it was 16 while each shape kept its own three buffers, and rows sorted by length met 32
 shapes in one RL batch, so 30 of 52 scoring micro-batches ran eagerly; docs/performance.md, session 37). The
-trainer pads such batches to a length bucket too. A training forward whose backward has not run yet and a replayed forward without
-gradients cannot interleave (the forward counter below refuses the backward).
+trainer pads such batches to a length bucket too. A training forward whose backward has not run yet and a
+replayed forward without gradients cannot interleave (the forward counter below refuses the backward).
 
 Packed micro-batches (``trainer.pack_sequences``) pass varlen attention arguments to every layer: the offsets
 ``cu_seq_lens_q/k`` (one tensor) and the longest length ``max_length_q/k`` (an int, baked into the kernel's
@@ -206,8 +206,8 @@ class LayerGraphs:
         # Shapes captured at most, per kind. Training: 64, since a padded RL-shaped batch meets ~47 shapes, and
         # micro-batches past the cap run eagerly, where FP8 is host-bound (docs/performance.md, session 29:
         # with 16, padded FP8 ran at 0.74-0.84x BF16's tokens/s; with all 47 graphed, 1.02-1.03x). Each shape
-        # costs ~0.8 s of capture once and ~no memory (the pool and the buffers between layers are shared), a
-        # forward-only one too (module docstring).
+        # costs ~0.4-1.7 s of capture once at 1.5B (session 38: the more tokens, the longer) and ~no memory
+        # (the pool and the buffers between layers are shared), a forward-only one too (module docstring).
         self.max_shapes = max_shapes
         self.max_forward_only_shapes = max_forward_only_shapes
         # check_memory ("auto" mode): before each shape after the first, compare the free memory with what
@@ -491,11 +491,7 @@ class LayerGraphs:
         return cos, sin
 
     def _capture_forward_only(
-        self,
-        hidden: Tensor,
-        mask: Tensor | None,
-        pe: tuple[Tensor, Tensor],
-        kwargs: dict[str, Any],
+        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock, forward_only=True)
@@ -541,11 +537,7 @@ class LayerGraphs:
         return boundaries.views(hidden)
 
     def _capture(
-        self,
-        hidden: Tensor,
-        mask: Tensor | None,
-        pe: tuple[Tensor, Tensor],
-        kwargs: dict[str, Any],
+        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
