@@ -148,13 +148,16 @@ def micro_batches(
     max_tokens_per_gpu: int | None = None,
     packed: bool = False,
     bucketed: bool = False,
+    lengths: Sequence[int] | None = None,
 ) -> list[TokenBatch]:
     """Split `batch` (one rank's shard) into micro-batches by row count or by token budget (padded rows:
-    rows x longest, or with ``bucketed`` rows x ``bucket_length(longest)``, <= budget; module docstring)."""
+    rows x longest, or with ``bucketed`` rows x ``bucket_length(longest)``, <= budget; module docstring).
+    ``lengths``: ``row_lengths(batch)`` where the caller has them."""
     num_rows = batch.num_sequences
     if num_rows == 0:
         return []
-    lengths = row_lengths(batch)
+    if lengths is None:
+        lengths = row_lengths(batch)
     if max_tokens_per_gpu is None:
         groups = [
             list(range(i, min(i + micro_batch_size, num_rows))) for i in range(0, num_rows, micro_batch_size)
@@ -183,7 +186,12 @@ def shard_micro_batches(
     lengths = row_lengths(batch)
     return [
         micro_batches(
-            take_rows(batch, index, lengths), micro_batch_size, max_tokens_per_gpu, packed, bucketed
+            take_rows(batch, index, lengths),
+            micro_batch_size,
+            max_tokens_per_gpu,
+            packed,
+            bucketed,
+            [lengths[i] for i in index],
         )
         if index
         else []
