@@ -82,6 +82,12 @@ from infir2_rl.graph_capture import capture, warmup_stream
 
 log = logging.getLogger(__name__)
 
+# Eager runs of a layer on the warm-up stream before its capture: Triton compiles, cuBLAS(Lt) handles and
+# workspaces, cuDNN's attention plans and the FP8 self-check happen there, not inside a capture. Every layer
+# for the first shape of a code path (``_key``: dtypes, mask, varlen, FP8, gradients), layer 0 alone for later
+# shapes of that path: the layers run the same kernels on the same shapes, and those set-ups are per process,
+# not per module. The warm-up was ~3/4 of all capture time (two eager forward+backward passes of the whole
+# model per shape; docs/performance.md, session 39).
 WARMUP_ITERS = 2
 # The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
 VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
@@ -240,6 +246,8 @@ class LayerGraphs:
         # graph lives, and a backward captured next on the side stream then fails ("operation would make the
         # legacy stream depend on a capturing blocking stream"; seen at 256 sequences in bench/train_packed.py).
         self._refused: set[bool] = set()
+        # Code paths (``_key``'s first part) with a shape captured: later shapes warm up layer 0 alone (WARMUP_ITERS).
+        self._warmed: set[tuple[Any, ...]] = set()
         self.captures = 0
         self.capture_s = 0.0  # wall time spent capturing (warm-up included), for benchmarks
         self.replays = 0
@@ -340,17 +348,24 @@ class LayerGraphs:
                 "autocast", "autocast's weight cache is on (cache_enabled=True): layers run eagerly"
             )
             return None
+        # (the code path: what decides which kernels run; the sizes)
         return (
-            tuple(hidden.shape),
-            hidden.dtype,
-            tuple(cos.shape),
-            cos.dtype,
-            None if mask is None else (tuple(mask.shape), mask.dtype),
-            None if varlen is None else (varlen[0].numel(), varlen[0].dtype, varlen[1]),
-            torch.get_autocast_dtype("cuda") if autocast else None,
-            _fp8_state(layer),
-            grad,
-            layer.training,
+            (
+                hidden.dtype,
+                cos.dtype,
+                None if mask is None else mask.dtype,
+                None if varlen is None else varlen[0].dtype,
+                torch.get_autocast_dtype("cuda") if autocast else None,
+                _fp8_state(layer),
+                grad,
+                layer.training,
+            ),
+            (
+                tuple(hidden.shape),
+                tuple(cos.shape),
+                None if mask is None else tuple(mask.shape),
+                None if varlen is None else (varlen[0].numel(), varlen[1]),
+            ),
         )
 
     def _begin(
@@ -414,10 +429,13 @@ class LayerGraphs:
         assert position_embeddings is not None
         torch.cuda.synchronize()
         before, started = torch.cuda.memory_reserved(hidden.device), time.perf_counter()
+        path = key[0]  # the code path (``_key``)
+        warm = range(1) if path in self._warmed else range(len(self.layers))
         if forward_only:
-            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {})
+            graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {}, warm)
         else:
-            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {})
+            graphs = self._capture(hidden, mask, position_embeddings, kwargs or {}, warm)
+        self._warmed.add(path)
         self.capture_s += time.perf_counter() - started  # both captures end with a synchronize
         grown = max(torch.cuda.memory_reserved(hidden.device) - before, 0)
         if not forward_only:
@@ -491,14 +509,19 @@ class LayerGraphs:
         return cos, sin
 
     def _capture_forward_only(
-        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        pe: tuple[Tensor, Tensor],
+        kwargs: dict[str, Any],
+        warm: range,
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock, forward_only=True)
         side = warmup_stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for i in range(n):
+            for i in warm:
                 for _ in range(WARMUP_ITERS):
                     self._run_eager(i, torch.randn_like(hidden), mask, pe, kwargs)
         torch.cuda.current_stream().wait_stream(side)
@@ -537,7 +560,12 @@ class LayerGraphs:
         return boundaries.views(hidden)
 
     def _capture(
-        self, hidden: Tensor, mask: Tensor | None, pe: tuple[Tensor, Tensor], kwargs: dict[str, Any]
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        pe: tuple[Tensor, Tensor],
+        kwargs: dict[str, Any],
+        warm: range,
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
@@ -554,7 +582,7 @@ class LayerGraphs:
         side = warmup_stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for i in range(n):
+            for i in warm:
                 targets = [
                     t for t in (getattr(p, "main_grad", None) for p in self._params[i]) if t is not None
                 ]
