@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 # workspaces, cuDNN's attention plans and the FP8 self-check happen there, not inside a capture. Every layer
 # for the first shape of a code path (``_key``: dtypes, mask, varlen, FP8, gradients), layer 0 alone for later
 # shapes of that path: the layers run the same kernels on the same shapes, and those set-ups are per process,
-# not per module. The warm-up was ~3/4 of all capture time (two eager forward+backward passes of the whole
+# not per module. The warm-up was ~70% of all capture time (two eager forward+backward passes of the whole
 # model per shape; docs/performance.md, session 39).
 WARMUP_ITERS = 2
 # The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
@@ -212,7 +212,8 @@ class LayerGraphs:
         # Shapes captured at most, per kind. Training: 64, since a padded RL-shaped batch meets ~47 shapes, and
         # micro-batches past the cap run eagerly, where FP8 is host-bound (docs/performance.md, session 29:
         # with 16, padded FP8 ran at 0.74-0.84x BF16's tokens/s; with all 47 graphed, 1.02-1.03x). Each shape
-        # costs ~0.4-1.7 s of capture once at 1.5B (session 38: the more tokens, the longer) and ~no memory
+        # costs ~0.3-0.4 s of capture once at 1.5B (session 39, H200: 52 shapes in 18.5-22.4 s, their code
+        # paths' first shapes included; 0.4-1.7 s before later shapes warmed up layer 0 alone) and ~no memory
         # (the pool and the buffers between layers are shared), a forward-only one too (module docstring).
         self.max_shapes = max_shapes
         self.max_forward_only_shapes = max_forward_only_shapes
