@@ -151,3 +151,38 @@ def test_shapes_of_a_kind_share_the_buffers_between_layers(
     assert (
         graphs._boundaries(torch.zeros(1, 32, 8), forward_only=False)[0].data_ptr() == training[0].data_ptr()
     )
+
+
+def test_later_shapes_of_a_code_path_warm_up_layer_0_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every layer warms up before the first capture of a code path (``_key``'s first part), layer 0 alone before
+    its later shapes (the warm-up was ~70% of capture time, docs/performance.md session 39); another code path
+    (forward-only, FP8 off, ...) starts again with every layer."""
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=False)
+    n = len(graphs.layers)
+    assert n > 1
+    warmed: list[tuple[str, list[int]]] = []
+
+    def fake(kind: str) -> object:
+        def run(hidden: torch.Tensor, mask: object, pe: object, kwargs: object, warm: range) -> object:
+            warmed.append((kind, list(warm)))
+            return type("G", (), {"forward_only": kind == "scoring"})()
+
+        return run
+
+    monkeypatch.setattr(graphs, "_capture", fake("training"))
+    monkeypatch.setattr(graphs, "_capture_forward_only", fake("scoring"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    pe = (torch.zeros(1), torch.zeros(1))
+    for rows in (4, 2, 1):
+        graphs._capture_or_none((("bf16", "train"), rows), torch.zeros(rows, 64, 8), None, pe)
+        with torch.no_grad():
+            graphs._capture_or_none((("bf16", "score"), rows), torch.zeros(rows, 64, 8), None, pe)
+    graphs._capture_or_none((("fp8 off", "train"), 4), torch.zeros(4, 64, 8), None, pe)
+    every, first = list(range(n)), [0]
+    assert warmed == [
+        ("training", every), ("scoring", every), ("training", first), ("scoring", first),
+        ("training", first), ("scoring", first), ("training", every),
+    ]  # fmt: skip
