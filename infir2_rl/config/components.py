@@ -126,8 +126,8 @@ class TrainerConfig(_Config):
     # graph shape. Results come back in batch order; the loss does not depend on the order. At 1.5B on one
     # H100, an RL-shaped batch (256 sequences of 200..8,192 tokens) trained 1.31x (BF16) / 1.33x (FP8) the
     # tokens/s of the unsorted padded layout and 1.05-1.07x that of packed micro-batches, training and
-    # scoring 1.06x (FP8); over the first 6-8 new batches of a run, whose new shapes are captured, 0.97-1.00x
-    # packed (docs/performance.md, "Packed micro-batches", sessions 37 and 38).
+    # scoring 1.06x (FP8); over the first 6 new batches of a run, whose new shapes are captured, 1.006-1.010x
+    # packed on an H200 (docs/performance.md, "Packed micro-batches", sessions 37-39).
     sort_by_length: bool = True
     # Torch backend: run each micro-batch as one packed row of its real tokens (no padding computed; attention
     # stays within each sequence: varlen flash attention on CUDA, a block-diagonal mask elsewhere). Same loss
