@@ -6,6 +6,9 @@
 At an RL step's first update the weights are those that scored the batch, so the PPO ratio exp(new - old) of
 every trained token should be 1. It is 1 only where the two forwards compute the same bits; this prints, per
 precision and layout, the max and mean |new - old| over trained tokens and the share of tokens that differ.
+The training forward runs through the trainer's own loss-scoring path (``TorchTrainer._loss_scores``, what
+``train_step`` calls) with gradients on, and no backward; ``tests/test_old_logprobs_gpu.py`` checks the same
+through ``train_step`` itself on a tiny model.
 """
 
 from __future__ import annotations
@@ -76,8 +79,6 @@ def main() -> int:
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
     batch = rl_batch(args.seqs, vocab)
-    if args.tiny:
-        batch = rl_batch(args.seqs, vocab).rows(0, args.seqs)
     for graphs in args.cuda_graphs:
         for mode in args.modes:
             for layout in args.layouts:
