@@ -165,7 +165,7 @@ def test_later_shapes_of_a_code_path_warm_up_layer_0_alone(
     warmed: list[tuple[str, list[int]]] = []
 
     def fake(kind: str) -> object:
-        def run(hidden: torch.Tensor, mask: object, pe: object, kwargs: object, warm: range) -> object:
+        def run(hidden: torch.Tensor, mask: object, pe: object, kwargs: object, warm: list[int]) -> object:
             warmed.append((kind, list(warm)))
             return type("G", (), {"forward_only": kind == "scoring"})()
 
@@ -186,3 +186,19 @@ def test_later_shapes_of_a_code_path_warm_up_layer_0_alone(
         ("training", every), ("scoring", every), ("training", first), ("scoring", first),
         ("training", first), ("scoring", first), ("training", every),
     ]  # fmt: skip
+
+
+def test_layers_of_another_kind_warm_up_their_first_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sliding-window layer runs other attention kernels than a full-attention one, so a later shape warms up the
+    first layer of each kind (``_warm_up_layers``)."""
+    from infir2_rl.trainers.torch.layer_graphs import _warm_up_layers
+
+    graphs = _graphs(tmp_path, monkeypatch, check_memory=False)
+    layers = graphs.layers
+    assert len(layers) >= 4
+    assert _warm_up_layers(layers) == [0]
+    layers[2].self_attn.sliding_window = 16  # type: ignore[union-attr]
+    layers[3].self_attn.sliding_window = 16  # type: ignore[union-attr]
+    assert _warm_up_layers(layers) == [0, 2]

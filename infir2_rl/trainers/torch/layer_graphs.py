@@ -84,9 +84,9 @@ log = logging.getLogger(__name__)
 
 # Eager runs of a layer on the warm-up stream before its capture: Triton compiles, cuBLAS(Lt) handles and
 # workspaces, cuDNN's attention plans and the FP8 self-check happen there, not inside a capture. Every layer
-# for the first shape of a code path (``_key``: dtypes, mask, varlen, FP8, gradients), layer 0 alone for later
-# shapes of that path: the layers run the same kernels on the same shapes, and those set-ups are per process,
-# not per module. The warm-up was ~70% of all capture time (two eager forward+backward passes of the whole
+# for the first shape of a code path (``_key``: dtypes, mask, varlen, FP8, gradients), the first layer of each
+# kind alone for later shapes of that path (``_warm_up_layers``: layer 0 in Qwen2.5): layers of a kind run the
+# same kernels on the same shapes, and those set-ups are per process, not per module. The warm-up was ~70% of all capture time (two eager forward+backward passes of the whole
 # model per shape; docs/performance.md, session 39).
 WARMUP_ITERS = 2
 # The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
@@ -126,6 +126,23 @@ def grad_target(p: Tensor) -> Tensor | None:
 
 def _fp8_state(layer: nn.Module) -> tuple[bool, ...]:
     return tuple(bool(getattr(m, "fp8_enabled", False)) for m in layer.modules() if hasattr(m, "fp8_enabled"))
+
+
+def _warm_up_layers(layers: list[nn.Module]) -> list[int]:
+    """The first layer of each kind (class, attention type and window, FP8 state): what a later shape of a code
+    path warms up (``WARMUP_ITERS``). One kind in Qwen2.5: layer 0 alone; sliding-window layers run other
+    attention kernels and would add their first one."""
+    first: dict[tuple[Any, ...], int] = {}
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        kind = (
+            type(layer),
+            getattr(attn, "layer_type", None),
+            getattr(attn, "sliding_window", None),
+            _fp8_state(layer),
+        )
+        first.setdefault(kind, i)
+    return sorted(first.values())
 
 
 class _ShapeGraphs:
@@ -247,7 +264,7 @@ class LayerGraphs:
         # graph lives, and a backward captured next on the side stream then fails ("operation would make the
         # legacy stream depend on a capturing blocking stream"; seen at 256 sequences in bench/train_packed.py).
         self._refused: set[bool] = set()
-        # Code paths (``_key``'s first part) with a shape captured: later shapes warm up layer 0 alone (WARMUP_ITERS).
+        # Code paths (``_key``'s first part) with a shape captured: later shapes warm up fewer layers (WARMUP_ITERS).
         self._warmed: set[tuple[Any, ...]] = set()
         self.captures = 0
         self.capture_s = 0.0  # wall time spent capturing (warm-up included), for benchmarks
@@ -431,7 +448,7 @@ class LayerGraphs:
         torch.cuda.synchronize()
         before, started = torch.cuda.memory_reserved(hidden.device), time.perf_counter()
         path = key[0]  # the code path (``_key``)
-        warm = range(1) if path in self._warmed else range(len(self.layers))
+        warm = _warm_up_layers(self.layers) if path in self._warmed else list(range(len(self.layers)))
         if forward_only:
             graphs = self._capture_forward_only(hidden, mask, position_embeddings, kwargs or {}, warm)
         else:
@@ -515,7 +532,7 @@ class LayerGraphs:
         mask: Tensor | None,
         pe: tuple[Tensor, Tensor],
         kwargs: dict[str, Any],
-        warm: range,
+        warm: list[int],
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock, forward_only=True)
@@ -566,7 +583,7 @@ class LayerGraphs:
         mask: Tensor | None,
         pe: tuple[Tensor, Tensor],
         kwargs: dict[str, Any],
-        warm: range,
+        warm: list[int],
     ) -> _ShapeGraphs:
         n = len(self.layers)
         graphs = _ShapeGraphs(n, self._clock)
