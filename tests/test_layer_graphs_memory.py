@@ -1,5 +1,6 @@
 """trainer.cuda_graphs=auto guards memory before capturing another shape (``LayerGraphs._memory_allows``);
-the decision is plain arithmetic over the allocator's numbers, checked here on CPU with those numbers faked."""
+the decision is plain arithmetic over the allocator's numbers, checked here on CPU with those numbers faked. Also
+the per-kind shape caps and which layers warm up before a capture, with the captures faked."""
 
 from __future__ import annotations
 
