@@ -4,6 +4,7 @@ the per-kind shape caps and which layers warm up before a capture, with the capt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,23 @@ def _free(monkeypatch: pytest.MonkeyPatch, driver_free: int, reserved: int, allo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (driver_free, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def _fake_captures(graphs: LayerGraphs, monkeypatch: pytest.MonkeyPatch, record: Callable[..., None]) -> None:
+    """Captures replaced by ``record(kind, hidden, warm)`` ("training" or "scoring", the warmed-up layers), each
+    returning a stand-in of its kind; the CUDA calls around a capture made no-ops."""
+
+    def fake(kind: str) -> Callable[..., object]:
+        def run(hidden: torch.Tensor, mask: object, pe: object, kwargs: object, warm: list[int]) -> object:
+            record(kind, hidden, warm)
+            return type("G", (), {"forward_only": kind == "scoring"})()
+
+        return run
+
+    monkeypatch.setattr(graphs, "_capture", fake("training"))
+    monkeypatch.setattr(graphs, "_capture_forward_only", fake("scoring"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
 
 
 def test_auto_captures_another_shape_only_when_memory_looks_enough(
@@ -108,18 +126,7 @@ def test_training_and_forward_only_shapes_have_caps_of_their_own(
     assert (graphs.max_shapes, graphs.max_forward_only_shapes) == (64, 64)
     graphs.max_shapes, graphs.max_forward_only_shapes = 3, 2
     captured: list[tuple[str, int]] = []
-
-    def fake(kind: str) -> object:
-        def run(hidden: torch.Tensor, *args: object) -> object:
-            captured.append((kind, hidden.shape[0]))
-            return type("G", (), {"forward_only": kind == "scoring"})()
-
-        return run
-
-    monkeypatch.setattr(graphs, "_capture", fake("training"))
-    monkeypatch.setattr(graphs, "_capture_forward_only", fake("scoring"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    _fake_captures(graphs, monkeypatch, lambda kind, hidden, warm: captured.append((kind, hidden.shape[0])))
     pe = (torch.zeros(1), torch.zeros(1))
     for rows in range(1, 6):
         graphs._capture_or_none(("train", rows), torch.zeros(rows, 64, 8), None, pe)
@@ -164,18 +171,7 @@ def test_later_shapes_of_a_code_path_warm_up_layer_0_alone(
     n = len(graphs.layers)
     assert n > 1
     warmed: list[tuple[str, list[int]]] = []
-
-    def fake(kind: str) -> object:
-        def run(hidden: torch.Tensor, mask: object, pe: object, kwargs: object, warm: list[int]) -> object:
-            warmed.append((kind, list(warm)))
-            return type("G", (), {"forward_only": kind == "scoring"})()
-
-        return run
-
-    monkeypatch.setattr(graphs, "_capture", fake("training"))
-    monkeypatch.setattr(graphs, "_capture_forward_only", fake("scoring"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    _fake_captures(graphs, monkeypatch, lambda kind, hidden, warm: warmed.append((kind, list(warm))))
     pe = (torch.zeros(1), torch.zeros(1))
     for rows in (4, 2, 1):
         graphs._capture_or_none((("bf16", "train"), rows), torch.zeros(rows, 64, 8), None, pe)
