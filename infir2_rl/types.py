@@ -179,6 +179,10 @@ class TrainStats:
     step_time_s: float
     # Loss-function metrics averaged over the global batch (e.g. "mismatch/k3").
     metrics: dict[str, float] = field(default_factory=dict)
+    # ``train_step(keep_logprobs=True)``: B x L float32 (CPU) log-probs of the trained tokens from this step's
+    # own forward (the loss's ``TokenScores.logprobs_BL``; 0 off the loss mask), one row per sequence trained,
+    # in the order given (a rank: its micro-batches' rows; ``TrainerGroup``: the global batch's). None otherwise.
+    logprobs: Tensor | None = None
 
 
 class TrainerBackend(Protocol):
@@ -193,10 +197,13 @@ class TrainerBackend(Protocol):
         """
         ...
 
-    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+    def train_step(
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool = False
+    ) -> TrainStats:
         """Forward/backward over the micro-batches, then one optimizer step.
 
         total_units: loss units (tokens or sequences) in the global batch over all ranks.
+        keep_logprobs: return the training forward's log-probs of the trained tokens (``TrainStats.logprobs``).
         """
         ...
 

@@ -76,3 +76,31 @@ def test_entropy_bonus_uses_the_tempered_distribution_at_response_tokens() -> No
     assert out.loss.item() == pytest.approx(-0.01 * expected, rel=1e-5)
     out.loss.backward()  # the bonus is differentiable through the logits
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_old_from_scores_is_the_loss_with_the_forwards_own_logprobs_as_old() -> None:
+    """An RL step's first update takes its old log-probs from its own forward (no scoring pass): the same loss,
+    gradient and statistics as a batch carrying those log-probs; the batch must then carry none (and must
+    carry them otherwise), so a caller that mixes the two up is told."""
+    logits = torch.randn(2, 4, 11)
+    scored = _batch(logits, ref_shift=None)
+    scored.advantages = torch.tensor([1.0, -0.5])
+    scored.rollout_logprobs = scored.old_logprobs - 0.1 * torch.rand(2, 4)  # TIS weights != 1
+    unscored = TokenBatch(**{**scored.tensors(), "old_logprobs": None})
+    outs, grads = [], []
+    for loss, batch in ((GrpoLoss(AlgorithmConfig(), TEMPERATURE), scored),
+                        (GrpoLoss(AlgorithmConfig(), TEMPERATURE, old_from_scores=True), unscored)):  # fmt: skip
+        x = logits.clone().requires_grad_()
+        outs.append(_run(loss, x, batch))
+        outs[-1].loss.backward()
+        grads.append(x.grad)
+    assert outs[0].loss.item() == outs[1].loss.item() != 0.0
+    assert torch.equal(grads[0], grads[1])
+    assert {k: float(v) for k, v in outs[0].metrics.items()} == {
+        k: float(v) for k, v in outs[1].metrics.items()
+    }
+    assert float(outs[1].metrics[names.TRAIN_RATIO_MEAN]) == 1.0
+    with pytest.raises(ValueError, match="old_logprobs unless old_from_scores"):
+        _run(GrpoLoss(AlgorithmConfig(), TEMPERATURE, old_from_scores=True), logits, scored)
+    with pytest.raises(ValueError, match="old_logprobs unless old_from_scores"):
+        _run(GrpoLoss(AlgorithmConfig(), TEMPERATURE), logits, unscored)

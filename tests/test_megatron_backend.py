@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
 
+from on_policy import check_first_update, rl_batch  # noqa: E402
+
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig  # noqa: E402
 from infir2_rl.data.datasets import load_sft_examples  # noqa: E402
 from infir2_rl.data.synthetic import make_data  # noqa: E402
@@ -85,6 +87,14 @@ def test_logprobs_and_fp8_export_equal_the_torch_backend(assets: tuple, fp8: boo
         for name, value in ref_export.items():
             assert got_export[name].dtype == value.dtype, name
             assert torch.equal(got_export[name].float(), value.float()), name
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_first_rl_update_needs_no_scoring_pass(assets: tuple, fp8: bool) -> None:
+    """As for the torch backend (tests/on_policy.py): old log-probs from the update's own forward."""
+    model, batches = assets
+    batch = rl_batch(batches[0])
+    check_first_update(lambda: make("megatron", model, fp8), batch, micro_batch_size=2)
 
 
 def test_twenty_sft_steps_track_the_torch_backend(assets: tuple) -> None:

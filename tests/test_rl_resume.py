@@ -101,6 +101,10 @@ def test_rl_stage_runs_in_the_other_precision_modes(mode: str, tmp_path: Path, r
         else:
             assert m[names.MISMATCH_K3] > 1e-7, m
         assert names.MISMATCH_DENSE_K3 not in m  # only measured when the trainer runs FP8
+        # One update per rollout: its old log-probs (and the mismatch's trainer side) come from its own forward,
+        # with no scoring pass before it, and its ratio to the old policy is exactly 1.
+        assert m["train/updates_per_rollout"] == 1.0 and "time/old_logprobs_s" not in m, m
+        assert m[names.TRAIN_RATIO_MEAN] == 1.0 and m[names.TRAIN_PG_CLIP_FRAC] == 0.0, m
         # Each phase's memory (CPU: the engine's and the trainer's RSS high-water marks, nothing reserved).
         for phase in ("rollout", "score", "train", "sync"):
             assert m[f"memory/{phase}_peak_gb"] > 0.01 and m[f"memory/{phase}_reserved_gb"] == 0.0, m
@@ -128,6 +132,8 @@ def test_rl_mini_batches_take_several_optimizer_steps_per_rollout(tmp_path: Path
     run_rl_stage(cfg)
     steps = _steps(tmp_path / "mb")
     assert [steps[s]["train/updates_per_rollout"] for s in (1, 2)] == [2.0, 2.0]
+    # Only the second mini-batch's rows are scored before the first update (the first scores itself).
+    assert all(steps[s]["time/old_logprobs_s"] > 0 for s in (1, 2))
     # The second mini-batch is trained after the first update: its ratio to the old policy is off 1, which
     # the first (on-policy) one never is; with lr 1e-2 the PPO clip engages on some tokens.
     assert max(steps[s]["train/pg_clip_frac"] for s in (1, 2)) > 0

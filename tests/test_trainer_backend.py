@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from on_policy import check_first_update, rl_batch
 
 from infir2_rl.algo.config import AlgorithmConfig
 from infir2_rl.algo.loss_fns import GrpoLoss
@@ -106,6 +107,25 @@ def test_grpo_statistics_are_token_means_whatever_the_split(assets: tuple[Path, 
     for split in (8, 3, 1):
         stats = make_trainer(model).train_step(micro_batches(rl, split), loss_fn, rl.num_sequences)
         assert stats.metrics[names.TRAIN_TIS_WEIGHT_MEAN] == pytest.approx(true_mean, rel=1e-5), split
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_first_rl_update_needs_no_scoring_pass(assets: tuple[Path, TokenBatch], fp8: bool) -> None:
+    """``GrpoLoss.old_from_scores`` with ``train_step(keep_logprobs=True)`` is the update a scoring pass before it
+    gives (tests/on_policy.py), BF16 and FP8, over 3 micro-batches."""
+    model, batch = assets
+    check_first_update(lambda: make_trainer(model, fp8=fp8), rl_batch(batch), micro_batch_size=3)
+
+
+def test_keep_logprobs_refuses_a_model_with_dropout(tmp_path: Path, assets: tuple[Path, TokenBatch]) -> None:
+    """In training mode dropout changes the forward, so its log-probs are not the policy's old ones: one line."""
+    _, batch = assets
+    model = init_model(tmp_path / "model", preset="tiny", num_hidden_layers=2, attention_dropout=0.1)
+    trainer = make_trainer(model)
+    with pytest.raises(ValueError, match=r"drops activations in training \(config.attention_dropout=0.1\)"):
+        trainer.train_step([batch], SftLossFn(), num_target_tokens(batch), keep_logprobs=True)
+    assert trainer.step == 0
+    assert trainer.train_step([batch], SftLossFn(), num_target_tokens(batch)).logprobs is None
 
 
 class NanLoss:

@@ -57,7 +57,18 @@ def stage_cfg(model: Path, num_workers: int, **trainer: object) -> SftStageConfi
 
 
 def run(group: TrainerGroup, batches: list[TokenBatch]) -> tuple[list[float], list[float], torch.Tensor]:
-    stats = [group.train_step(b, SftLossFn(), num_target_tokens(b)) for b in batches]
+    before = group.forward_logprobs(batches[0])
+    stats = [
+        group.train_step(b, SftLossFn(), num_target_tokens(b), keep_logprobs=i == 0)
+        for i, b in enumerate(batches)
+    ]
+    # keep_logprobs: the first step's own log-probs of the trained tokens, back in batch order (sorted rows too)
+    # and equal to a scoring pass's on the same weights; 0 off the loss mask.
+    trained = batches[0].loss_mask > 0
+    trained[:, 0] = False
+    kept = stats[0].logprobs
+    assert kept is not None and kept.shape == before.shape and stats[1].logprobs is None
+    assert torch.equal(kept[trained], before[trained]) and not kept[~trained].any()
     return [s.loss for s in stats], [s.grad_norm for s in stats], group.forward_logprobs(batches[0])
 
 

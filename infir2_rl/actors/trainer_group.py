@@ -149,19 +149,38 @@ class TrainerGroup:
         parts: list[list[Tensor]] = self._per_rank(
             method, [(shard, *args) for shard in self._shards(batch, rows)]
         )
+        return self._in_batch_order(parts, batch, rows)
+
+    def _in_batch_order(self, parts: list[list[Tensor]], batch: TokenBatch, rows: list[list[int]]) -> Tensor:
+        """Each rank's row results (its rows in its order, as one or more B_i x L_i tensors) as one B x L in
+        ``batch``'s row order; ``rows``: each model replica's row indices (``_rows``)."""
         replicas = parts[:: self.model_parallel]  # one answer per model replica
         merged = merge_rows([p for rank_parts in replicas for p in rank_parts], int(batch.input_ids.shape[1]))
         return unshuffle_rows(merged, [i for index in rows for i in index])
 
     # ------------------------------------------------------------------ trainer API
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, total_units: int) -> TrainStats:
-        """One optimizer step on the global `batch`; `total_units` = loss units over all of it."""
+    def train_step(
+        self, batch: TokenBatch, loss_fn: LossFn, total_units: int, keep_logprobs: bool = False
+    ) -> TrainStats:
+        """One optimizer step on the global `batch`; `total_units` = loss units over all of it.
+
+        ``keep_logprobs``: ``TrainStats.logprobs`` holds the training forward's log-probs of the trained tokens,
+        B x L in batch order (0 off the loss mask), as ``forward_logprobs`` would have scored them before the
+        step on the same micro-batches (tests/test_old_logprobs_gpu.py holds them equal bit for bit).
+        """
         loss_ref = ray.put(loss_fn)
+        rows = self._rows(batch)
         stats: list[TrainStats] = self._per_rank(
-            "train_step", [(shard, loss_ref, total_units) for shard in self._shards(batch)]
+            "train_step",
+            [(shard, loss_ref, total_units, keep_logprobs) for shard in self._shards(batch, rows)],
         )
         peak = max(s.metrics.pop(names.PERF_PEAK_MEMORY_GB, 0.0) for s in stats)
-        result = replace(stats[0], step_time_s=max(s.step_time_s for s in stats))
+        logprobs = None
+        if keep_logprobs:
+            kept = [s.logprobs for s in stats]
+            assert all(t is not None for t in kept), "every rank returns its rows' log-probs when asked"
+            logprobs = self._in_batch_order([[t] for t in kept if t is not None], batch, rows)
+        result = replace(stats[0], step_time_s=max(s.step_time_s for s in stats), logprobs=logprobs)
         result.metrics[names.PERF_PEAK_MEMORY_GB] = peak
         return result
 

@@ -168,8 +168,10 @@ class TrainerWorker:
         ``TorchTrainer.pads_to_buckets``)."""
         return bool(getattr(self.backend, "pads_to_buckets", False))  # megatron: no graphs
 
-    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
-        stats: TrainStats = self.backend.train_step(batches, loss_fn, total_units)
+    def train_step(
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool = False
+    ) -> TrainStats:
+        stats: TrainStats = self.backend.train_step(batches, loss_fn, total_units, keep_logprobs)
         # Peak memory is per rank; the group reports the maximum over ranks.
         stats.metrics[names.PERF_PEAK_MEMORY_GB] = self.backend.peak_memory_gb()
         return stats

@@ -24,14 +24,23 @@ class GrpoLoss:
     cfg: AlgorithmConfig
     # The rollout temperature: both sides must score the same (tempered) distribution.
     temperature: float
+    # The old log-probs are this forward's own, detached (the batch then carries none): right where the weights
+    # training are those that would have scored the batch, i.e. an RL step's first update. The scoring forward
+    # and the training forward give the same bits there (tests/test_old_logprobs_gpu.py), so this only saves
+    # the scoring pass (stages/rl.py).
+    old_from_scores: bool = False
 
     @property
     def needs_entropy(self) -> bool:
         return self.cfg.needs_entropy
 
     def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
-        if batch.old_logprobs is None or batch.advantages is None:
-            raise ValueError("GrpoLoss needs batch.old_logprobs and batch.advantages (RL batches only)")
+        if batch.advantages is None or (batch.old_logprobs is None) != self.old_from_scores:
+            raise ValueError(
+                "GrpoLoss needs batch.advantages, and batch.old_logprobs unless old_from_scores (then none);"
+                f" got advantages: {batch.advantages is not None}, old_logprobs: {batch.old_logprobs is not None},"
+                f" old_from_scores={self.old_from_scores}"
+            )
         if self.cfg.needs_reference and batch.ref_logprobs is None:
             raise ValueError(
                 f"algorithm.kl_coef={self.cfg.kl_coef} but the batch has no ref_logprobs: the stage must"
@@ -51,9 +60,10 @@ class GrpoLoss:
         # Counted on the host (TokenBatch.to) when the trainer moved the batch: then nothing here waits for the
         # device, and the statistics stay there until the step's end (MetricMeans).
         known = batch.counts.num_targets if batch.counts is not None else None
+        old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs[:, 1:].to(logp)
         loss, values, num_tokens = policy_loss_terms(
             logp,
-            batch.old_logprobs[:, 1:].to(logp),
+            old,
             rollout,
             batch.advantages.to(logp),
             mask,

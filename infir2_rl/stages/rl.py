@@ -4,18 +4,21 @@
 
 Each step the engines sample `n_samples_per_prompt` answers for `prompts_per_step` prompts with the
 FP8 weights they were last sent (dynamic sampling drops groups with no reward spread and samples more).
-The trainer recomputes the log-probs of those tokens at the rollout temperature (the "old" policy, in
-its own precision flow); their gap to the engine's log-probs is the train/rollout mismatch, logged every
-step and corrected by TIS in the loss. The trainer then takes ``updates_per_rollout`` optimizer steps on
-consecutive slices of the rollout batch (one when `trainer.global_batch_size` is the whole batch), the
-new weights go to every engine (version = step) and a few layers are read back and compared.
+The trainer then takes ``updates_per_rollout`` optimizer steps on consecutive slices of the rollout batch
+(one when `trainer.global_batch_size` is the whole batch, the recipe's setting). Each needs the "old"
+log-probs of its tokens: the trainer's, at the rollout temperature, in its own precision flow, under the
+weights that sampled the batch. The first update runs on exactly those weights, so its own forward gives
+them (the same bits a separate scoring pass gives, which it therefore skips); the rows of later updates
+are scored before the first. Their gap to the engine's log-probs is the train/rollout mismatch, logged
+every step and corrected by TIS in the loss. The new weights go to every engine (version = step) and a
+few layers are read back and compared.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -132,26 +135,33 @@ def rl_step(
     memory = actors.memory(names.MEMORY_ROLLOUT_PEAK_GB, names.MEMORY_ROLLOUT_RESERVED_GB, engines=True)
     actors.trainer.memory()  # restarts the ranks' peak counters: the scoring phase starts here
     actors.engines_sleep()
-    with timer("old_logprobs"):
-        tokens.old_logprobs = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature)
+    temperature, size, rows = cfg.rollout.temperature, cfg.global_batch_size, tokens.num_sequences
+    # The old log-probs, B x L. The first update's rows get theirs from its own training forward (_train_on);
+    # only rows that later updates train on, after the weights moved, are scored here.
+    old = torch.zeros(tokens.input_ids.shape, dtype=torch.float32)
+    if rows > size:
+        with timer("old_logprobs"):
+            old[size:] = actors.trainer.forward_logprobs(tokens.rows(size, rows), temperature)
+    tokens.old_logprobs = old
     if cfg.algorithm.needs_reference:
         with timer("ref_logprobs"):
-            tokens.ref_logprobs = actors.trainer.forward_ref_logprobs(tokens, cfg.rollout.temperature)
+            tokens.ref_logprobs = actors.trainer.forward_ref_logprobs(tokens, temperature)
     assert tokens.rollout_logprobs is not None
     mask, rollout_logp = tokens.loss_mask[:, 1:], tokens.rollout_logprobs[:, 1:]
     tis = (cfg.algorithm.tis_low, cfg.algorithm.tis_high)
-    mismatch = mismatch_metrics(tokens.old_logprobs[:, 1:], rollout_logp, mask, *tis).as_metrics(
-        names.MISMATCH
-    )
+    dense: dict[str, float] = {}
     if cfg.metrics.dense_trainer_mismatch and cfg.train_fp8:
         with timer("dense_logprobs"):
-            dense_logp = actors.trainer.forward_logprobs(tokens, cfg.rollout.temperature, fp8=False)
-        dense = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis)
-        mismatch |= dense.as_metrics(names.MISMATCH_DENSE)
+            dense_logp = actors.trainer.forward_logprobs(tokens, temperature, fp8=False)
+        dense = mismatch_metrics(dense_logp[:, 1:], rollout_logp, mask, *tis).as_metrics(names.MISMATCH_DENSE)
     memory |= actors.memory(names.MEMORY_SCORE_PEAK_GB, names.MEMORY_SCORE_RESERVED_GB)
     with timer("train"):
         all_stats = _train_on(cfg, actors, tokens, loss_fn)
     memory |= actors.memory(names.MEMORY_TRAIN_PEAK_GB, names.MEMORY_TRAIN_RESERVED_GB)
+    first = all_stats[0].logprobs
+    assert first is not None, "the first update keeps its log-probs (_train_on)"
+    old[:size] = first
+    mismatch = mismatch_metrics(old[:, 1:], rollout_logp, mask, *tis).as_metrics(names.MISMATCH) | dense
     stats = _mean_stats(all_stats)
     actors.engines_wake()
     with timer("weight_sync"):
@@ -175,14 +185,20 @@ def _train_on(
     cfg: RlStageConfig, actors: RlActors, tokens: TokenBatch, loss_fn: GrpoLoss
 ) -> list[TrainStats]:
     """``cfg.updates_per_rollout`` optimizer steps on consecutive row slices of the rollout batch (groups stay
-    whole when the global batch is a multiple of the group size); old log-probs are the pre-update ones."""
+    whole when the global batch is a multiple of the group size); old log-probs are the pre-update ones.
+
+    The first update trains on the weights that sampled the batch, so its old log-probs are its own forward's
+    (``GrpoLoss.old_from_scores``, the same bits a scoring pass would give: tests/test_old_logprobs_gpu.py); its
+    TrainStats.logprobs holds them for the mismatch metrics. Later slices carry ``tokens.old_logprobs``."""
     size = cfg.global_batch_size
     all_stats = []
     for start in range(0, tokens.num_sequences, size):
-        part = tokens.rows(start, start + size)
+        part, fn, first = tokens.rows(start, start + size), loss_fn, start == 0
+        if first:
+            part, fn = replace(part, old_logprobs=None), replace(loss_fn, old_from_scores=True)
         # The units each micro-batch's GrpoLoss counts (trained positions t >= 1), so the means add up exactly.
         units = part.num_targets if cfg.algorithm.loss_reduction == "token_mean" else part.num_sequences
-        all_stats.append(actors.trainer.train_step(part, loss_fn, total_units=units))
+        all_stats.append(actors.trainer.train_step(part, fn, total_units=units, keep_logprobs=first))
     return all_stats
 
 

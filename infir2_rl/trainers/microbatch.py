@@ -222,6 +222,13 @@ def merge_rows(parts: Sequence[Tensor], length: int) -> Tensor:
     return out
 
 
+def merge_on_host(parts: Sequence[Tensor | None]) -> Tensor:
+    """A rank's per-micro-batch B_i x L_i results (on its device; None for FSDP's dummy micro-batches: skipped) as
+    one CPU sum(B_i) x max(L_i), rows in the order given (``merge_rows``)."""
+    real = [p.cpu() for p in parts if p is not None]
+    return merge_rows(real, max((int(p.shape[1]) for p in real), default=1))
+
+
 class MetricMeans:
     """The loss function's metrics of one train step, averaged over micro-batches and ranks by their weights.
 

@@ -41,7 +41,7 @@ from infir2_rl.trainers.megatron import hf_mapping as hfm
 from infir2_rl.trainers.megatron import te
 from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_vocab, part_rows
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
-from infir2_rl.trainers.microbatch import MetricMeans
+from infir2_rl.trainers.microbatch import MetricMeans, merge_on_host
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
@@ -330,7 +330,9 @@ class MegatronTrainer:
         return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
 
     # ------------------------------------------------------------------ TrainerBackend
-    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+    def train_step(
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool = False
+    ) -> TrainStats:
         if total_units < 1:
             raise ValueError(
                 f"total_units={total_units}: the global batch has no loss units (empty loss mask?)"
@@ -345,8 +347,12 @@ class MegatronTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         metrics = MetricMeans()
         num_tokens = num_sequences = 0
+        kept: list[Tensor] = []  # keep_logprobs: the micro-batches' log-probs (dropout is 0: model.py)
         for batch in (b.to(self.device) for b in batches):
-            out = loss_fn(self._loss_scores(batch, loss_fn), batch)
+            scores = self._loss_scores(batch, loss_fn)
+            if keep_logprobs:
+                kept.append(scores.logprobs_BL.detach())
+            out = loss_fn(scores, batch)
             weight = out.num_units / total_units
             (out.loss * weight).backward()
             loss_sum += out.loss.detach().double() * weight
@@ -377,6 +383,7 @@ class MegatronTrainer:
             skipped=skipped,
             step_time_s=time.perf_counter() - start,
             metrics=MetricMeans.means(names, totals[3:]),
+            logprobs=merge_on_host(kept) if keep_logprobs else None,
         )
 
     def _update(self, lr: float) -> tuple[float, bool]:

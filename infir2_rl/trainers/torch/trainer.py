@@ -66,7 +66,7 @@ from infir2_rl.fp8 import grouped
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, mark_kept_inputs, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.flat_adamw import FlatAdamW
-from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, pad_length
+from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, merge_on_host, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
@@ -79,6 +79,17 @@ from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 log = logging.getLogger(__name__)
+
+
+def dropout_in(model: torch.nn.Module) -> list[str]:
+    """Where ``model`` drops activations in training mode: ``nn.Dropout`` modules with p > 0, and config rates
+    named ``*dropout``/``*pdrop`` above 0 (transformers' attention reads its rate from the config)."""
+    found = [f"{n}.p={m.p}" for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    for key, value in sorted(vars(config).items() if config is not None else []):
+        if key.endswith(("dropout", "pdrop")) and isinstance(value, (int, float)) and value > 0:
+            found.append(f"config.{key}={value}")
+    return found
 
 
 def resolve_param_dtype(setting: str, compute_dtype: torch.dtype, fsdp: bool) -> torch.dtype:
@@ -277,6 +288,9 @@ class TorchTrainer:
             bucket_length if self.layer_graphs is not None and self.pack_sequences else None
         )
         self.model.train()
+        # Where the model drops activations in training: its training forward's log-probs are then not the policy's
+        # (train_step(keep_logprobs=True) refuses).
+        self.dropout = dropout_in(self.model)
         # What the optimizer steps, in the model's parameter order whatever param_dtype is (so that optimizer
         # states in checkpoints line up): each parameter, or its FP32 master.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -448,21 +462,28 @@ class TorchTrainer:
             self.invalidate_fp8_cache()
 
     # ------------------------------------------------------------------ TrainerBackend
-    def train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+    def train_step(
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool = False
+    ) -> TrainStats:
+        if keep_logprobs and self.dropout:
+            raise ValueError(
+                f"train_step(keep_logprobs=True): the model drops activations in training ({', '.join(self.dropout)}),"
+                " so its training forward's log-probs are not the policy's; set the dropout to 0 for RL"
+            )
         # INFIR2_PROFILE_TRAIN_STEP=N: torch.profiler over optimizer step N, tables to INFIR2_PROFILE_DIR
         # (docs/monitoring.md). A debugging aid for GPU runs; off by default.
         if os.environ.get("INFIR2_PROFILE_TRAIN_STEP", "") == str(self.step + 1):
-            return self._profiled_train_step(batches, loss_fn, total_units)
-        return self._train_step(batches, loss_fn, total_units)
+            return self._profiled_train_step(batches, loss_fn, total_units, keep_logprobs)
+        return self._train_step(batches, loss_fn, total_units, keep_logprobs)
 
     def _profiled_train_step(
-        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool
     ) -> TrainStats:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            stats = self._train_step(batches, loss_fn, total_units)
+            stats = self._train_step(batches, loss_fn, total_units, keep_logprobs)
         out = Path(os.environ.get("INFIR2_PROFILE_DIR", ".")) / f"train_step{self.step}_rank{self.rank}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
@@ -476,7 +497,9 @@ class TorchTrainer:
         log.info("profile of train step %d written to %s", self.step, out)
         return stats
 
-    def _train_step(self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int) -> TrainStats:
+    def _train_step(
+        self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool
+    ) -> TrainStats:
         if total_units < 1:
             raise ValueError(
                 f"total_units={total_units}: the global batch has no loss units (empty loss mask?)"
@@ -494,12 +517,18 @@ class TorchTrainer:
         metrics = MetricMeans()
         num_sequences = 0
         items = self._padded(batches)
-        for batch in (items[i] for i in self._graph_order(items)):
+        kept: list[Tensor | None] = [None] * len(items)  # keep_logprobs: per micro-batch, in the order given
+        for i in self._graph_order(items):
+            batch = items[i]
             if batch is None:
                 (self._dummy_scores().sum() * 0.0).backward()
                 continue
+            length = batch.input_ids.shape[1]
             batch = self._bucketed(batch)  # a few lengths, so that a few captured graphs serve them all
-            out = loss_fn(self._loss_scores(batch, loss_fn), batch)
+            scores = self._loss_scores(batch, loss_fn)
+            if keep_logprobs:
+                kept[i] = scores.logprobs_BL[:, :length].detach()
+            out = loss_fn(scores, batch)
             weight = out.num_units / total_units
             (out.loss * (weight * grad_scale)).backward()
             loss_sum += out.loss.detach().double() * weight
@@ -539,6 +568,7 @@ class TorchTrainer:
             skipped=skipped,
             step_time_s=time.perf_counter() - start,
             metrics=MetricMeans.means(names, totals[3:]),
+            logprobs=merge_on_host(kept) if keep_logprobs else None,
         )
 
     def _zero_grads(self) -> None:
