@@ -45,7 +45,8 @@ phases = ("rollout", "score", "train", "sync")
 print("step | " + " | ".join(f"{p} peak/reserved GiB" for p in phases) + " | rollout / old_logprobs / train / weight_sync s")
 for r in rows:
     cells = [f"{r.get(f'memory/{p}_peak_gb', float('nan')):6.2f} / {r.get(f'memory/{p}_reserved_gb', float('nan')):6.2f}" for p in phases]
-    times = " / ".join(f"{r.get(f'time/{t}_s', float('nan')):.2f}" for t in ("rollout", "old_logprobs", "train", "weight_sync"))
+    # old_logprobs: "-" when no row was scored before the first update (one update per rollout: stages/rl.py)
+    times = " / ".join(f"{r[f'time/{t}_s']:.2f}" if f"time/{t}_s" in r else "-" for t in ("rollout", "old_logprobs", "train", "weight_sync"))
     print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times}")
 for p in phases:
     vals = [r[f"memory/{p}_peak_gb"] for r in rows if f"memory/{p}_peak_gb" in r]

@@ -1,8 +1,10 @@
 """On one CUDA GPU: the old log-probs (``forward_logprobs``, the scoring forward) equal bit for bit the log-probs
-the training forward computes on the same micro-batches with the same weights, so the PPO ratio of every
-trained token is exactly 1 at an RL step's first update. BF16 and FP8, padded (sorted rows, several shapes:
-later shapes of a code path are captured after a warm-up of layer 0 alone) and packed, with the layer graphs
-and eagerly. Skipped on CPU. ``bench/old_vs_new.py`` measures the same at the 1.5B shape."""
+the training forward computes on the same micro-batches with the same weights (``train_step(keep_logprobs=True)``
+hands them back), so an RL step's first update can take its old log-probs from its own forward and skip the
+scoring pass (stages/rl.py), and the PPO ratio of every trained token there is exactly 1. BF16 and FP8, padded
+(sorted rows, several shapes: later shapes of a code path are captured after a warm-up of layer 0 alone) and
+packed, with the layer graphs and eagerly. Skipped on CPU. ``bench/old_vs_new.py`` measures the same at the
+1.5B shape."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import torch
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
-from infir2_rl.trainers.microbatch import micro_batches, row_lengths, shard_rows, take_rows
+from infir2_rl.trainers.microbatch import merge_rows, micro_batches, row_lengths, shard_rows, take_rows
 from infir2_rl.trainers.torch.trainer import TorchTrainer
-from infir2_rl.types import LossOutput, TokenBatch, TokenScores
+from infir2_rl.types import TokenBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,17 +35,6 @@ def _batch(vocab: int) -> TokenBatch:
     loss_mask = mask.float()
     loss_mask[:, :16] = 0
     return TokenBatch(input_ids=ids * mask, attention_mask=mask, loss_mask=loss_mask)
-
-
-class RecordingLoss(SftLossFn):
-    """The SFT loss, keeping each micro-batch's token ids and log-probs as the training forward gave them."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, scores: TokenScores, batch: TokenBatch) -> LossOutput:
-        self.seen.append((batch.input_ids.cpu(), scores.logprobs_BL.detach().float().cpu()))
-        return super().__call__(scores, batch)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -68,15 +59,16 @@ def test_old_logprobs_equal_the_training_forwards(
     assert len({tuple(p.input_ids.shape) for p in parts}) >= 3  # several shapes of one code path
 
     old = trainer.forward_logprobs(parts)
-    loss = RecordingLoss()
-    stats = trainer.train_step(parts, loss, num_target_tokens(batch))
-    assert not stats.skipped
+    stats = trainer.train_step(parts, SftLossFn(), num_target_tokens(batch), keep_logprobs=True)
+    assert not stats.skipped and stats.logprobs is not None
     if graphs:
         assert trainer.layer_graphs is not None and trainer.layer_graphs.replays > 0
-    assert len(loss.seen) == len(parts)
-    for part, old_lp in zip(parts, old, strict=True):
-        length = part.input_ids.shape[1]
-        (new_lp,) = [lp for ids, lp in loss.seen if torch.equal(ids[:, :length], part.input_ids)]
-        trained = part.loss_mask[:, 1:] > 0
-        assert trained.any()
-        assert torch.equal(new_lp[:, 1:length][trained], old_lp[:, 1:][trained])
+    # The training forward's log-probs, as train_step hands them back (rows in the order given, though the
+    # graphs ran the micro-batches largest first), against the scoring pass's on every trained token.
+    length = batch.input_ids.shape[1]
+    new, before = merge_rows([stats.logprobs], length), merge_rows(old, length)
+    trained = batch.loss_mask > 0
+    trained[:, 0] = False
+    assert trained.any()
+    assert torch.equal(new[trained], before[trained])
+    assert not new[~trained].any()
