@@ -165,3 +165,22 @@ def test_kl_and_entropy_terms_run_and_are_logged(tmp_path: Path, ray_local: obje
         assert steps[step]["time/ref_logprobs_s"] > 0
     assert abs(steps[1][names.TRAIN_KL]) < 1e-6  # one update per step: step 1 trains the reference itself
     assert steps[2][names.TRAIN_KL] > 1e-7
+
+
+def test_a_model_with_dropout_is_refused_before_the_first_rollout(tmp_path: Path, ray_local: object) -> None:
+    """The first update's old log-probs come from its training forward, which dropout would perturb: one line at
+    start (TrainerGroup), no step run."""
+    model = init_model(tmp_path / "tiny", preset="tiny", seed=0, attention_dropout=0.1)
+    data = make_data(tmp_path / "data", seed=0, num_sft=8, num_rl=16, num_test=8)
+    run_dir = tmp_path / "dropout"
+    cfg = _rl_config(
+        model,
+        data.rl_train,
+        run_dir,
+        "rollout.num_steps=1",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=8",
+    )
+    with pytest.raises(ValueError, match=r"drops activations in training \(config.attention_dropout=0.1\)"):
+        run_rl_stage(cfg)
+    assert not (run_dir / "metrics.jsonl").exists() or not _steps(run_dir)

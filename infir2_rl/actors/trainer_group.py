@@ -97,9 +97,18 @@ class TrainerGroup:
             devices = self._all("setup", addr, port)
             packs = set(self._all("packs_sequences"))  # "auto" resolves on the workers' devices
             buckets = set(self._all("pads_to_buckets"))
+            # An RL step's first update takes its old log-probs from its training forward (stages/rl.py), which
+            # dropout would perturb: refused here, before the first rollout, rather than at the first update.
+            dropout = self._all("dropout")[0] if isinstance(cfg, RlStageConfig) else []
         except Exception:
             self.shutdown()
             raise
+        if dropout:
+            self.shutdown()
+            raise ValueError(
+                f"model {cfg.model.path} drops activations in training ({', '.join(dropout)}): an RL stage needs"
+                " dropout 0 (its training forward's log-probs are the old policy's); set it to 0 in config.json"
+            )
         if len(packs) != 1 or len(buckets) != 1:
             self.shutdown()
             raise RuntimeError(

@@ -163,6 +163,10 @@ class TrainerWorker:
         """Whether this rank runs packed micro-batches (``trainer.pack_sequences`` resolved on its device)."""
         return bool(getattr(self.backend, "pack_sequences", False))  # megatron: always padded
 
+    def dropout(self) -> list[str]:
+        """Where this rank's model drops activations in training (``TorchTrainer.dropout``; megatron: dropout 0)."""
+        return list(getattr(self.backend, "dropout", []))
+
     def pads_to_buckets(self) -> bool:
         """Whether this rank pads each padded micro-batch to its length bucket (torch trainer with layer graphs;
         ``TorchTrainer.pads_to_buckets``)."""
