@@ -29,7 +29,8 @@ PERF_STEP_TIME_S = "perf/step_time_s"
 PERF_PEAK_MEMORY_GB = "perf/peak_memory_gb"
 # RL: memory of each phase of a step, GiB (``metrics.logger.memory_gb``), the largest process of the role:
 # the engines' peak CUDA allocation during the rollout (native engines; SGLang's lives in its server), the
-# trainer's during scoring (old, reference and dense log-probs), training and the weight push; and what each
+# trainer's during scoring (old log-probs of later mini-batches, reference and dense log-probs: with none of them, as
+# at one update per rollout, what stays allocated), training and the weight push; and what each
 # process's allocator holds reserved at the phase's end. On CPU the peak is the RSS high-water mark and
 # reserved 0. (The counters restart at each phase, so in RL stages perf/peak_memory_gb is the train phase's.)
 MEMORY_ROLLOUT_PEAK_GB = "memory/rollout_peak_gb"
