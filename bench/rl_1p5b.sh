@@ -14,6 +14,12 @@ set -u
 out=${1:?usage: bash bench/rl_1p5b.sh OUT_DIR [overrides...]}
 shift
 steps=${STEPS:-50}
+# A stage resumes from its run directory's checkpoints: in a used OUT the run would continue (or find nothing to
+# do) and print the old steps again as if measured now (session 40 lost a device call to that).
+if [ -e "$out/run" ]; then
+    echo "bench/rl_1p5b.sh: $out/run exists (an earlier run): give a new OUT_DIR, every measurement starts fresh" >&2
+    exit 2
+fi
 mkdir -p "$out"
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 model=$(python -c 'import sys; sys.path.insert(0, "bench"); from train_step import model_dir; print(model_dir(False))')
