@@ -6,9 +6,9 @@
 At an RL step's first update the weights are those that scored the batch, so the PPO ratio exp(new - old) of
 every trained token should be 1. It is 1 only where the two forwards compute the same bits; this prints, per
 precision and layout, the max and mean |new - old| over trained tokens and the share of tokens that differ.
-The training forward runs through the trainer's own loss-scoring path (``TorchTrainer._loss_scores``, what
-``train_step`` calls) with gradients on, and no backward; ``tests/test_old_logprobs_gpu.py`` checks the same
-through ``train_step`` itself on a tiny model.
+The training forward's log-probs are those ``train_step(keep_logprobs=True)`` hands back (what an RL step's
+first update uses as its old log-probs, stages/rl.py); ``tests/test_old_logprobs_gpu.py`` checks the same on a
+tiny model.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def run(
     path: Path, fp8: bool, layout: str, graphs: str, batch: Any, args: argparse.Namespace
 ) -> dict[str, Any]:
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
-    from infir2_rl.stages.sft_eval import SftLossFn
-    from infir2_rl.trainers.microbatch import micro_batches, row_lengths, shard_rows, take_rows
+    from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
+    from infir2_rl.trainers.microbatch import merge_rows, micro_batches, row_lengths, shard_rows, take_rows
     from infir2_rl.trainers.torch.trainer import TorchTrainer
 
     packed = layout == "packed"
@@ -42,24 +42,14 @@ def run(
     if layout == "sorted":
         batch = take_rows(batch, shard_rows(row_lengths(batch), 1, sort_by_length=True)[0])
     parts = micro_batches(batch, 1, args.budget, packed=packed, bucketed=trainer.pads_to_buckets)
-    old = trainer.forward_logprobs(parts)
-    loss_fn = SftLossFn()
-    worst, total, differ, count = 0.0, 0.0, 0, 0
-    trainer.model.train()
-    if trainer.master_weights is not None and trainer.layer_graphs is not None:
-        trainer.master_weights.ensure_grads()  # as train_step does: the backward graphs add into them
-    for part, old_lp in zip(parts, old, strict=True):
-        b = part.to(trainer.device)
-        length = b.input_ids.shape[1]
-        new = trainer._loss_scores(trainer._bucketed(b), loss_fn).logprobs_BL[:, :length].detach().float()
-        if trainer.layer_graphs is not None:
-            trainer.layer_graphs._clock[0] += 1  # this forward's backward never runs
-        sel = b.loss_mask[:, 1:] > 0
-        d = (new[:, 1:] - old_lp.to(new.device)[:, 1:])[sel].abs()
-        worst = max(worst, float(d.max()))
-        total += float(d.sum())
-        differ += int((d > 0).sum())
-        count += d.numel()
+    old = merge_rows(trainer.forward_logprobs(parts), batch.input_ids.shape[1])
+    stats = trainer.train_step(parts, SftLossFn(), num_target_tokens(batch), keep_logprobs=True)
+    assert stats.logprobs is not None
+    new = merge_rows([stats.logprobs], batch.input_ids.shape[1])
+    trained = batch.loss_mask > 0
+    trained[:, 0] = False
+    d = (new[trained] - old[trained]).abs()
+    worst, total, differ, count = float(d.max()), float(d.sum()), int((d > 0).sum()), d.numel()
     return {"max": worst, "mean": total / count, "differ": differ / count, "tokens": count}
 
 

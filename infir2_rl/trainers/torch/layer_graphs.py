@@ -86,8 +86,8 @@ log = logging.getLogger(__name__)
 # workspaces, cuDNN's attention plans and the FP8 self-check happen there, not inside a capture. Every layer
 # for the first shape of a code path (``_key``: dtypes, mask, varlen, FP8, gradients), the first layer of each
 # kind alone for later shapes of that path (``_warm_up_layers``: layer 0 in Qwen2.5): layers of a kind run the
-# same kernels on the same shapes, and those set-ups are per process, not per module. The warm-up was ~70% of all capture time (two eager forward+backward passes of the whole
-# model per shape; docs/performance.md, session 39).
+# same kernels on the same shapes, and those set-ups are per process, not per module. The warm-up was ~70% of all
+# capture time (two eager forward+backward passes of the whole model per shape; docs/performance.md, session 39).
 WARMUP_ITERS = 2
 # The keyword arguments of varlen attention (varlen_attention.varlen_kwargs); any other runs eagerly.
 VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
