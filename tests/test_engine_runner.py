@@ -4,7 +4,7 @@ CPU (float32): the runner path gives the eager transformers path's tokens, and l
 summation noise, in BF16 and FP8 mode, with rows joining as others finish (fewer slots than rows), stop
 tokens, greedy rows and weight updates landing in the fused buffers. GPU: graph replay equals eager decode of
 the same runner bit for bit, the Triton attention and fused FP8 GEMM equal their references, and
-release/resume frees the KV cache while the weights stay.
+release/resume frees the KV cache while the weights stay (the graphs captured again without warm-ups, same bits).
 """
 
 from pathlib import Path
@@ -155,11 +155,23 @@ def test_graph_decode_equals_eager_decode_bit_for_bit(model_dir: Path, fp8: bool
     assert [s.response_ids for s in got] == [s.response_ids for s in expected]
     assert [s.logprobs for s in got] == [s.logprobs for s in expected]
     assert graphs._scheduler.decoder.graphs  # the graph path really replayed graphs
+    sizes = len(graphs._scheduler.decoder.graphs)
+    assert graphs._scheduler.decoder.warmups == 2 * sizes  # a first capture warms up
     before = torch.cuda.memory_allocated()
     graphs.release_memory()
     assert torch.cuda.memory_allocated() < before
     graphs.resume_memory()
-    assert [s.response_ids for s in graphs.generate(reqs)] == [s.response_ids for s in expected]
+    again = graphs.generate(reqs)
+    assert [s.response_ids for s in again] == [s.response_ids for s in expected]
+    assert [s.logprobs for s in again] == [s.logprobs for s in expected]
+    # Captured again without warm-ups (the shapes were warmed up before the release), same bits.
+    decoder = graphs._scheduler.decoder
+    assert len(decoder.graphs) == sizes and decoder.warmups == 0
+    graphs.release_memory()
+    graphs.resume_memory()
+    graphs._scheduler.warmed = None  # warm up before every capture, as before session 41
+    assert [s.logprobs for s in graphs.generate(reqs)] == [s.logprobs for s in expected]
+    assert graphs._scheduler.decoder.warmups == 2 * sizes
 
 
 @pytest.mark.gpu

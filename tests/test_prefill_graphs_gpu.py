@@ -2,7 +2,8 @@
 
 A graph replay gives the eager prefill's logits and KV-cache contents bit for bit at the bucket's shape (the
 same kernels and FP8 GEMM choices), writes each row's prompt K/V into its own slot, survives a new KV cache,
-sees in-place weight updates, and a colocated engine turns the graphs off at its first release."""
+sees in-place weight updates, and stays across a colocated engine's release (dropped for good there only when
+``Scheduler.keep_prefill_graphs`` is off)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_graph_prefill_survives_a_new_cache_and_sees_weight_updates(model_dir: P
     assert torch.equal(first.buffer[:, :, slots, :, :n], second.buffer[:, :, slots, :, :n])  # layers' K/V
 
 
-def test_engine_prefills_from_graphs_until_a_colocated_release(model_dir: Path) -> None:
+def test_engine_keeps_its_prefill_graphs_across_a_colocated_release(model_dir: Path) -> None:
     engine = NativeEngine(str(model_dir), fp8=True, device="cuda", max_batch_size=8)
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
     reqs = [
@@ -106,11 +107,18 @@ def test_engine_prefills_from_graphs_until_a_colocated_release(model_dir: Path) 
     ]
     first = engine.generate(reqs)
     sched = engine._scheduler
-    assert sched.tally["graph_prefills"] >= 1 and sched.prefill_graphs is not None
-    assert sched.prefill_graphs.buckets
+    graphs = sched.prefill_graphs
+    assert sched.tally["graph_prefills"] >= 1 and graphs is not None and graphs.buckets
     assert engine.generate(reqs) == first  # replays give the same samples
+    replays = sched.tally["graph_prefills"]
     engine.release_memory()
     engine.resume_memory()
-    assert sched.prefill_graphs is None  # a colocated engine prefills eagerly from now on
+    assert sched.prefill_graphs is graphs  # kept: no eager prefill in the next RL step
+    assert engine.generate(reqs) == first
+    assert sched.tally["graph_prefills"] > replays
+    sched.keep_prefill_graphs = False  # the pre-session-41 rule: dropped at a colocated release, for good
+    engine.release_memory()
+    engine.resume_memory()
+    assert sched.prefill_graphs is None
     again = engine.generate(reqs)
     assert [len(s.response_ids) for s in again] == [6] * 6

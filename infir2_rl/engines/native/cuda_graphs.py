@@ -12,10 +12,14 @@ scratch slot, so they compute garbage there and change nothing of theirs. No hos
 scheduler replays the step several times, then reads the done flags and counts once (``scheduler.py``).
 
 ``GraphDecoder`` captures ``decode_step`` once per padded batch size, when that size is first needed
-(all graphs share one memory pool), after an eager warm-up run on a side stream, which also compiles the Triton kernels and times the
-FP8 GEMM candidates (``linears.Fp8GemmChooser``). The graph's only input is the static ``slot_ids``
-buffer, rewritten by the scheduler when the set of running rows changes. Without CUDA (tests on CPU)
-the same ``decode_step`` runs eagerly.
+(all graphs share one memory pool), after two eager warm-up runs on a side stream, which compile the Triton
+kernels and time the FP8 GEMM candidates (``linears.Fp8GemmChooser``). A colocated engine drops its decoder
+at every ``release_memory`` and captures again in the next ``generate``; a capture whose shapes (batch size,
+sampler variant, cache and state sizes) the engine's earlier decoders already warmed up skips the warm-ups
+(``warmed``): the kernels are compiled and the GEMMs chosen, and each eager run costs as much host time as
+the capture itself (the FP8 step launches more kernels, so its warm-ups cost more). The graph's only input
+is the static ``slot_ids`` buffer, rewritten by the scheduler when the set of running rows changes. Without
+CUDA (tests on CPU) the same ``decode_step`` runs eagerly.
 """
 
 from __future__ import annotations
@@ -101,15 +105,26 @@ def padded_size(num_rows: int, sizes: list[int]) -> int:
 class GraphDecoder:
     """Replays ``decode_step`` from CUDA graphs per padded batch size (eager on CPU)."""
 
-    def __init__(self, runner: Qwen2Runner, cache: KVCache, state: DecodeState, use_graphs: bool) -> None:
+    def __init__(
+        self,
+        runner: Qwen2Runner,
+        cache: KVCache,
+        state: DecodeState,
+        use_graphs: bool,
+        warmed: set[tuple[object, ...]] | None = None,
+    ) -> None:
         self.runner, self.cache, self.state = runner, cache, state
         self.use_graphs = use_graphs
+        # Capture shapes warmed up by this engine before (the scheduler's set, kept across decoders); None:
+        # warm up before every capture.
+        self.warmed = warmed
         slots = cache.num_slots
         self.sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < slots} | {slots})
         self.slot_input = torch.full((slots,), state.scratch, dtype=torch.int64, device=runner.device)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.capture_s = 0.0
+        self.warmups = 0  # eager warm-up runs so far (benchmarks and tests)
         self.batch = 0
         self.padded = 0
 
@@ -119,17 +134,23 @@ class GraphDecoder:
         ids = self.slot_input[:size]
         saved = ids.clone()
         ids.fill_(self.state.scratch)  # warm-up and capture touch only the scratch slot
-        stream = warmup_stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles kernels, picks FP8 GEMMs, settles the allocator
-                decode_step(self.runner, self.cache, self.state, ids, truncating)
-        torch.cuda.current_stream().wait_stream(stream)
+        shapes = (size, truncating, tuple(self.cache.buffer.shape), tuple(self.state.tokens.shape),
+                  tuple(self.state.stop_ids.shape))  # fmt: skip
+        if self.warmed is None or shapes not in self.warmed:
+            stream = warmup_stream(self.runner.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles kernels, picks FP8 GEMMs, settles the allocator
+                    decode_step(self.runner, self.cache, self.state, ids, truncating)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warmups += 2
         graph = torch.cuda.CUDAGraph()
         with capture(graph, self.pool):
             decode_step(self.runner, self.cache, self.state, ids, truncating)
         ids.copy_(saved)
         self.graphs[(size, truncating)] = graph
+        if self.warmed is not None:
+            self.warmed.add(shapes)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - start
         logger.info("captured the decode graph of batch %d (truncating=%s): %.2f s", size, truncating,

@@ -377,9 +377,9 @@ class NativeEngine:
 
     def release_memory(self) -> None:
         """Colocated GPU: give the GPU memory to the trainer. Graph decode path: free the KV cache, decode
-        state and CUDA graphs and keep the weights resident (no copy; the next generate re-allocates and
-        re-captures the decode graphs; prefills run eagerly from now on, prefill_graphs.py). Eager path:
-        move the weights to host memory."""
+        state and decode graphs and keep the weights resident (no copy; the next generate re-allocates and
+        re-captures the decode graphs, without warm-ups for shapes seen before, cuda_graphs.py; the prefill
+        graphs stay, prefill_graphs.py). Eager path: move the weights to host memory."""
         if self._scheduler is not None:
             with self._lock:
                 self._scheduler.release(colocated=True)

@@ -62,11 +62,15 @@ class Scheduler:
         self.cache: KVCache | None = None
         self.state: DecodeState | None = None
         self.decoder: GraphDecoder | None = None
-        # Small prefills from CUDA graphs (prefill_graphs.py); off on CPU, under true_on_policy (its own
-        # prefill walk) and once a colocated engine has released its memory (``release``).
+        # Small prefills from CUDA graphs (prefill_graphs.py); off on CPU and under true_on_policy (its own
+        # prefill walk); kept across a colocated release unless keep_prefill_graphs is off (``release``).
         self.prefill_graphs: PrefillGraphs | None = (
             PrefillGraphs(runner, pad_token_id) if use_graphs and not runner.true_on_policy else None
         )
+        self.keep_prefill_graphs = True  # across a colocated release (``release``)
+        # Decode-graph shapes warmed up by an earlier decoder: a colocated engine's next capture skips the
+        # warm-ups (cuda_graphs.py). None: warm up before every capture.
+        self.warmed: set[tuple[object, ...]] | None = set()
         self.num_decode_steps = 0
         # Work tally (benchmarks split a workload's time with it): prefill calls, their prompt tokens and
         # padded tokens, and decode steps per padded batch size.
@@ -90,7 +94,7 @@ class Scheduler:
         self.num_slots = self._slots_that_fit(length)
         self.cache = self.runner.new_cache(self.num_slots, length)
         self.state = DecodeState(self.num_slots, max_response, max_stops, self.runner.device)
-        self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs)
+        self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs, self.warmed)
 
     def prepare(self, requests: Sequence[GenerateRequest]) -> float:
         """Allocate for ``requests`` and capture the graph of every padded batch size now (else each is
@@ -136,13 +140,11 @@ class Scheduler:
 
     def release(self, colocated: bool = False) -> None:
         """Drop the KV cache, decode state and decode graphs (weights stay where they are). ``colocated``
-        (the engine gives the GPU to a trainer): the prefill graphs go too, for good (prefill_graphs.py)."""
+        (the engine gives the GPU to a trainer): the prefill graphs stay unless ``keep_prefill_graphs`` is
+        off, then they go for good (prefill_graphs.py)."""
         self.cache = self.state = self.decoder = None
-        if colocated and self.prefill_graphs is not None:
-            logger.info(
-                "native engine: prefill graphs off (a colocated engine's prefills hide behind decode steps; "
-                "re-capturing them after every release would cost each RL step)"
-            )
+        if colocated and self.prefill_graphs is not None and not self.keep_prefill_graphs:
+            logger.info("native engine: prefill graphs off (keep_prefill_graphs=False): prefills run eagerly")
             self.prefill_graphs = None
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
