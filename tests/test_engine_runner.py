@@ -175,6 +175,26 @@ def test_graph_decode_equals_eager_decode_bit_for_bit(model_dir: Path, fp8: bool
 
 
 @pytest.mark.gpu
+def test_a_capture_on_a_new_thread_warms_up(model_dir: Path) -> None:
+    # A threaded Ray actor runs each generate on any of its threads; torch makes a thread's cuBLAS handle on
+    # its first GEMM, which must not happen inside a capture: a thread's first capture warms up.
+    import threading
+
+    engine = NativeEngine(str(model_dir), fp8=False, device="cuda", max_batch_size=4)
+    reqs = _requests(max_new_tokens=20)
+    expected = engine.generate(reqs)
+    sizes = len(engine._scheduler.decoder.graphs)
+    engine.release_memory()
+    engine.resume_memory()
+    got: list[list[Sample]] = []
+    thread = threading.Thread(target=lambda: got.append(engine.generate(reqs)))
+    thread.start()
+    thread.join()
+    assert got and [s.logprobs for s in got[0]] == [s.logprobs for s in expected]
+    assert engine._scheduler.decoder.warmups == 2 * sizes
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_pdl_decode_equals_plain_launches(tmp_path_factory: pytest.TempPathFactory, fp8: bool) -> None:
     # Programmatic dependent launch lets each decode kernel start before the previous one ends

@@ -15,8 +15,8 @@ scheduler replays the step several times, then reads the done flags and counts o
 (all graphs share one memory pool), after two eager warm-up runs on a side stream, which compile the Triton
 kernels and time the FP8 GEMM candidates (``linears.Fp8GemmChooser``). A colocated engine drops its decoder
 at every ``release_memory`` and captures again in the next ``generate``; a capture whose shapes (batch size,
-sampler variant, cache and state sizes) the engine's earlier decoders already warmed up skips the warm-ups
-(``warmed``): the kernels are compiled and the GEMMs chosen, and each eager run costs as much host time as
+sampler variant, cache and state sizes) the engine's earlier decoders already warmed up on the same thread
+skips the warm-ups (``warmed``): the kernels are compiled and the GEMMs chosen, and each eager run costs as much host time as
 the capture itself (the FP8 step launches more kernels, so its warm-ups cost more). The graph's only input
 is the static ``slot_ids`` buffer, rewritten by the scheduler when the set of running rows changes. Without
 CUDA (tests on CPU) the same ``decode_step`` runs eagerly.
@@ -25,6 +25,7 @@ CUDA (tests on CPU) the same ``decode_step`` runs eagerly.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -134,8 +135,10 @@ class GraphDecoder:
         ids = self.slot_input[:size]
         saved = ids.clone()
         ids.fill_(self.state.scratch)  # warm-up and capture touch only the scratch slot
-        shapes = (size, truncating, tuple(self.cache.buffer.shape), tuple(self.state.tokens.shape),
-                  tuple(self.state.stop_ids.shape))  # fmt: skip
+        # Per thread too: torch keeps a cuBLAS(Lt) handle per thread, made on its first GEMM (not allowed
+        # inside a capture), and a threaded Ray actor runs each generate on any of its threads.
+        shapes = (threading.get_ident(), size, truncating, tuple(self.cache.buffer.shape),
+                  tuple(self.state.tokens.shape), tuple(self.state.stop_ids.shape))  # fmt: skip
         if self.warmed is None or shapes not in self.warmed:
             stream = warmup_stream(self.runner.device)
             stream.wait_stream(torch.cuda.current_stream())
