@@ -31,8 +31,14 @@ def test_buckets_are_few_and_pad_at_most_an_eighth() -> None:
 def test_a_padded_micro_batch_scores_and_loses_as_the_unpadded_one(tmp_path: Path) -> None:
     model = init_model(tmp_path / "model", preset="tiny")
     paths = make_data(tmp_path / "data", num_sft=8, num_rl=4, num_test=4)
+    # CPU float32 even on a GPU machine (the tolerances are float32's).
     trainer = TorchTrainer(
-        ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=1
+        ModelConfig(path=str(model)),
+        TrainerConfig(),
+        OptimizerConfig(),
+        fp8=False,
+        total_steps=1,
+        device="cpu",
     )
     examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
     batch = to_token_batch(examples[:8], trainer.tokenizer.pad_token_id).to(trainer.device)
@@ -60,9 +66,10 @@ def test_under_the_layer_graphs_micro_batches_run_largest_first(tmp_path: Path, 
     from infir2_rl.types import TokenBatch
 
     model = init_model(tmp_path / "model", preset="tiny")
+    # CPU even on a GPU machine: no layer graphs until the test sets them.
     trainer = TorchTrainer(
         ModelConfig(path=str(model)), TrainerConfig(pack_sequences=packed), OptimizerConfig(), fp8=False,
-        total_steps=1,
+        total_steps=1, device="cpu",
     )  # fmt: skip
 
     def batch(rows: int, length: int, real: int) -> TokenBatch:

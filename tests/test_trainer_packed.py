@@ -29,6 +29,7 @@ def test_packed_and_padded_train_the_same(tmp_path: Path, fp8: bool) -> None:
             OptimizerConfig(warmup_ratio=0.0),
             fp8=fp8,
             total_steps=4,
+            device="cpu",  # the CPU's packed path (on a GPU: tests/test_trainer_fused_gpu.py)
         )
         for packed in (False, True)
     }
@@ -99,6 +100,7 @@ def test_the_trainer_group_splits_by_the_workers_resolved_setting(tmp_path: Path
             OptimizerConfig(),
             fp8=False,
             total_steps=1,
+            device="cpu",  # "auto" packs on a GPU
         )
         assert worker.packs_sequences() is expected
     ids = torch.ones(4, 8, dtype=torch.long)
