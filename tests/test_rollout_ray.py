@@ -76,6 +76,8 @@ def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_local: None, cfg: R
     held = ray.get(engines[0].read_weights.remote([name]))[name]
     assert same_bytes(dict(state)[name], held)
     assert manager.generate(PromptSource(prompts, seed=1)).num_samples == 4
+    # Every generate on the one thread of its concurrency group (a default-group thread would vary).
+    assert ray.get(engines[0].generate_thread_count.remote()) == 1
 
 
 def test_engine_actor_class_runs_without_ray(cfg: RlStageConfig) -> None:
@@ -95,3 +97,23 @@ def test_more_engines_than_the_placement_has_slots_for_are_refused(
             )
     finally:
         placement.remove()
+
+
+def test_abort_reaches_an_engine_actor_while_its_generate_runs(ray_local: None, cfg: RlStageConfig) -> None:
+    """``abort`` runs in the actor's default group while ``generate`` holds its own group's thread."""
+    import time
+
+    from infir2_rl.types import GenerateRequest, SamplingParams
+
+    placement = reserve_for(cfg.placement, num_trainers=0, num_engines=1)
+    (engine,) = create_engines(cfg, placement)
+    params = SamplingParams(temperature=1.0, max_new_tokens=1000, stop_token_ids=[])
+    running = engine.generate.remote([GenerateRequest("long", [5, 6, 7], 2, params, seed=0)])
+    while not ray.wait([running], timeout=0.05)[
+        0
+    ]:  # aborts that land before the run starts are cleared by it
+        ray.get(engine.abort.remote())
+        time.sleep(0.05)
+    samples = ray.get(running)
+    assert [s.finish_reason for s in samples] == ["abort", "abort"]
+    assert all(len(s.response_ids) < 1000 for s in samples)

@@ -1,20 +1,27 @@
 """The rollout-engine actor: a plain class around an ``EngineBackend``, and the one place it becomes a Ray actor.
 
 ``RolloutEngine`` is usable (and unit-tested) without Ray; ``create_engines`` applies
-``ray.remote(RolloutEngine).options(...)`` in the engine slots of the stage's ``Placement`` (``placement.py``
+``ray.remote(concurrency_groups=...)(RolloutEngine).options(...)`` in the engine slots of the stage's ``Placement`` (``placement.py``
 decides where engines go and what share of a GPU they take). Colocated engines hand their GPU memory over
 with ``release_memory`` / ``resume_memory`` around the trainer's phases.
 
 Actors run up to ``MAX_CONCURRENCY`` calls at once (threaded actor) so that ``abort`` and ``health``
 answer while a ``generate`` runs; the backend's own lock keeps weight updates out of a running batch.
+``generate`` has a concurrency group of its own with one thread (``GENERATE_GROUP``), so every call runs on
+the same thread: the native engine keeps per-thread state across calls (a colocated engine re-captures its
+decode graphs after each release and skips their warm-ups only on a thread that ran them before,
+``engines/native/cuda_graphs.py``; torch's cuBLAS handles are per thread), and on any of the default group's
+threads each new thread would pay the warm-ups again.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import ray
 from torch import Tensor
 
 from infir2_rl.config.components import RolloutConfig
@@ -26,8 +33,9 @@ if TYPE_CHECKING:
     from infir2_rl.actors.placement import Placement
     from infir2_rl.config.stage import RlStageConfig
 
-# Concurrent calls per engine actor: generate + abort/health + a waiting weight update.
+# Concurrent calls per engine actor besides generate: abort/health + a waiting weight update.
 MAX_CONCURRENCY = 4
+GENERATE_GROUP = "generate"  # generate's concurrency group: one thread (module docstring)
 
 
 def make_engine_backend(
@@ -97,6 +105,7 @@ class RolloutEngine:
         # Before the backend imports transformers / huggingface_hub, which read it at import time.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.engine_index = engine_index
+        self._generate_threads: set[int] = set()
         self.in_process = rollout.backend == "native"  # SGLang's model lives in its server process
         self.backend = make_engine_backend(
             rollout,
@@ -109,8 +118,14 @@ class RolloutEngine:
             true_on_policy=true_on_policy,
         )
 
+    @ray.method(concurrency_group=GENERATE_GROUP)
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
+        self._generate_threads.add(threading.get_ident())
         return self.backend.generate(requests)
+
+    def generate_thread_count(self) -> int:
+        """How many threads have run ``generate`` so far (1 in an actor: its group's one thread)."""
+        return len(self._generate_threads)
 
     def update_weights(self, bucket: WeightBucket) -> None:
         self.backend.update_weights(bucket)
@@ -164,9 +179,7 @@ def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle
 
 def create_engine(cfg: RlStageConfig, placement: Placement, index: int) -> ActorHandle:
     """Start engine actor ``index`` in its placement slot (also used to replace a dead one)."""
-    import ray
-
-    actor_cls: Any = ray.remote(RolloutEngine)
+    actor_cls: Any = ray.remote(concurrency_groups={GENERATE_GROUP: 1})(RolloutEngine)  # type: ignore[call-overload]
     return actor_cls.options(
         **placement.actor_options("engine", index), max_concurrency=MAX_CONCURRENCY
     ).remote(
