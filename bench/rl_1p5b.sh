@@ -4,8 +4,9 @@
 # (32 prompts x 8 samples, T = 1.0), cuda_ipc weight sync after every step. Random weights rarely stop, so
 # nearly every response runs to max_response_len: the heaviest case for memory. Dynamic sampling is off so
 # every step trains (rewards are all 0, the update is ~0, but forward, backward and optimizer run in full).
-# Prints, per step, the phase peaks (memory/{rollout,score,train,sync}_peak_gb and _reserved_gb) and the
-# step's phase times, then whether all STEPS steps finished. Usage, from the repository root on a GPU machine:
+# Prints, per step, the phase peaks (memory/{rollout,score,train,sync}_peak_gb and _reserved_gb), the
+# step's phase times and the engine's decode-graph capture seconds in its rollout (rollout/graph_capture_s),
+# then whether all STEPS steps finished. Usage, from the repository root on a GPU machine:
 #
 #   bash bench/rl_1p5b.sh OUT_DIR [overrides...]      # e.g. STEPS=10 ... rollout.max_response_len=128
 #
@@ -48,12 +49,14 @@ path, want = Path(sys.argv[1]), int(sys.argv[2])
 rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 rows = [r for r in rows if "memory/train_peak_gb" in r]
 phases = ("rollout", "score", "train", "sync")
-print("step | " + " | ".join(f"{p} peak/reserved GiB" for p in phases) + " | rollout / old_logprobs / train / weight_sync s")
+print("step | " + " | ".join(f"{p} peak/reserved GiB" for p in phases) + " | rollout / old_logprobs / train / weight_sync s"
+      + " | decode-graph capture in the rollout s")
 for r in rows:
     cells = [f"{r.get(f'memory/{p}_peak_gb', float('nan')):6.2f} / {r.get(f'memory/{p}_reserved_gb', float('nan')):6.2f}" for p in phases]
     # old_logprobs: "-" when no row was scored before the first update (one update per rollout: stages/rl.py)
     times = " / ".join(f"{r[f'time/{t}_s']:.2f}" if f"time/{t}_s" in r else "-" for t in ("rollout", "old_logprobs", "train", "weight_sync"))
-    print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times}")
+    capture = f"{r['rollout/graph_capture_s']:.3f}" if "rollout/graph_capture_s" in r else "-"
+    print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times} | {capture}")
 for p in phases:
     vals = [r[f"memory/{p}_peak_gb"] for r in rows if f"memory/{p}_peak_gb" in r]
     res = [r[f"memory/{p}_reserved_gb"] for r in rows if f"memory/{p}_reserved_gb" in r]

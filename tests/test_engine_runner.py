@@ -157,6 +157,7 @@ def test_graph_decode_equals_eager_decode_bit_for_bit(model_dir: Path, fp8: bool
     assert graphs._scheduler.decoder.graphs  # the graph path really replayed graphs
     sizes = len(graphs._scheduler.decoder.graphs)
     assert graphs._scheduler.decoder.warmups == 2 * sizes  # a first capture warms up
+    assert graphs.graph_capture_s() > 0 and graphs.graph_capture_s() == 0.0  # since the last call
     before = torch.cuda.memory_allocated()
     graphs.release_memory()
     assert torch.cuda.memory_allocated() < before
@@ -167,6 +168,7 @@ def test_graph_decode_equals_eager_decode_bit_for_bit(model_dir: Path, fp8: bool
     # Captured again without warm-ups (the shapes were warmed up before the release), same bits.
     decoder = graphs._scheduler.decoder
     assert len(decoder.graphs) == sizes and decoder.warmups == 0
+    assert graphs.graph_capture_s() > 0  # the re-capture, counted across the released decoder
     graphs.release_memory()
     graphs.resume_memory()
     graphs._scheduler.warmed = None  # warm up before every capture, as before session 41

@@ -78,6 +78,7 @@ def test_manager_and_weight_sync_over_a_ray_engine_actor(ray_local: None, cfg: R
     assert manager.generate(PromptSource(prompts, seed=1)).num_samples == 4
     # Every generate on the one thread of its concurrency group (a default-group thread would vary).
     assert ray.get(engines[0].generate_thread_count.remote()) == 1
+    assert ray.get(engines[0].graph_capture_s.remote()) is None  # CPU: no graphs, no rollout/graph_capture_s
 
 
 def test_engine_actor_class_runs_without_ray(cfg: RlStageConfig) -> None:

@@ -155,6 +155,11 @@ class RolloutEngine:
     def resume_memory(self) -> None:
         self.backend.resume_memory()
 
+    def graph_capture_s(self) -> float | None:
+        """Decode-graph capture seconds since the last call; None for a backend that does not capture."""
+        capture = getattr(self.backend, "graph_capture_s", None)
+        return capture() if capture is not None else None
+
     def memory(self) -> tuple[float, float] | None:
         """(peak, reserved) GiB of this process since the last call (``metrics.logger.memory_gb``), None when
         the engine's memory is not in this process (SGLang)."""

@@ -133,6 +133,7 @@ def rl_step(
     advantages = grpo_advantages(batch.rewards_tensor(), batch.group_size, cfg.algorithm.normalize_std)
     (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
     memory = actors.memory(names.MEMORY_ROLLOUT_PEAK_GB, names.MEMORY_ROLLOUT_RESERVED_GB, engines=True)
+    capture = actors.graph_capture_s()  # the rollout's decode-graph captures (GPU engines)
     actors.trainer.memory()  # restarts the ranks' peak counters: the scoring phase starts here
     actors.engines_sleep()
     temperature, size, rows = cfg.rollout.temperature, cfg.global_batch_size, tokens.num_sequences
@@ -172,6 +173,7 @@ def rl_step(
         **train_metrics(stats, 0, stats.step_time_s),
         **mismatch,
         **memory,
+        **capture,
         names.TRAIN_UPDATES_PER_ROLLOUT: float(len(all_stats)),
         names.WEIGHT_SYNC_PUSH_S: push.seconds,
         names.WEIGHT_SYNC_CHECK_S: push.check_seconds,

@@ -99,6 +99,12 @@ class RlActors:
             return {}
         return {peak_key: max(p for p, _ in values), reserved_key: max(r for _, r in values)}
 
+    def graph_capture_s(self) -> dict[str, float]:
+        """The engines' decode-graph capture seconds since the last call (largest engine); nothing when no
+        engine captures graphs (CPU, SGLang)."""
+        values = [v for v in call_all([Call(e, "graph_capture_s") for e in self.engines]) if v is not None]
+        return {names.ROLLOUT_GRAPH_CAPTURE_S: max(values)} if values else {}
+
     def checkpointable(self) -> _RlCheckpointWriter:
         return _RlCheckpointWriter(self)
 

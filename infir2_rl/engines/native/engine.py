@@ -153,6 +153,7 @@ class NativeEngine:
         self._released = False
         self._logged_cpu_memory_noop = False
         self.num_decode_steps = 0  # decode steps run so far (tests and progress)
+        self._capture_s_read = 0.0  # what graph_capture_s last reported as the total
         self.true_on_policy = true_on_policy
         self._scheduler = self._make_scheduler(decode_path, cuda_graphs)
 
@@ -353,6 +354,15 @@ class NativeEngine:
         """Digests of those tensors, computed on the engine's device (the weight-sync self-check)."""
         with self._lock:
             return self._receiver.digests(names)
+
+    def graph_capture_s(self) -> float | None:
+        """Seconds spent capturing decode graphs since the last call (the RL step logs them,
+        ``rollout/graph_capture_s``); None where nothing is captured (CPU, CUDA graphs off)."""
+        if self._scheduler is None or not self._scheduler.use_graphs:
+            return None
+        total = self._scheduler.capture_seconds()
+        since, self._capture_s_read = total - self._capture_s_read, total
+        return since
 
     # ---- status and memory ----------------------------------------------------------------------
     def health(self) -> EngineHealth:

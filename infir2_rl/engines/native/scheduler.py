@@ -72,6 +72,7 @@ class Scheduler:
         # warm-ups (cuda_graphs.py). None: warm up before every capture.
         self.warmed: set[tuple[object, ...]] | None = set()
         self.num_decode_steps = 0
+        self._capture_s_before = 0.0  # capture seconds of the decoders already released
         # Work tally (benchmarks split a workload's time with it): prefill calls, their prompt tokens and
         # padded tokens, and decode steps per padded batch size.
         self.tally: Counter[str] = Counter()
@@ -142,12 +143,18 @@ class Scheduler:
         """Drop the KV cache, decode state and decode graphs (weights stay where they are). ``colocated``
         (the engine gives the GPU to a trainer): the prefill graphs stay unless ``keep_prefill_graphs`` is
         off, then they go for good (prefill_graphs.py)."""
+        if self.decoder is not None:
+            self._capture_s_before += self.decoder.capture_s
         self.cache = self.state = self.decoder = None
         if colocated and self.prefill_graphs is not None and not self.keep_prefill_graphs:
             logger.info("native engine: prefill graphs off (keep_prefill_graphs=False): prefills run eagerly")
             self.prefill_graphs = None
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing decode graphs (with their warm-ups) over this scheduler's life."""
+        return self._capture_s_before + (self.decoder.capture_s if self.decoder is not None else 0.0)
 
     # ---- the loop -------------------------------------------------------------------------------
     def generate(
