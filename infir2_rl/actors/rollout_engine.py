@@ -1,8 +1,8 @@
 """The rollout-engine actor: a plain class around an ``EngineBackend``, and the one place it becomes a Ray actor.
 
 ``RolloutEngine`` is usable (and unit-tested) without Ray; ``create_engines`` applies
-``ray.remote(concurrency_groups=...)(RolloutEngine).options(...)`` in the engine slots of the stage's ``Placement`` (``placement.py``
-decides where engines go and what share of a GPU they take). Colocated engines hand their GPU memory over
+``ray.remote(concurrency_groups=...)(RolloutEngine).options(...)`` in the engine slots of the stage's
+``Placement`` (``placement.py`` decides where engines go and what share of a GPU they take). Colocated engines hand their GPU memory over
 with ``release_memory`` / ``resume_memory`` around the trainer's phases.
 
 Actors run up to ``MAX_CONCURRENCY`` calls at once (threaded actor) so that ``abort`` and ``health``

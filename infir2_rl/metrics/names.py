@@ -61,9 +61,10 @@ ROLLOUT_SURPLUS_GROUPS = "rollout/surplus_groups"
 ROLLOUT_ROUNDS = "rollout/rounds"
 ROLLOUT_GEN_TIME_S = "rollout/gen_time_s"
 ROLLOUT_SCORE_TIME_S = "rollout/score_time_s"
-# Seconds the engines spent capturing CUDA graphs of the decode step during the step's generate calls (largest
-# engine; only engines that capture, the native one on a GPU): a colocated engine captures again after every
-# release, without warm-ups for shapes its generate thread warmed up before (engines/native/cuda_graphs.py).
+# Seconds the engines spent capturing CUDA graphs of the decode step since the previous step's reading: the
+# step's rollout and any evaluation after the previous step (largest engine; only engines that capture, the
+# native one on a GPU). A colocated engine captures again after every release, without warm-ups for shapes its
+# generate thread warmed up before (engines/native/cuda_graphs.py).
 ROLLOUT_GRAPH_CAPTURE_S = "rollout/graph_capture_s"
 # Mean |advantage| of the batch (0 when every group's rewards are equal).
 ROLLOUT_ADVANTAGE_ABS_MEAN = "rollout/advantage_abs_mean"

@@ -16,10 +16,13 @@ scheduler replays the step several times, then reads the done flags and counts o
 kernels and time the FP8 GEMM candidates (``linears.Fp8GemmChooser``). A colocated engine drops its decoder
 at every ``release_memory`` and captures again in the next ``generate``; a capture whose shapes (batch size,
 sampler variant, cache and state sizes) the engine's earlier decoders already warmed up on the same thread
-skips the warm-ups (``warmed``): the kernels are compiled and the GEMMs chosen, and each eager run costs as much host time as
-the capture itself (the FP8 step launches more kernels, so its warm-ups cost more). The graph's only input
-is the static ``slot_ids`` buffer, rewritten by the scheduler when the set of running rows changes. Without
-CUDA (tests on CPU) the same ``decode_step`` runs eagerly.
+skips the warm-ups (``warmed``): the kernels are compiled and the GEMMs chosen, and each eager run costs as
+much host time as the capture itself (the FP8 step launches more kernels, so its warm-ups cost more; on an
+H200 at 1.5B they were ~28 of FP8's 45 ms of capture, ``bench/rollout_colocated.py --ab``). The thread is in the
+key because torch makes a thread's cuBLAS handle on its first GEMM, which must not happen inside a capture
+(``bench/thread_capture_check.py``). The graph's only input is the static ``slot_ids`` buffer, rewritten by
+the scheduler when the set of running rows changes. Without CUDA (tests on CPU) the same ``decode_step``
+runs eagerly.
 """
 
 from __future__ import annotations
