@@ -16,7 +16,10 @@ weights in place, so weight sync reaches them.
 
 A colocated engine keeps them across ``release_memory`` (``Scheduler.release(colocated=True)``): the graphs
 and their pool stay while the trainer runs, about 0.26 GiB per engine at the 1.5B shape for the RL step's one
-bucket (32 prompts x 64 tokens; ``bench/rollout_colocated.py --ab``, H200). Each RL step's first prefill has no
+bucket (32 prompts x 64 tokens; ``bench/rollout_colocated.py --ab``, H200). A run whose admissions meet every
+bucket (21 of them up to 2,048 tokens) would hold ~0.9 GiB at 1.5B (arithmetic, not measured: each bucket keeps
+its K/V staging and logits, ~0.66 GB summed, the intermediates share the pool, ~0.2 GB); all buckets share one
+pool, so dropping some would return nothing. Each RL step's first prefill has no
 decode steps queued to hide behind, and eagerly it cost the FP8 engine 45 ms of host-bound launches against
 17 ms from the graph (BF16: 20 against 18). ``Scheduler.keep_prefill_graphs = False`` drops them at the first
 colocated release instead, for good (before session 41, the only rule). On CPU and under ``true_on_policy``
