@@ -9,7 +9,7 @@ A colocated engine releases its KV cache, decode state and decode graphs before 
 graphs again. ``bench/rollout.py`` times decode with the graphs already captured; this times the whole call
 after ``release_memory`` + ``resume_memory``, as ``bench/rl_1p5b.sh``'s rollout phase runs it (32 prompts x 8
 samples, prompts of 17-64 random tokens, 256 new tokens, T = 1, no stop token), and the decode-graph capture
-inside it (the scheduler's ``decoder.capture_s``). Both engines live in this process and alternate (BF16, FP8,
+inside it (``NativeEngine.graph_capture_s``). Both engines live in this process and alternate (BF16, FP8,
 BF16, ...), each warmed by one untimed call first. Prints per precision the median wall and capture of
 --repeats calls, and FP8 / BF16 with and without the capture. ``--keep-memory``: the same calls without the
 release and resume (cache, graphs and prefill graphs kept, as a dedicated engine runs), for comparison.
@@ -64,11 +64,9 @@ def colocated_call(engine: Any, reqs: list[Any], keep_memory: bool = False) -> t
     if not keep_memory:
         engine.release_memory()
         engine.resume_memory()
-    decoder = getattr(engine._scheduler, "decoder", None)
-    before = decoder.capture_s if keep_memory and decoder is not None else 0.0
+    engine.graph_capture_s()  # the count restarts here (the RL step's rollout/graph_capture_s)
     wall = timed_generate(engine, reqs)
-    decoder = getattr(engine._scheduler, "decoder", None)  # a new one per allocation after a release
-    return wall, (decoder.capture_s if decoder is not None else 0.0) - before
+    return wall, engine.graph_capture_s() or 0.0  # None on CPU: nothing captured
 
 
 def phases(engine: Any, reqs: list[Any]) -> dict[str, float]:
