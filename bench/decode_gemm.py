@@ -1,6 +1,6 @@
 """Decode-sized GEMMs of the 1.5B shape: BF16 against FP8 W8A8 launch shapes, with weights hot in L2 and cold.
 
-    python bench/decode_gemm.py [--batches 16 64 128 256] [--wide] [--gemms qkv o gate_up down] [--out PATH]
+    python bench/decode_gemm.py [--batches 16 64 128 256] [--wide] [--gluon] [--gemms qkv o gate_up down] [--out PATH]
 
 Why: the engine's GEMM chooser (``engines/native/linears.Fp8GemmChooser``) times each candidate inside a
 CUDA graph. If every call in that graph reads the same weight, the weight sits in the H100's 50 MB L2 after
@@ -9,6 +9,8 @@ script times each GEMM both ways - "hot" (one weight, as the chooser did before)
 copies of the weight totalling >= 256 MB, so each call reads from device memory) - for BF16 ``F.linear``
 (cuBLAS), cuBLASLt blockwise FP8 and every Triton launch shape, on producer-quantized input (what the decode
 graph feeds). ``--wide`` adds launch shapes outside ``fp8_gemm.candidates`` to find better ones.
+``--gluon`` adds the Hopper Gluon kernel's launch shapes (``bench/wgmma_gemm.py``; with ``--wide`` also
+stages / unroll variants) and checks its output against the Triton kernel's at the same split-K, bit for bit.
 Prints one line per (batch, GEMM): BF16 cold, the best FP8 cold and its shape, the ratio, and the FP8
 bandwidth floor at 3.35 TB/s; ``--out`` writes every timing as JSON.
 """
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import wgmma_gemm as fp8_wgmma  # noqa: E402  (bench/wgmma_gemm.py)
 
 from infir2_rl.engines.native import fp8_gemm  # noqa: E402
 from infir2_rl.engines.native.linears import Fp8GemmChooser  # noqa: E402
@@ -52,6 +56,24 @@ def _triton(
     return fp8_gemm.w8a8_fused(q, w, s, None, cfg, False, s_t, m, torch.bfloat16)
 
 
+def _gluon(
+    cfg: fp8_wgmma.WgmmaConfig, s_t: torch.Tensor, m: int, q: torch.Tensor, w: torch.Tensor, s: torch.Tensor
+) -> torch.Tensor:
+    y = fp8_wgmma.w8a8_partials(q, s_t, m, w, s, None, cfg, torch.bfloat16)
+    return y if isinstance(y, torch.Tensor) else fp8_gemm.sum_partials(y)
+
+
+def gluon_configs(m: int, wide: bool) -> list[fp8_wgmma.WgmmaConfig]:
+    out = fp8_wgmma.candidates(m)
+    if wide and m >= 64:
+        for bm in (64, 128) if m > 64 else (64,):
+            for bn in (64, 128, 256) if bm == 64 else (64, 128):
+                for sk in (1, 2, 4, 8):
+                    for stages, unroll in ((4, 2), (4, 4), (6, 4), (5, 2)):
+                        out.append(fp8_wgmma.WgmmaConfig(bm, bn, sk, stages, unroll))
+    return list(dict.fromkeys(out))
+
+
 def wide_configs(m: int) -> list[fp8_gemm.GemmConfig]:
     bms = [16] if m <= 16 else [64, 128] if m >= 128 else [64]
     out = []
@@ -67,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
     parser.add_argument("--wide", action="store_true", help="time launch shapes beyond fp8_gemm.candidates")
+    parser.add_argument("--gluon", action="store_true", help="time the Gluon wgmma kernel's shapes too")
     parser.add_argument("--gemms", nargs="+", choices=[name for name, _, _ in SHAPES], default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -112,18 +135,35 @@ def main() -> None:
                     res[str(cfg)] = hot_and_cold(run, fp8_weights, x=q)
                 except Exception as exc:  # a shape Triton cannot compile here
                     print(f"  {cfg}: failed ({str(exc).splitlines()[0][:100]})")
+            if args.gluon and fp8_wgmma.available(dev):
+                same_bits = []
+                for gcfg in gluon_configs(m, args.wide):
+                    run = functools.partial(_gluon, gcfg, s_t, m)
+                    try:
+                        y = run(q, wq, ws)
+                        twin = _triton(fp8_gemm.GemmConfig(64, 64, gcfg.split_k, 4, 3), s_t, m, q, wq, ws)
+                        same_bits.append(torch.equal(y, twin))
+                        res[str(gcfg)] = hot_and_cold(run, fp8_weights, x=q)
+                    except Exception as exc:
+                        print(f"  {gcfg}: failed ({str(exc).splitlines()[0][:200]})")
+                print(
+                    f"  gluon: {sum(same_bits)} of {len(same_bits)} shapes equal to the Triton kernel bit for bit"
+                )
             fp8 = {key: v for key, v in res.items() if key != "bf16"}
             in_list = {str(c) for c in fp8_gemm.candidates(m)} | {"cublaslt"}
             best_cold = min(fp8, key=lambda key: fp8[key]["cold"])
+            best_old = min(
+                (key for key in fp8 if not key.startswith("gluon")), key=lambda key: fp8[key]["cold"]
+            )
             best_hot_listed = min((key for key in fp8 if key in in_list), key=lambda key: fp8[key]["hot"])
             floor = n * k / 3.35e12 * 1e6
-            row = dict(gemm=name, m=m, n=n, k=k, floor_us=floor, timings=res, best_cold=best_cold,
+            row = dict(gemm=name, m=m, n=n, k=k, floor_us=floor, timings=res, best_cold=best_cold, best_old=best_old,
                        chooser_hot_pick=best_hot_listed)  # fmt: skip
             rows.append(row)
             print(
                 f"b{m:<4d} {name:8s} BF16 cold {res['bf16']['cold']:6.1f} (hot {res['bf16']['hot']:5.1f}) | "
                 f"FP8 best cold {fp8[best_cold]['cold']:6.1f} [{best_cold}] x{res['bf16']['cold'] / fp8[best_cold]['cold']:.2f} | "
-                f"hot-chosen [{best_hot_listed}] cold {fp8[best_hot_listed]['cold']:6.1f} | floor {floor:4.1f} us",
+                f"best without gluon {fp8[best_old]['cold']:6.1f} [{best_old}] | floor {floor:4.1f} us",
                 flush=True,
             )  # fmt: skip
         del wq_c, ws_c, w_c
