@@ -75,11 +75,12 @@ def gluon_configs(m: int, wide: bool) -> list[fp8_wgmma.WgmmaConfig]:
 
 
 def wide_configs(m: int) -> list[fp8_gemm.GemmConfig]:
-    bms = [16] if m <= 16 else [64, 128] if m >= 128 else [64]
+    bms = [16] if m <= 16 else [64, 128, 256] if m >= 128 else [64]
     out = []
     for bm in bms:
         for bn in (32, 64, 128):
-            for warps, stages in ((4, 3), (4, 5), (8, 4), (4, 7)):
+            shapes = ((4, 3), (4, 5), (8, 4), (4, 7)) if bm < 256 else ((8, 3), (8, 4), (4, 3))
+            for warps, stages in shapes:
                 for sk in (1, 2, 4, 8, 16):
                     out.append(fp8_gemm.GemmConfig(bm, bn, sk, warps, stages))
     return out

@@ -169,6 +169,23 @@ def test_bad_names_and_dtypes_are_refused(model_dir: Path) -> None:
         )
 
 
+def test_a_refused_bucket_changes_no_weight(model_dir: Path, other_model_dir: Path) -> None:
+    """The receiver checks every tensor of a bucket before it copies any (one foreach copy per bucket): a
+    bucket with good tensors and one bad name is refused whole, and the engine keeps the weights it had."""
+    engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    before = engine.read_weights([*names, "model.norm.weight"])
+    new = {n: t for b in _fp8_buckets(other_model_dir, version=1) for n, t in zip(b.names, b.tensors)}
+    assert not torch.equal(new[names[0]].view(torch.uint8), before[names[0]].view(torch.uint8))
+    bad = WeightBucket(1, 0, 1, [*names, "model.norm.weight", "model.nope.weight"],
+                       [new[names[0]], new[names[1]], new["model.norm.weight"], torch.zeros(2)])  # fmt: skip
+    with pytest.raises(ValueError, match="no tensor of that name"):
+        engine.update_weights(bad)
+    after = engine.read_weights([*names, "model.norm.weight"])
+    for name, tensor in before.items():
+        assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
 def test_bf16_engine_takes_plain_weights_cast_to_its_dtype(model_dir: Path, other_model_dir: Path) -> None:
     engine = NativeEngine(str(model_dir), fp8=False, dtype="bfloat16", device="cpu")
     source, _ = load_model(other_model_dir, dtype=torch.float32)

@@ -60,6 +60,25 @@ def test_cast_to_the_held_dtype_first() -> None:
         D.digests({"w": sent}, ["nope"])
 
 
+def test_digests_read_back_together_equal_one_at_a_time() -> None:
+    """``digests`` reads all sums of a device back at once; each entry is still that tensor's own digest, in
+    the order asked, casts included, and an empty or 1-byte tensor is no special case."""
+    named = {
+        "a": torch.randn(300, 7),
+        "b": _fp8(70_001, seed=1),
+        "c": torch.randn(5).to(torch.bfloat16),
+        "d": torch.zeros(0),
+        "e": _fp8(1, seed=2),
+    }
+    names = ["c", "a", "e", "b", "d"]
+    as_dtypes = {"a": "bfloat16"}
+    got = D.digests(named, names, as_dtypes)
+    assert list(got) == names
+    for name in names:
+        assert got[name] == D.digest(named[name], as_dtypes.get(name)), name
+    assert got["a"].dtype == "bfloat16" and got["a"].sums == _by_definition(named["a"].to(torch.bfloat16))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

@@ -304,6 +304,14 @@ class Fp8InferenceLinear(nn.Module):
     @torch.no_grad()
     def load_fp8_(self, weight_fp8: torch.Tensor, scale_inv: torch.Tensor) -> None:
         """Copy a new FP8 weight and its scales in place (weight sync: storage and shapes are kept)."""
+        for dst, src in self.fp8_copies(weight_fp8, scale_inv):
+            dst.copy_(src)
+
+    def fp8_copies(
+        self, weight_fp8: torch.Tensor, scale_inv: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (destination, source) pairs ``load_fp8_`` copies, after checking dtype and shapes: for a caller
+        that copies many tensors in one ``torch._foreach_copy_`` (``weight_sync.receiver``)."""
         if weight_fp8.dtype != FP8_DTYPE or tuple(weight_fp8.shape) != tuple(self.weight.shape):
             raise ValueError(
                 f"weight_fp8 {weight_fp8.dtype} {tuple(weight_fp8.shape)}: expected {FP8_DTYPE} "
@@ -314,8 +322,7 @@ class Fp8InferenceLinear(nn.Module):
                 f"weight_scale_inv shape {tuple(scale_inv.shape)}: expected {tuple(self.weight_scale_inv.shape)} "
                 "(one FP32 scale per 128x128 block)"
             )
-        self.weight.copy_(weight_fp8)
-        self.weight_scale_inv.copy_(scale_inv.float())
+        return [(self.weight, weight_fp8), (self.weight_scale_inv, scale_inv)]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Fp8InferenceLinear:  # type: ignore[override]
         # Module.to(dtype) casts every floating buffer, FP8 ones included; casting the FP32 scales to BF16

@@ -35,12 +35,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def digest(t: Tensor, as_dtype: str | None = None) -> Digest:
-    """The digest of ``t``'s bytes (cast to ``as_dtype`` first when given and different: the self-check
-    compares a tensor an engine keeps in another dtype with the sent one cast the same way)."""
-    t = t.detach()
-    if as_dtype is not None and dtype_name(t.dtype) != as_dtype:
-        t = t.to(getattr(torch, as_dtype))
+def _sums(t: Tensor) -> Tensor:
+    """The three sums of ``t``'s bytes as an int64 tensor (3,) on t's device, not yet read back."""
     flat = t.contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel()
     if n >= MAX_BYTES:
@@ -58,8 +54,21 @@ def digest(t: Tensor, as_dtype: str | None = None) -> Digest:
     row_sums = torch.cat([row_sums, tail.sum().view(1)])
     w_col = torch.arange(1, _P1 + 1, device=dev, dtype=torch.int64)
     w_row = torch.arange(row_sums.numel(), device=dev, dtype=torch.int64) % _P2 + 1
-    sums = torch.stack([row_sums.sum(), (col_sums * w_col).sum(), (row_sums * w_row).sum()])
-    s0, s1, s2 = (int(v) for v in sums.tolist())
+    return torch.stack([row_sums.sum(), (col_sums * w_col).sum(), (row_sums * w_row).sum()])
+
+
+def _as(t: Tensor, as_dtype: str | None) -> Tensor:
+    t = t.detach()
+    if as_dtype is not None and dtype_name(t.dtype) != as_dtype:
+        t = t.to(getattr(torch, as_dtype))
+    return t
+
+
+def digest(t: Tensor, as_dtype: str | None = None) -> Digest:
+    """The digest of ``t``'s bytes (cast to ``as_dtype`` first when given and different: the self-check
+    compares a tensor an engine keeps in another dtype with the sent one cast the same way)."""
+    t = _as(t, as_dtype)
+    s0, s1, s2 = (int(v) for v in _sums(t).tolist())
     return Digest(dtype_name(t.dtype), tuple(t.shape), (s0, s1, s2))
 
 
@@ -67,5 +76,17 @@ def digests(
     named: dict[str, Tensor], names: list[str], as_dtypes: dict[str, str] | None = None
 ) -> dict[str, Digest]:
     """Digests of ``named[name]`` for each name (``as_dtypes[name]``: the dtype to cast to first, if any);
-    a name that is not there raises ``KeyError`` naming it."""
-    return {name: digest(named[name], (as_dtypes or {}).get(name)) for name in names}
+    a name that is not there raises ``KeyError`` naming it. The sums of all tensors on one device are read
+    back together: one device-to-host wait per device instead of one per tensor (the FP8 self-check digests
+    ~38 tensors per side per push)."""
+    tensors = {name: _as(named[name], (as_dtypes or {}).get(name)) for name in names}
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(t.device, []).append(name)
+    out: dict[str, Digest] = {}
+    for group in by_device.values():
+        sums = torch.stack([_sums(tensors[name]) for name in group]).tolist()
+        for name, (s0, s1, s2) in zip(group, sums, strict=True):
+            t = tensors[name]
+            out[name] = Digest(dtype_name(t.dtype), tuple(t.shape), (int(s0), int(s1), int(s2)))
+    return {name: out[name] for name in names}

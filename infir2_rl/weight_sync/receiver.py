@@ -7,9 +7,10 @@ after its last bucket.
 
 Loading (``WeightReceiver``): ``<p>.weight`` (float8_e4m3fn) and ``<p>.weight_scale_inv`` (float32) of an
 ``Fp8InferenceLinear`` are stored until both halves are there (a pair may straddle two buckets), then
-copied with ``load_fp8_``; any other tensor is copied into the parameter or buffer of that name, cast to
-its dtype (a BF16 engine takes FP32 master weights). Unknown names, FP8 bytes for a non-FP8 tensor, a
-plain weight for an FP8 linear, or a shape change are errors: a silent skip is how peers shipped wrong
+copied in place (``Fp8InferenceLinear.fp8_copies``); any other tensor is copied into the parameter or buffer
+of that name, cast to its dtype (a BF16 engine takes FP32 master weights). Every tensor of a bucket is
+checked first and the bucket's copies then run as one ``torch._foreach_copy_``, so a refused bucket changes
+no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape change are errors: a silent skip is how peers shipped wrong
 weights (verl#7986). An ``IpcBucket`` (``weight_sync.transport: cuda_ipc``) is opened on the model's GPU
 first (``transport.open_ipc_bucket``), loaded the same way, and dropped once the copies have finished.
 With ``weight_sync.transport: nccl`` the engine joins the trainer's weight group (``join_group``) and
@@ -114,16 +115,26 @@ class WeightReceiver:
         if self.gate.admit(bucket):
             self._halves = {}
         named = self._named_tensors()
+        copies: list[tuple[Tensor, Tensor]] = []
         for name, tensor in zip(bucket.names, bucket.tensors):
-            self._load_one(name, tensor, named)
+            self._load_one(name, tensor, named, copies)
+        # One foreach copy for the whole bucket (each pair checked above): at 1.5B an FP8 push is 534 tensors,
+        # a copy launch each when copied one by one. copy_ casts (a BF16 engine sent FP32) and moves across
+        # devices (object-store buckets arrive on the CPU).
+        if copies:  # (_foreach_copy_ refuses empty lists; a bucket may hold only the first half of a pair)
+            with torch.no_grad():
+                torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
         if bucket.is_last and self._halves:
             raise ValueError(
                 f"push of version {bucket.version} ended with FP8 linears missing a half: {sorted(self._halves)}"
             )
         self.gate.commit(bucket)
 
-    @torch.no_grad()
-    def _load_one(self, name: str, tensor: Tensor, named: dict[str, Tensor]) -> None:
+    def _load_one(
+        self, name: str, tensor: Tensor, named: dict[str, Tensor], copies: list[tuple[Tensor, Tensor]]
+    ) -> None:
+        """Check one sent tensor against the engine's and add its (destination, source) copy to ``copies``
+        (an FP8 linear's pair once both halves are there)."""
         prefix, _, leaf = name.rpartition(".")
         module = self.fp8_modules.get(prefix)
         if module is not None and leaf in ("weight", "weight_scale_inv"):
@@ -135,8 +146,7 @@ class WeightReceiver:
             halves = self._halves.setdefault(prefix, {})
             halves[leaf] = tensor
             if len(halves) == 2:
-                where = module.weight.device
-                module.load_fp8_(halves["weight"].to(where), halves["weight_scale_inv"].to(where))
+                copies += module.fp8_copies(halves["weight"], halves["weight_scale_inv"])
                 del self._halves[prefix]
             return
         target = named.get(name)
@@ -150,7 +160,7 @@ class WeightReceiver:
             raise ValueError(
                 f"{name}: shape {tuple(tensor.shape)} sent, the engine's is {tuple(target.shape)}"
             )
-        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        copies.append((target, tensor))
 
     def digests(self, names: Sequence[str]) -> dict[str, Digest]:
         """``digest.Digest`` of each of those tensors, computed on the engine's device (the self-check)."""
