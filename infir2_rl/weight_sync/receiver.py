@@ -10,9 +10,10 @@ Loading (``WeightReceiver``): ``<p>.weight`` (float8_e4m3fn) and ``<p>.weight_sc
 copied in place (``Fp8InferenceLinear.fp8_copies``); any other tensor is copied into the parameter or buffer
 of that name, cast to its dtype (a BF16 engine takes FP32 master weights). Every tensor of a bucket is
 checked first and the bucket's copies then run as one ``torch._foreach_copy_``, so a refused bucket changes
-no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape change are errors: a silent skip is how peers shipped wrong
-weights (verl#7986). An ``IpcBucket`` (``weight_sync.transport: cuda_ipc``) is opened on the model's GPU
-first (``transport.open_ipc_bucket``), loaded the same way, and dropped once the copies have finished.
+no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape
+change are errors: a silent skip is how peers shipped wrong weights (verl#7986). An ``IpcBucket``
+(``weight_sync.transport: cuda_ipc``) is opened on the model's GPU first (``transport.open_ipc_bucket``),
+loaded the same way, and dropped once the copies have finished.
 With ``weight_sync.transport: nccl`` the engine joins the trainer's weight group (``join_group``) and
 ``receive`` takes each bucket's broadcast into a flat buffer on the model's device (``broadcast.py``), then
 loads it the same way: received first, checked after, so a refused bucket still keeps the group in step.
