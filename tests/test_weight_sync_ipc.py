@@ -115,6 +115,22 @@ def test_flat_buffer_round_trip_keeps_every_byte_dtype_and_shape() -> None:
         assert all(t.untyped_storage().data_ptr() == flat.data_ptr() for t in back)  # views, no copies
 
 
+def test_copy_pairs_copies_every_pair_across_dtypes() -> None:
+    """``buckets.copy_pairs``: every destination gets its source (cast where the dtypes differ, as copy_ does),
+    whatever mix of dtypes, strides and sizes; grouping by dtype changes which call copies, not what."""
+    from infir2_rl.weight_sync.buckets import copy_pairs
+
+    grid = torch.zeros(4, 8)[:, :3]  # a strided destination, as the engine's scale grids are
+    dsts = [torch.zeros(3, 5).to(torch.float8_e4m3fn), torch.zeros(7, dtype=torch.bfloat16), grid,
+            torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(0)]  # fmt: skip
+    srcs = [torch.randn(3, 5).to(torch.float8_e4m3fn), torch.randn(7, dtype=torch.bfloat16), torch.randn(4, 3),
+            torch.randn(2, 2), torch.zeros(0)]  # fmt: skip
+    copy_pairs(zip(dsts, srcs))
+    for dst, src in zip(dsts, srcs):
+        assert same_bytes(dst, src.to(dst.dtype)), (dst.dtype, src.dtype)
+    copy_pairs([])  # nothing to copy is not an error
+
+
 def test_merge_keeps_every_ranks_handles() -> None:
     a, b = _fake_ipc_bucket(), _fake_ipc_bucket()
     b.handles = {"GPU-other": (print, (1,))}

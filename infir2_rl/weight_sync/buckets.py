@@ -77,3 +77,18 @@ def build_buckets(
         )
         for i, group in enumerate(groups)
     ]
+
+
+def copy_pairs(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+    """``dst.copy_(src)`` for every (dst, src) pair, as one ``torch._foreach_copy_`` per (devices, dtypes)
+    group: torch's fused CUDA path takes a list only when all its destinations share one dtype and all its
+    sources another (each pair also needs equal strides; other pairs it copies one by one), and a push mixes
+    FP8 weights, FP32 scales and BF16 tensors. copy_ casts and moves across devices as needed."""
+    groups: dict[
+        tuple[torch.device, torch.device, torch.dtype, torch.dtype], list[tuple[Tensor, Tensor]]
+    ] = {}
+    for dst, src in pairs:
+        groups.setdefault((dst.device, src.device, dst.dtype, src.dtype), []).append((dst, src))
+    with torch.no_grad():
+        for group in groups.values():
+            torch._foreach_copy_([dst for dst, _ in group], [src for _, src in group])

@@ -9,8 +9,8 @@ Loading (``WeightReceiver``): ``<p>.weight`` (float8_e4m3fn) and ``<p>.weight_sc
 ``Fp8InferenceLinear`` are stored until both halves are there (a pair may straddle two buckets), then
 copied in place (``Fp8InferenceLinear.fp8_copies``); any other tensor is copied into the parameter or buffer
 of that name, cast to its dtype (a BF16 engine takes FP32 master weights). Every tensor of a bucket is
-checked first and the bucket's copies then run as one ``torch._foreach_copy_``, so a refused bucket changes
-no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape
+checked first and the bucket's copies then run as foreach copies by dtype (``buckets.copy_pairs``), so a
+refused bucket changes no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape
 change are errors: a silent skip is how peers shipped wrong weights (verl#7986). An ``IpcBucket``
 (``weight_sync.transport: cuda_ipc``) is opened on the model's GPU first (``transport.open_ipc_bucket``),
 loaded the same way, and dropped once the copies have finished.
@@ -30,6 +30,7 @@ from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
 from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
 from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_bucket
+from infir2_rl.weight_sync.buckets import copy_pairs
 from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.group import WeightGroup
 from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
@@ -119,12 +120,10 @@ class WeightReceiver:
         copies: list[tuple[Tensor, Tensor]] = []
         for name, tensor in zip(bucket.names, bucket.tensors):
             self._load_one(name, tensor, named, copies)
-        # One foreach copy for the whole bucket (each pair checked above): at 1.5B an FP8 push is 534 tensors,
-        # a copy launch each when copied one by one. copy_ casts (a BF16 engine sent FP32) and moves across
-        # devices (object-store buckets arrive on the CPU).
-        if copies:  # (_foreach_copy_ refuses empty lists; a bucket may hold only the first half of a pair)
-            with torch.no_grad():
-                torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+        # The copies run once every tensor of the bucket passed its checks (a refused bucket changes nothing),
+        # grouped by dtype into foreach copies (at 1.5B an FP8 push is 534 tensors; copy_ casts where a BF16
+        # engine is sent FP32, and moves object-store buckets from the CPU).
+        copy_pairs(copies)
         if bucket.is_last and self._halves:
             raise ValueError(
                 f"push of version {bucket.version} ended with FP8 linears missing a half: {sorted(self._halves)}"

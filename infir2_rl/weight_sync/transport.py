@@ -62,7 +62,7 @@ from torch import Tensor
 from infir2_rl.actors.remote import Call, call_all, is_actor
 from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
-from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.buckets import build_buckets, copy_pairs
 from infir2_rl.weight_sync.digest import Digest, digests
 
 # Position of the storage's device index in the args of torch's rebuild_cuda_tensor (torch 2.1 .. 2.13).
@@ -100,8 +100,7 @@ def flatten(tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], list[tuple
     flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
     layout = [(str(t.dtype), tuple(t.shape), o) for t, o in zip(tensors, offsets)]
     views = unflatten(flat, layout)
-    for view, t in zip(views, tensors):
-        view.copy_(t)
+    copy_pairs(zip(views, tensors))  # foreach copies by dtype, not one launch per tensor
     return flat, views, layout
 
 
