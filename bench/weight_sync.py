@@ -1,6 +1,7 @@
 """Weight sync with trainer and engine colocated on one GPU: object store vs CUDA IPC, Qwen2.5-1.5B shape.
 
-    python bench/weight_sync.py [--reps 7] [--warmup 2] [--bucket-mb 512] [--out PATH] [--tiny]
+    python bench/weight_sync.py [--reps 7] [--warmup 2] [--bucket-mb 512] [--precisions unified_fp8 bf16]
+                                [--out PATH] [--tiny]
 
 What is timed. A trainer actor (``TrainerGroup``: FP32 master weights, FP8 decoder linears) and a native
 FP8 engine actor (``create_engines``: W8A8 linears, BF16 elsewhere) share one GPU bundle exactly as the RL
@@ -20,6 +21,12 @@ were read back through Ray and compared byte for byte). Median, min and max of -
 pushes, both transports in one process on the same actors; ratios are against the object store. Goal:
 cast + push with cuda_ipc, i.e. its whole sync, <= 100 ms. ``--tiny``: the tiny preset on CPU, object
 store only (checks the script in a minute).
+
+``--precisions unified_fp8 bf16`` runs the whole measurement once per RL ``precision`` in one process, one after
+the other (actors of one precision are shut down before the next start): ``bf16`` is a BF16 trainer pushing
+BF16 tensors (``fp8=False``, as ``rl_step`` does) to a BF16 engine, whose "cast" is the export to the compute
+dtype. Then FP8 / BF16 ratios are printed for each step: what weight sync costs FP8 over BF16, measured on one
+machine (the RL runs of docs/performance.md, session 42, could not separate it from the machine).
 """
 
 from __future__ import annotations
@@ -45,13 +52,13 @@ def _invalidate_fp8_cache(worker: Any) -> None:
             module.invalidate_fp8_cache()
 
 
-def _time_cast(worker: Any) -> float:
-    """Runs in the trainer actor: seconds of one FP8 export (the cast), GPU work included."""
+def _time_cast(worker: Any, fp8: bool = True) -> float:
+    """Runs in the trainer actor: seconds of one export (FP8: the cast), GPU work included."""
     _invalidate_fp8_cache(worker)
     sync = torch.cuda.synchronize if worker.backend.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    exported = list(worker.backend.export_weights(True))
+    exported = list(worker.backend.export_weights(fp8))
     sync()
     del exported
     return time.perf_counter() - start
@@ -62,7 +69,7 @@ def summary(seconds: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, Any]:
     import ray
 
     from infir2_rl.actors.placement import reserve_for
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def cfg(transport: str, check_layers: int, bucket_mb: int) -> RlStageConfig:
         return RlStageConfig.model_validate(
             {
+                "precision": precision,
                 "model": {"path": str(path)},
                 "rollout": {"num_engines": 1},
                 "placement": {"use_gpu": "yes" if gpu else "no", "mode": "colocate", "cpus_per_actor": 1},
@@ -110,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     worker = trainer.workers[0]
     results: dict[str, Any] = {}
     try:
-        casts = [ray.get(worker.__ray_call__.remote(_time_cast)) for _ in range(args.warmup + args.reps)]
+        fp8 = base.rollout_fp8
+        casts = [ray.get(worker.__ray_call__.remote(_time_cast, fp8)) for _ in range(args.warmup + args.reps)]
         results["cast_ms"] = summary(casts[args.warmup :])
         versions = itertools.count(1)
         for result_key, transport, bucket_mb in runs:
@@ -123,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(args.warmup + args.reps):
                     ray.get(worker.__ray_call__.remote(_invalidate_fp8_cache))
                     t0 = time.perf_counter()
-                    stats = service.push_from(trainer, fp8=True, version=next(versions))
+                    stats = service.push_from(trainer, fp8=fp8, version=next(versions))
                     wall = time.perf_counter() - t0
                     if i >= args.warmup:
                         walls.append(wall)
@@ -148,35 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7, help="timed repeats per measurement (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
-    parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync.bucket_size_mb")
-    parser.add_argument(
-        "--ipc-bucket-mb", type=int, nargs="+", help="cuda_ipc at these bucket sizes (default: --bucket-mb)"
-    )
-    parser.add_argument(
-        "--transports", nargs="+", choices=("object_store", "cuda_ipc"), default=["object_store", "cuda_ipc"]
-    )
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument(
-        "--tiny", action="store_true", help="tiny preset on CPU, object store only (checks the script)"
-    )
-    args = parser.parse_args(argv)
-    if args.tiny:
-        args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
-    elif not torch.cuda.is_available():
-        print("bench/weight_sync.py needs a CUDA GPU (trainer and engine share it); use --tiny on CPU.")
-        return 1
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    name = torch.cuda.get_device_name() if not args.tiny else "CPU (float32; FP8 emulated)"
-    print(f"# {name} | torch {torch.__version__} | {'tiny' if args.tiny else 'qwen2.5-1.5b-shape'} | "
-          f"bucket {args.bucket_mb} MiB | median of {args.reps} after {args.warmup} warm-up")  # fmt: skip
-    start = time.perf_counter()
-    r = run(args)
+def report_one(r: dict[str, Any]) -> dict[str, float]:
+    """Print one precision's results; returns the ratios against the object store."""
     base = r.get("object_store")
     for key, row in r.items():
         if key != "cast_ms":
@@ -212,12 +194,68 @@ def main(argv: list[str] | None = None) -> int:
               " + export/release overhead)")  # fmt: skip
     else:
         print(f"\ngoal (cast + push with cuda_ipc <= {GOAL_MS:.0f} ms): n/a on CPU")
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repeats before them")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync.bucket_size_mb")
+    parser.add_argument(
+        "--ipc-bucket-mb", type=int, nargs="+", help="cuda_ipc at these bucket sizes (default: --bucket-mb)"
+    )
+    parser.add_argument(
+        "--transports", nargs="+", choices=("object_store", "cuda_ipc"), default=["object_store", "cuda_ipc"]
+    )
+    parser.add_argument(
+        "--precisions", nargs="+", choices=("unified_fp8", "bf16"), default=["unified_fp8"],
+        help="RL precisions to measure, one after the other in this process",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny preset on CPU, object store only (checks the script)"
+    )
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
+    elif not torch.cuda.is_available():
+        print("bench/weight_sync.py needs a CUDA GPU (trainer and engine share it); use --tiny on CPU.")
+        return 1
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    name = torch.cuda.get_device_name() if not args.tiny else "CPU (float32; FP8 emulated)"
+    print(f"# {name} | torch {torch.__version__} | {'tiny' if args.tiny else 'qwen2.5-1.5b-shape'} | "
+          f"bucket {args.bucket_mb} MiB | median of {args.reps} after {args.warmup} warm-up")  # fmt: skip
+    start = time.perf_counter()
+    by_precision = {p: run(args, p) for p in args.precisions}
+    ratios = {}
+    for precision, r in by_precision.items():
+        print(f"\n## precision {precision}")
+        ratios[precision] = report_one(r)
+    if len(by_precision) > 1 and "bf16" in by_precision:
+        bf16 = by_precision["bf16"]
+        print("\nratios against bf16 (median ms):")
+        for precision, r in by_precision.items():
+            if precision == "bf16":
+                continue
+            print(f"  {precision} cast {r['cast_ms']['median'] / bf16['cast_ms']['median']:.3f}")
+            for transport in [k for k in r if k != "cast_ms" and k in bf16]:
+                for key in ("push_ms", "sync_ms", "check_ms"):
+                    ratio = r[transport][key]["median"] / bf16[transport][key]["median"]
+                    extra = r[transport][key]["median"] - bf16[transport][key]["median"]
+                    print(f"  {precision} {transport} {key[:-3]:<5} {ratio:.3f} ({extra:+.1f} ms)")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     if args.out:
         report = dict(
             device=name, torch=torch.__version__, tiny=args.tiny, bucket_mb=args.bucket_mb, reps=args.reps
         )
-        report |= {"results": r, "ratios_vs_object_store": ratios, "goal_cast_plus_push_ms_max": GOAL_MS}
+        report |= {
+            "results": by_precision,
+            "ratios_vs_object_store": ratios,
+            "goal_cast_plus_push_ms_max": GOAL_MS,
+        }
         write_report(args.out, report)
     return 0
 
