@@ -37,10 +37,10 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infir2_rl.engines.native.fp8_gemm import split_k_launch  # noqa: E402
 from infir2_rl.engines.native.fused_ops import SplitPartials  # noqa: E402
 
 try:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -251,18 +251,11 @@ def w8a8_partials(
         w_scale_inv = w_scale_inv.contiguous()
     n = w_fp8.shape[0]
     kb = k // 128
-    split = min(cfg.split_k, kb)
-    kb_per_split = triton.cdiv(kb, split)
-    split = triton.cdiv(kb, kb_per_split)
-    grid = (triton.cdiv(rows, cfg.bm), triton.cdiv(n, cfg.bn), split)
-    if split == 1:
-        y = torch.empty(rows, n, dtype=out_dtype, device=q.device)
-    else:
-        y = torch.empty(split, rows, n, dtype=torch.float32, device=q.device)
+    grid, kb_per_split, y = split_k_launch(rows, n, kb, cfg.bm, cfg.bn, cfg.split_k, out_dtype, q.device)
     _wgmma_kernel[grid](
         q, s_t, w_fp8, w_scale_inv, bias if bias is not None else w_scale_inv, y,
         rows, n, k, kb, kb_per_split, q.stride(0), s_t.shape[1], w_scale_inv.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split > 1, BM=cfg.bm, BN=cfg.bn, STAGES=cfg.stages, UNROLL=cfg.unroll,
+        HAS_BIAS=bias is not None, SPLIT=grid[2] > 1, BM=cfg.bm, BN=cfg.bn, STAGES=cfg.stages, UNROLL=cfg.unroll,
         num_warps=cfg.warps,
     )  # fmt: skip
-    return y if split == 1 else SplitPartials(y, out_dtype, bias)
+    return y if grid[2] == 1 else SplitPartials(y, out_dtype, bias)

@@ -180,22 +180,30 @@ def w8a8_partials(
     dtype = out_dtype if out_dtype is not None else x.dtype
     n = w_fp8.shape[0]
     kb = triton.cdiv(k, 128)
-    split = min(cfg.split_k, kb)
-    kb_per_split = triton.cdiv(kb, split)
-    split = triton.cdiv(kb, kb_per_split)
-    grid = (triton.cdiv(m, cfg.bm), triton.cdiv(n, cfg.bn), split)
-    if split == 1:
-        y = torch.empty(m, n, dtype=dtype, device=x.device)
-    else:
-        y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid, kb_per_split, y = split_k_launch(m, n, kb, cfg.bm, cfg.bn, cfg.split_k, dtype, x.device)
     _w8a8_kernel[grid](
         x, x_scale_t if x_scale_t is not None else w_scale_inv, w_fp8, w_scale_inv,
         bias if bias is not None else w_scale_inv, y,
         m, n, k, kb, kb_per_split, x.stride(0), x_scale_t.shape[1] if x_scale_t is not None else 0,
-        w_scale_inv.stride(0), int(bias is not None), int(split > 1), PREQUANT=prequant, POW2=pow2_scales,
+        w_scale_inv.stride(0), int(bias is not None), int(grid[2] > 1), PREQUANT=prequant, POW2=pow2_scales,
         BM=cfg.bm, BN=cfg.bn, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_kwargs(x.device),
     )  # fmt: skip
-    return y if split == 1 else SplitPartials(y, dtype, bias)
+    return y if grid[2] == 1 else SplitPartials(y, dtype, bias)
+
+
+def split_k_launch(
+    m: int, n: int, kb: int, bm: int, bn: int, split_k: int, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[int, int, int], int, Tensor]:
+    """The grid (M tiles, N tiles, splits), K blocks per split and output of a split-K launch over ``kb`` K
+    blocks: at most ``split_k`` splits of equal length (the last may be shorter, none empty); the output is
+    (M, N) in ``dtype`` without split, else FP32 partials (splits, M, N). Every W8A8 kernel that hands
+    partials to ``SplitPartials`` consumers splits K this way, so their partials line up."""
+    kb_per_split = -(-kb // min(split_k, kb))
+    split = -(-kb // kb_per_split)
+    grid = (-(-m // bm), -(-n // bn), split)
+    if split == 1:
+        return grid, kb_per_split, torch.empty(m, n, dtype=dtype, device=device)
+    return grid, kb_per_split, torch.empty(split, m, n, dtype=torch.float32, device=device)
 
 
 def sum_partials(p: SplitPartials) -> Tensor:
