@@ -39,9 +39,10 @@ Weights (both paths: the runner's fused buffers are the HF modules' tensors). ``
 bucket in place through ``weight_sync.receiver.WeightReceiver`` (FP8 bytes + scales copied into the
 ``Fp8InferenceLinear`` buffers, other tensors cast into their parameters; versions only move forward,
 older buckets raise ``StaleWeightsError``). With ``weight_sync.transport: cuda_ipc`` the bucket is an
-``IpcBucket`` of handles to the colocated trainer's GPU tensors, copied GPU to GPU (an engine on CPU refuses it and says to use ``object_store``). With
-``weight_sync.transport: nccl`` the engine joins the trainer's weight group (``init_weights_update_group``)
-and receives each bucket by broadcast (``update_weights_from_distributed``; ``weight_sync/nccl.py``).
+``IpcBucket`` of handles to the colocated trainer's GPU tensors, copied GPU to GPU (an engine on CPU
+refuses it and says to use ``object_store``). With ``weight_sync.transport: nccl`` the engine joins the
+trainer's weight group (``init_weights_update_group``) and receives each bucket by broadcast
+(``update_weights_from_distributed``; ``weight_sync/nccl.py``).
 """
 
 from __future__ import annotations
