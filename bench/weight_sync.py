@@ -1,17 +1,19 @@
 """Weight sync with trainer and engine colocated on one GPU: object store vs CUDA IPC, Qwen2.5-1.5B shape.
 
     python bench/weight_sync.py [--reps 7] [--warmup 2] [--bucket-mb 512] [--precisions unified_fp8 bf16]
-                                [--out PATH] [--tiny]
+                                [--requantize] [--phases] [--out PATH] [--tiny]
 
 What is timed. A trainer actor (``TrainerGroup``: FP32 master weights, FP8 decoder linears) and a native
 FP8 engine actor (``create_engines``: W8A8 linears, BF16 elsewhere) share one GPU bundle exactly as the RL
 stage colocates them (GPU shares 0.6 / 0.4), on the ``qwen2.5-1.5b-shape`` preset with Qwen's
 151,936-token vocabulary and random weights (written once under /tmp/infir2_bench, shared with
-bench/train_step.py). (a) cast: inside the trainer actor, ``export_weights(fp8=True)`` with the FP8 weight
-cache invalidated first (as after an optimizer step): FP32 masters -> blockwise FP8 + ``weight_scale_inv``
-for the 196 decoder linears, between ``torch.cuda.synchronize()`` calls. (b) object store and (c) CUDA IPC:
-what ``rl_step`` runs, ``WeightSyncService.push_from(trainer, fp8=True, version)`` with the self-check off
-and the cache invalidated before each push, timed on the driver: "sync" is the whole call (export with the
+bench/train_step.py). (a) cast: inside the trainer actor, ``export_weights(fp8=True)`` with the FP8 weights
+as after an optimizer step (``_step_boundary``: the flat AdamW, the GPU default, keeps each FP8 linear's
+weight quantized as it updates it, so the export reads them; ``--requantize`` forgets them first, so the
+export quantizes the 196 decoder linears, FP32 masters -> blockwise FP8 + ``weight_scale_inv``, which is what
+this script timed until session 43), between ``torch.cuda.synchronize()`` calls. (b) object store and (c)
+CUDA IPC: what ``rl_step`` runs, ``WeightSyncService.push_from(trainer, fp8=True, version)`` with the
+self-check off and the FP8 weights as in (a) before each push, timed on the driver: "sync" is the whole call (export with the
 cast, transfer, the engine has loaded every bucket, and for cuda_ipc the release of the trainer's buffers);
 "push" is ``PushStats.seconds``, the transport alone (first bucket sent until the engine has loaded the
 last). (d) self-check: the same pushes with ``self_check_layers=2`` (the default), its
@@ -20,7 +22,9 @@ engine and by the trainer on their GPUs and compared: ``weight_sync/digest.py``;
 were read back through Ray and compared byte for byte). Median, min and max of --reps after --warmup untimed
 pushes, both transports in one process on the same actors; ratios are against the object store. Goal:
 cast + push with cuda_ipc, i.e. its whole sync, <= 100 ms. ``--tiny``: the tiny preset on CPU, object
-store only (checks the script in a minute).
+store only (checks the script in a minute). ``--phases``: then --reps more pushes with the self-check on,
+each phase's host time summed inside the driver, the trainer and the engine (``TRAINER_PHASES`` etc.: the
+functions are wrapped with timers in each process), printed per push.
 
 ``--precisions unified_fp8 bf16`` runs the whole measurement once per RL ``precision`` in one process, one after
 the other (actors of one precision are shut down before the next start): ``bf16`` is a BF16 trainer pushing
@@ -45,16 +49,27 @@ from train_step import model_dir, write_report  # bench/ is on sys.path when run
 GOAL_MS = 100.0  # cast + push with cuda_ipc, colocated, Qwen2.5-1.5B shape
 
 
-def _invalidate_fp8_cache(worker: Any) -> None:
-    """Runs in the trainer actor: the next export quantizes again, as after an optimizer step."""
-    for module in worker.backend.model.modules():
-        if hasattr(module, "invalidate_fp8_cache"):
-            module.invalidate_fp8_cache()
+def _step_boundary(worker: Any, requantize: bool = False) -> bool:
+    """Runs in the trainer actor: the FP8 weights as after an optimizer step. The trainer's own rule
+    (``fp8_step_boundary``): forgotten unless the optimizer keeps them current (the flat AdamW, the GPU default,
+    quantizes each FP8 linear as it updates it, so an RL step's export reads them as they are). ``requantize``:
+    forgotten anyway, so the export quantizes all of them (what every push paid before session 27, and what
+    this script measured until session 43). Returns whether the next export quantizes."""
+    backend = worker.backend
+    keeps = bool(getattr(getattr(backend, "optimizer", None), "keeps_fp8", False))
+    if requantize:
+        for module in backend.model.modules():
+            if hasattr(module, "invalidate_fp8_cache"):
+                module.invalidate_fp8_cache()
+    elif hasattr(backend, "fp8_step_boundary"):
+        backend.fp8_step_boundary()
+    return requantize or not keeps
 
 
-def _time_cast(worker: Any, fp8: bool = True) -> float:
-    """Runs in the trainer actor: seconds of one export (FP8: the cast), GPU work included."""
-    _invalidate_fp8_cache(worker)
+def _time_cast(worker: Any, fp8: bool = True, requantize: bool = False) -> float:
+    """Runs in the trainer actor: seconds of one export (FP8: reading or quantizing the FP8 weights, see
+    ``_step_boundary``), GPU work included."""
+    _step_boundary(worker, requantize)
     sync = torch.cuda.synchronize if worker.backend.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -62,6 +77,132 @@ def _time_cast(worker: Any, fp8: bool = True) -> float:
     sync()
     del exported
     return time.perf_counter() - start
+
+
+# --phases: functions timed inside each actor, (module, attribute) or (module, class.method); every call's host
+# seconds are summed per name. share_buckets and WeightReceiver.load end in a stream synchronize, so their
+# totals include the GPU copies they queued.
+TRAINER_PHASES = [
+    ("infir2_rl.actors.trainer_worker", "build_buckets"),  # walks the export (FP8: reads the kept weights)
+    ("infir2_rl.actors.trainer_worker", "share_buckets"),  # flatten into one buffer + IPC handle + sync
+    ("infir2_rl.weight_sync.transport", "flatten"),
+    ("infir2_rl.actors.trainer_worker", "digests"),  # the self-check's sent side
+]
+ENGINE_PHASES = [
+    ("infir2_rl.weight_sync.receiver", "WeightReceiver.load"),  # outer call: open + check + copy + sync
+    ("infir2_rl.weight_sync.receiver", "open_ipc_bucket"),
+    ("infir2_rl.weight_sync.receiver", "WeightReceiver._named_tensors"),
+    ("infir2_rl.weight_sync.receiver", "WeightReceiver._load_one"),
+    ("infir2_rl.weight_sync.receiver", "copy_pairs"),
+    ("infir2_rl.weight_sync.receiver", "digests"),  # the self-check's held side
+]
+
+
+DRIVER_PHASES = [
+    ("infir2_rl.weight_sync.transport", "CudaIpcTransport.open"),  # the trainer's export_ipc_buckets call
+    ("infir2_rl.weight_sync.transport", "_IpcPush.send"),  # update_weights on every engine
+    ("infir2_rl.weight_sync.transport", "_IpcPush.close"),  # the trainer's release_export call
+    ("infir2_rl.weight_sync.transport", "ObjectStoreTransport.open"),  # (--tiny: the object store)
+    ("infir2_rl.weight_sync.transport", "_ObjectStorePush.send"),
+    ("infir2_rl.weight_sync.service", "WeightSyncService._self_check"),
+]
+
+
+def _install_timers(actor: Any, phases: list[tuple[str, str]]) -> list[tuple[Any, str, Any]]:
+    """Runs in an actor: wrap each phase so that its calls' seconds add up in ``infir2_rl._bench_timers``
+    (nested calls of one phase, e.g. ``load`` of an IPC bucket calling ``load``, count once)."""
+    import functools
+    import importlib
+
+    import infir2_rl
+
+    totals: dict[str, list[float]] = {}
+    infir2_rl._bench_timers = totals  # type: ignore[attr-defined]
+    depth: dict[str, int] = {}
+    undo: list[tuple[Any, str, Any]] = []
+    for module_name, attr in phases:
+        owner: Any = importlib.import_module(module_name)
+        *path, leaf = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        inner = getattr(owner, leaf)
+
+        def timed(*a: Any, _inner: Any = inner, _name: str = attr, **kw: Any) -> Any:
+            depth[_name] = depth.get(_name, 0) + 1
+            start = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                depth[_name] -= 1
+                if depth[_name] == 0:
+                    totals.setdefault(_name, [0.0, 0])
+                    totals[_name][0] += time.perf_counter() - start
+                    totals[_name][1] += 1
+
+        setattr(owner, leaf, functools.wraps(inner)(timed))
+        undo.append((owner, leaf, inner))
+    return undo
+
+
+def _read_timers(actor: Any) -> dict[str, list[float]]:
+    """Runs in an actor: the sums so far, then zeroed."""
+    import infir2_rl
+
+    totals: dict[str, list[float]] = infir2_rl._bench_timers  # type: ignore[attr-defined]
+    out = {k: list(v) for k, v in totals.items()}
+    for v in totals.values():
+        v[0], v[1] = 0.0, 0
+    return out
+
+
+def _phases(
+    args: argparse.Namespace,
+    engines: list[Any],
+    trainer: Any,
+    worker: Any,
+    cfg: Any,
+    fp8: bool,
+    versions: Any,
+) -> dict[str, dict[str, float]]:
+    """--phases: host milliseconds per push of each phase in the driver, the trainer and the engine, summed over
+    --reps cuda_ipc pushes (--tiny: object store) with the default self-check (2 layers), after --warmup
+    untimed ones."""
+    import ray
+
+    from infir2_rl.stages.rl_setup import resolve_transport
+    from infir2_rl.weight_sync.service import WeightSyncService
+
+    gpu = not args.tiny
+    c = cfg("cuda_ipc" if gpu else "object_store", 2, args.bucket_mb)
+    resolve_transport(c, colocate=gpu)
+    service = WeightSyncService(engines, c.weight_sync)
+    ray.get([worker.__ray_call__.remote(_install_timers, TRAINER_PHASES)])
+    ray.get([e.__ray_call__.remote(_install_timers, ENGINE_PHASES) for e in engines])
+    undo = _install_timers(None, DRIVER_PHASES)
+    try:
+        wall = 0.0
+        for i in range(args.warmup + args.reps):
+            if i == args.warmup:  # forget the warm-ups
+                _read_timers(None)
+                ray.get(
+                    [worker.__ray_call__.remote(_read_timers)]
+                    + [e.__ray_call__.remote(_read_timers) for e in engines]
+                )
+            ray.get(worker.__ray_call__.remote(_step_boundary, args.requantize))
+            t0 = time.perf_counter()
+            service.push_from(trainer, fp8=fp8, version=next(versions))
+            if i >= args.warmup:
+                wall += time.perf_counter() - t0
+        sides = {"driver": _read_timers(None), "trainer": ray.get(worker.__ray_call__.remote(_read_timers))}
+        sides["engine"] = ray.get(engines[0].__ray_call__.remote(_read_timers))
+    finally:
+        for owner, leaf, inner in undo:
+            setattr(owner, leaf, inner)
+    out = {"driver": {"push_from": wall / args.reps * 1e3}}
+    for side, totals in sides.items():
+        for name, (seconds, _calls) in totals.items():
+            out.setdefault(side, {})[name] = seconds / args.reps * 1e3
+    return out
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -119,7 +260,13 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
     results: dict[str, Any] = {}
     try:
         fp8 = base.rollout_fp8
-        casts = [ray.get(worker.__ray_call__.remote(_time_cast, fp8)) for _ in range(args.warmup + args.reps)]
+        quantizes = ray.get(worker.__ray_call__.remote(_step_boundary, args.requantize))
+        print(f"# {precision}: each export {'quantizes' if quantizes and fp8 else 'reads'} the FP8 weights"
+              if fp8 else f"# {precision}: exports in the compute dtype")  # fmt: skip
+        casts = [
+            ray.get(worker.__ray_call__.remote(_time_cast, fp8, args.requantize))
+            for _ in range(args.warmup + args.reps)
+        ]
         results["cast_ms"] = summary(casts[args.warmup :])
         versions = itertools.count(1)
         for result_key, transport, bucket_mb in runs:
@@ -130,7 +277,7 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
                 service = WeightSyncService(engines, c.weight_sync)
                 walls, pushes, checks = [], [], []
                 for i in range(args.warmup + args.reps):
-                    ray.get(worker.__ray_call__.remote(_invalidate_fp8_cache))
+                    ray.get(worker.__ray_call__.remote(_step_boundary, args.requantize))
                     t0 = time.perf_counter()
                     stats = service.push_from(trainer, fp8=fp8, version=next(versions))
                     wall = time.perf_counter() - t0
@@ -148,6 +295,8 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
                 else:
                     row |= {"check_ms": summary(checks), "num_checked": stats.num_checked}
             results[result_key] = row
+        if args.phases:
+            results["phases_ms"] = _phases(args, engines, trainer, worker, cfg, fp8, versions)
     finally:
         for e in engines:
             ray.kill(e)
@@ -161,7 +310,7 @@ def report_one(r: dict[str, Any]) -> dict[str, float]:
     """Print one precision's results; returns the ratios against the object store."""
     base = r.get("object_store")
     for key, row in r.items():
-        if key != "cast_ms":
+        if key not in ("cast_ms", "phases_ms"):
             print(
                 f"{key}: one push {row['bytes'] / 1e9:.3f} GB, {row['num_tensors']} tensors, {row['num_buckets']} bucket(s)"
             )
@@ -170,7 +319,7 @@ def report_one(r: dict[str, Any]) -> dict[str, float]:
         f"{'(a) cast on the trainer':<31} {r['cast_ms']['median']:10.1f} {r['cast_ms']['min']:9.1f} {r['cast_ms']['max']:9.1f}"
     )
     ratios: dict[str, float] = {}
-    for transport in [k for k in r if k != "cast_ms"]:
+    for transport in [k for k in r if k not in ("cast_ms", "phases_ms")]:
         for key, label in (
             ("push_ms", "push"),
             ("sync_ms", "sync = cast + push"),
@@ -212,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         "--precisions", nargs="+", choices=("unified_fp8", "bf16"), default=["unified_fp8"],
         help="RL precisions to measure, one after the other in this process",
     )  # fmt: skip
+    parser.add_argument(
+        "--requantize", action="store_true",
+        help="forget the FP8 weights before every export, so it quantizes them (the RL step's export reads the"
+        " flat AdamW's kept ones: the default here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--phases", action="store_true",
+        help="also time each phase of a cuda_ipc push inside the driver, the trainer and the engine",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny preset on CPU, object store only (checks the script)"
@@ -241,11 +399,22 @@ def main(argv: list[str] | None = None) -> int:
             if precision == "bf16":
                 continue
             print(f"  {precision} cast {r['cast_ms']['median'] / bf16['cast_ms']['median']:.3f}")
-            for transport in [k for k in r if k != "cast_ms" and k in bf16]:
+            for transport in [k for k in r if k not in ("cast_ms", "phases_ms") and k in bf16]:
                 for key in ("push_ms", "sync_ms", "check_ms"):
                     ratio = r[transport][key]["median"] / bf16[transport][key]["median"]
                     extra = r[transport][key]["median"] - bf16[transport][key]["median"]
                     print(f"  {precision} {transport} {key[:-3]:<5} {ratio:.3f} ({extra:+.1f} ms)")
+    with_phases = {p: r["phases_ms"] for p, r in by_precision.items() if "phases_ms" in r}
+    if with_phases:
+        transport = "object_store" if args.tiny else "cuda_ipc"
+        print(f"\nhost ms per {transport} push (self-check of 2 layers), mean of {args.reps}:")
+        print(f"{'side':<8} {'phase':<34}" + "".join(f" {p:>12}" for p in with_phases))
+        rows = {(side, name) for ph in with_phases.values() for side, d in ph.items() for name in d}
+        for side, name in sorted(rows, key=lambda k: (("driver", "trainer", "engine").index(k[0]), k[1])):
+            cells = "".join(
+                f" {ph.get(side, {}).get(name, float('nan')):12.2f}" for ph in with_phases.values()
+            )
+            print(f"{side:<8} {name:<34}{cells}")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
     if args.out:
         report = dict(

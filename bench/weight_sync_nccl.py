@@ -6,8 +6,9 @@ The disaggregated twin of bench/weight_sync.py (same model, same timing rules; r
 actor (``TrainerGroup``: FP32 masters, FP8 decoder linears) on GPU 0 and a native FP8 engine actor on GPU 1,
 placed by ``plan_placement`` with ``placement.mode=disaggregate`` as the RL stage would. (a) cast: the FP8
 export inside the trainer. (b) object store and (c) nccl: ``WeightSyncService.push_from(trainer, fp8=True,
-version)`` with the self-check off, FP8 cache invalidated before each push; "sync" is the whole call on the
-driver (export with the cast, transfer, the engine has loaded every bucket, buffers released), "push" is
+version)`` with the self-check off, the FP8 weights as after an optimizer step before each push (read as the
+flat AdamW keeps them, or quantized again with ``--requantize``: bench/weight_sync.py's ``_step_boundary``;
+until session 43 always quantized again); "sync" is the whole call on the driver (export with the cast, transfer, the engine has loaded every bucket, buffers released), "push" is
 ``PushStats.seconds`` (first bucket sent until the engine has loaded the last). The nccl weight group is
 formed at the first push (a warm-up push, untimed). (d) self-check: the same with ``self_check_layers=2``.
 Goal: nccl push <= 100 ms. ``--baseline-reps N``: the object store's timed repeats (default ``--reps``; one
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 from train_step import model_dir, write_report  # bench/ is on sys.path when run as a script
-from weight_sync import _invalidate_fp8_cache, _time_cast, summary
+from weight_sync import _step_boundary, _time_cast, summary
 
 GOAL_MS = 100.0  # nccl push, engine on its own GPU, Qwen2.5-1.5B shape
 TRANSPORTS = ("nccl", "object_store")  # nccl first: the object store is slow at this size
@@ -73,7 +74,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     worker = trainer.workers[0]
     results: dict[str, Any] = {}
     try:
-        casts = [ray.get(worker.__ray_call__.remote(_time_cast)) for _ in range(args.warmup + args.reps)]
+        casts = [
+            ray.get(worker.__ray_call__.remote(_time_cast, True, args.requantize))
+            for _ in range(args.warmup + args.reps)
+        ]
         results["cast_ms"] = summary(casts[args.warmup :])
         print(f"# cast timed: {results['cast_ms']['median']:.1f} ms median", flush=True)
         versions = itertools.count(1)
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 walls, pushes, checks = [], [], []
                 warmup, reps = (args.warmup, args.reps) if transport == "nccl" else args.baseline
                 for i in range(warmup + reps):
-                    ray.get(worker.__ray_call__.remote(_invalidate_fp8_cache))
+                    ray.get(worker.__ray_call__.remote(_step_boundary, args.requantize))
                     t0 = time.perf_counter()
                     stats = service.push_from(trainer, fp8=True, version=next(versions))
                     wall = time.perf_counter() - t0
@@ -124,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync.bucket_size_mb")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--requantize", action="store_true", help="quantize the FP8 weights again before every export"
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="tiny preset on CPU, nccl over gloo (checks the script)"
     )

@@ -186,6 +186,33 @@ def test_a_refused_bucket_changes_no_weight(model_dir: Path, other_model_dir: Pa
         assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
+def test_a_load_after_the_model_moved_writes_the_tensors_it_holds_now(
+    model_dir: Path, other_model_dir: Path
+) -> None:
+    """The receiver looks each tensor up in its module at every load (not a map made once): Module.to()
+    replaces buffers (an FP8 linear's weight and scales are buffers), and a load into the objects it held
+    before would leave the model's weights as they were. Here every buffer and parameter is swapped for a
+    copy, as a move to another device does, and the load must land in the copies."""
+    engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
+    for module in engine.model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = buf.clone()
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = torch.nn.Parameter(param.detach().clone(), requires_grad=False)
+    buckets = _fp8_buckets(other_model_dir, version=1)
+    for bucket in buckets:
+        engine.update_weights(bucket)
+    held = engine.model.state_dict()
+    for bucket in buckets:
+        for name, tensor in zip(bucket.names, bucket.tensors):
+            if name in held:  # a tied lm_head is not a separate tensor
+                assert torch.equal(
+                    held[name].view(torch.uint8), tensor.to(held[name].dtype).view(torch.uint8)
+                ), name
+
+
 def test_bf16_engine_takes_plain_weights_cast_to_its_dtype(model_dir: Path, other_model_dir: Path) -> None:
     engine = NativeEngine(str(model_dir), fp8=False, dtype="bfloat16", device="cpu")
     source, _ = load_model(other_model_dir, dtype=torch.float32)

@@ -86,3 +86,24 @@ def test_gpu_and_cpu_give_the_same_digest(dtype: torch.dtype) -> None:
     t = torch.randn(3000, 1537, generator=torch.Generator().manual_seed(3)).to(dtype)
     assert D.digest(t.cuda()) == D.digest(t)
     assert D.digest(t.float().cuda(), D.dtype_name(dtype)) == D.digest(t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_launch_gpu_digests_equal_the_cpu_ones() -> None:
+    """``digests`` of CUDA tensors runs one Triton launch over all of them (64 KiB chunks); each digest must
+    equal the CPU's for the same bytes: sizes around the 251-byte rows and the chunk edges, an empty tensor,
+    a non-contiguous one, casts, and all-0xFF bytes (the largest sums per chunk)."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 1, 250, 251, 252, 65_535, 65_536, 65_537, 3 * 65_536 + 7, 5_000_003]
+    named = {f"u{n}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes}
+    named["ff"] = torch.full((2 * 65_536 + 13,), 255, dtype=torch.uint8)
+    named["fp8"] = _fp8(1536 * 1536 + 17, seed=6)
+    named["bf16"] = torch.randn(8960, 153, generator=g).to(torch.bfloat16)
+    named["strided"] = torch.randn(300, 400, generator=g).t()  # not contiguous
+    named["cast"] = torch.randn(1000, 129, generator=g)
+    as_dtypes = {"cast": "bfloat16"}
+    names = list(named)
+    on_gpu = {n: t.cuda() for n, t in named.items()}
+    assert D.digests(on_gpu, names, as_dtypes) == D.digests(named, names, as_dtypes)
+    assert D.digests(on_gpu, ["u0"]) == D.digests(named, ["u0"])  # only empty tensors: no launch

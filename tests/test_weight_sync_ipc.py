@@ -113,6 +113,13 @@ def test_flat_buffer_round_trip_keeps_every_byte_dtype_and_shape() -> None:
         assert [(t.dtype, t.shape) for t in back] == [(t.dtype, t.shape) for t in tensors]
         assert all(same_bytes(a, b) for a, b in zip(tensors, back))
         assert all(t.untyped_storage().data_ptr() == flat.data_ptr() for t in back)  # views, no copies
+    # The buffer may itself be a view at an offset into a larger storage (as_strided offsets are absolute)
+    larger = torch.zeros(flat.numel() + 512, dtype=torch.uint8)
+    inside = larger[256 : 256 + flat.numel()]
+    inside.copy_(flat)
+    assert all(same_bytes(a, b) for a, b in zip(tensors, unflatten(inside, layout)))
+    with pytest.raises(ValueError, match="outside"):
+        unflatten(flat[:256], layout)
 
 
 def test_copy_pairs_copies_every_pair_across_dtypes() -> None:

@@ -260,7 +260,9 @@ def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterato
         elif isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
             # nn.Linear or a subclass that computes the same (MasterWeights' MainGradLinear); Fp8Linear is above
             plain.add(name)
-    for key, tensor in model.state_dict().items():
+    # keep_vars: no detach() of the FP8 linears' master weights, which are not yielded (a weight sync walks
+    # this per push: each skipped op is host time saved 196 times at 1.5B); the rest are detached below.
+    for key, tensor in model.state_dict(keep_vars=True).items():
         prefix, _, leaf = key.rpartition(".")
         module = fp8_modules.get(prefix)
         if module is not None and leaf == "weight":
@@ -270,7 +272,9 @@ def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterato
                 assert isinstance(module, Fp8InferenceLinear)
                 w_fp8, scale_inv = module.weight, module.weight_scale_inv
             yield key, w_fp8.detach()
-            yield f"{prefix}.weight_scale_inv", scale_inv.detach().contiguous()  # engine grids: rows apart
+            if not scale_inv.is_contiguous():  # engine grids: rows apart
+                scale_inv = scale_inv.contiguous()
+            yield f"{prefix}.weight_scale_inv", scale_inv.detach()
         elif module is not None and leaf == "weight_scale_inv":
             continue  # yielded right after its weight
         elif prefix in plain and leaf == "weight":

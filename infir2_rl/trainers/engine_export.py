@@ -24,6 +24,11 @@ def for_engines(
     for name, tensor in named:
         if tied_embeddings and name == TIED_HEAD:
             continue
-        if tensor.is_floating_point() and tensor.element_size() > 1 and not name.endswith("weight_scale_inv"):
+        if (
+            tensor.dtype != compute_dtype
+            and tensor.is_floating_point()
+            and tensor.element_size() > 1
+            and not name.endswith("weight_scale_inv")
+        ):
             tensor = tensor.to(compute_dtype)
         yield name, tensor

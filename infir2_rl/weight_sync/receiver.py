@@ -66,6 +66,14 @@ class WeightReceiver:
         self.model = model
         self.gate = VersionGate()
         self.fp8_modules = {n: m for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)}
+        # State-dict name -> (owning module, attribute, is a parameter). The modules stay for the model's life;
+        # the tensors do not (Module.to() replaces buffers), so each load looks them up in the module's own
+        # dicts: a dict lookup per tensor instead of a state_dict() walk of ~370 modules per call.
+        self._slots: dict[str, tuple[nn.Module, str, bool]] = {}
+        for name in model.state_dict(keep_vars=True):
+            prefix, _, leaf = name.rpartition(".")
+            module = model.get_submodule(prefix)
+            self._slots[name] = (module, leaf, leaf in module._parameters)
         self._halves: dict[str, dict[str, Tensor]] = {}
         # weight_sync.transport=nccl: this engine's membership of the trainer's weight group.
         self.group: WeightGroup | None = None
@@ -96,16 +104,24 @@ class WeightReceiver:
     ) -> None:
         """Receive one broadcast bucket from the weight group and load it."""
         meta = BucketMeta(version, index, num_buckets, list(names), list(metas))
-        device = next(iter(self._named_tensors().values())).device
-        self.load(receive_bucket(self.group, meta, device))
+        self.load(receive_bucket(self.group, meta, self._device()))
 
-    def _named_tensors(self) -> dict[str, Tensor]:
-        # Rebuilt per call: Module.to() replaces buffer objects, so a cached map would go stale.
-        return dict(self.model.state_dict(keep_vars=True))
+    def _tensor(self, name: str) -> Tensor | None:
+        """The model's tensor of that state-dict name as it is now, or None."""
+        slot = self._slots.get(name)
+        if slot is None:
+            return None
+        module, leaf, is_param = slot
+        return (module._parameters if is_param else module._buffers).get(leaf)
+
+    def _device(self) -> torch.device:
+        tensor = self._tensor(next(iter(self._slots)))
+        assert tensor is not None
+        return tensor.device
 
     def load(self, bucket: WeightBucket | IpcBucket) -> None:
         if isinstance(bucket, IpcBucket):
-            device = next(iter(self._named_tensors().values())).device
+            device = self._device()
             self.load(open_ipc_bucket(bucket, device))
             # The trainer may free or overwrite its tensors once this returns: the copies must be done.
             torch.cuda.current_stream(device).synchronize()
@@ -116,10 +132,9 @@ class WeightReceiver:
             )
         if self.gate.admit(bucket):
             self._halves = {}
-        named = self._named_tensors()
         copies: list[tuple[Tensor, Tensor]] = []
         for name, tensor in zip(bucket.names, bucket.tensors):
-            self._load_one(name, tensor, named, copies)
+            self._load_one(name, tensor, copies)
         # The copies run once every tensor of the bucket passed its checks (a refused bucket changes nothing),
         # grouped by dtype into foreach copies (at 1.5B an FP8 push is 534 tensors; copy_ casts where a BF16
         # engine is sent FP32, and moves object-store buckets from the CPU).
@@ -130,9 +145,7 @@ class WeightReceiver:
             )
         self.gate.commit(bucket)
 
-    def _load_one(
-        self, name: str, tensor: Tensor, named: dict[str, Tensor], copies: list[tuple[Tensor, Tensor]]
-    ) -> None:
+    def _load_one(self, name: str, tensor: Tensor, copies: list[tuple[Tensor, Tensor]]) -> None:
         """Check one sent tensor against the engine's and add its (destination, source) copy to ``copies``
         (an FP8 linear's pair once both halves are there)."""
         prefix, _, leaf = name.rpartition(".")
@@ -149,7 +162,7 @@ class WeightReceiver:
                 copies += module.fp8_copies(halves["weight"], halves["weight_scale_inv"])
                 del self._halves[prefix]
             return
-        target = named.get(name)
+        target = self._tensor(name)
         if target is None:
             raise ValueError(f"{name}: the engine's model has no tensor of that name (sent by the trainer)")
         if tensor.dtype == FP8_DTYPE:
@@ -164,18 +177,20 @@ class WeightReceiver:
 
     def digests(self, names: Sequence[str]) -> dict[str, Digest]:
         """``digest.Digest`` of each of those tensors, computed on the engine's device (the self-check)."""
-        named = self._named_tensors()
-        missing = [n for n in names if n not in named]
-        if missing:
-            raise ValueError(f"{missing[0]}: the engine's model has no tensor of that name")
+        named: dict[str, Tensor] = {}
+        for name in names:
+            tensor = self._tensor(name)
+            if tensor is None:
+                raise ValueError(f"{name}: the engine's model has no tensor of that name")
+            named[name] = tensor
         return digests(named, list(names))
 
     def read(self, names: Sequence[str]) -> TensorMap:
         """CPU copies of those tensors (FP8 linears: their FP8 buffers), as a Ray-safe ``TensorMap``."""
-        named = self._named_tensors()
         out = TensorMap()
         for name in names:
-            if name not in named:
+            tensor = self._tensor(name)
+            if tensor is None:
                 raise ValueError(f"{name}: the engine's model has no tensor of that name")
-            out[name] = named[name].detach().to("cpu", copy=True)
+            out[name] = tensor.detach().to("cpu", copy=True)
         return out
