@@ -85,13 +85,14 @@ def _time_cast(worker: Any, fp8: bool = True, requantize: bool = False) -> float
 TRAINER_PHASES = [
     ("infir2_rl.actors.trainer_worker", "build_buckets"),  # walks the export (FP8: reads the kept weights)
     ("infir2_rl.actors.trainer_worker", "share_buckets"),  # flatten into one buffer + IPC handle + sync
-    ("infir2_rl.weight_sync.transport", "flatten"),
+    ("infir2_rl.weight_sync.transport", "flatten"),  # views (unflatten) + foreach copies into the buffer
+    ("infir2_rl.weight_sync.transport", "unflatten"),
     ("infir2_rl.actors.trainer_worker", "digests"),  # the self-check's sent side
 ]
 ENGINE_PHASES = [
     ("infir2_rl.weight_sync.receiver", "WeightReceiver.load"),  # outer call: open + check + copy + sync
     ("infir2_rl.weight_sync.receiver", "open_ipc_bucket"),
-    ("infir2_rl.weight_sync.receiver", "WeightReceiver._named_tensors"),
+    ("infir2_rl.weight_sync.transport", "unflatten"),  # views of the mapped buffer
     ("infir2_rl.weight_sync.receiver", "WeightReceiver._load_one"),
     ("infir2_rl.weight_sync.receiver", "copy_pairs"),
     ("infir2_rl.weight_sync.receiver", "digests"),  # the self-check's held side
