@@ -201,6 +201,11 @@ class Fp8Linear(nn.Linear):
         """``(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`` exactly as forward uses them.
         With kept buffers these are the buffers themselves, rewritten by the next optimizer step like every
         other parameter a weight sync reads."""
+        kept = self._kept
+        if kept is not None and self._kept_key == self._kept_stamp():
+            # Fresh kept buffers (the flat AdamW wrote them with the master): what _fp8_weight returns, without
+            # its capture and refresh checks (a CUDA query each; a weight sync exports 196 linears at 1.5B).
+            return kept.w_fp8, kept.scale_inv
         fp8w = self._fp8_weight()
         return fp8w.w_fp8, fp8w.scale_inv
 
