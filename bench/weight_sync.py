@@ -206,6 +206,28 @@ def _phases(
     return out
 
 
+def _profile_export(worker: Any, fp8: bool, requantize: bool, reps: int = 5) -> str:
+    """Runs in the trainer actor: cProfile of ``reps`` exports as a cuda_ipc push makes them (the export walk,
+    the buckets and the shared buffer), the top functions by their own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from infir2_rl.weight_sync.buckets import build_buckets
+    from infir2_rl.weight_sync.transport import ONE_BUFFER, share_buckets
+
+    profile = cProfile.Profile()
+    for _ in range(reps):
+        _step_boundary(worker, requantize)
+        profile.enable()
+        held = share_buckets(build_buckets(worker.backend.export_weights(fp8), ONE_BUFFER, 0, device=None))
+        profile.disable()
+        del held
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
+
+
 def summary(seconds: list[float]) -> dict[str, float]:
     ms = [s * 1e3 for s in seconds]
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms)}
@@ -296,6 +318,11 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
                 else:
                     row |= {"check_ms": summary(checks), "num_checked": stats.num_checked}
             results[result_key] = row
+        if args.profile_export and gpu:
+            text = ray.get(worker.__ray_call__.remote(_profile_export, fp8, args.requantize))
+            print(
+                f"# {precision}: cProfile of 5 exports in the trainer (export walk, buckets, IPC buffer)\n{text}"
+            )
         if args.phases:
             results["phases_ms"] = _phases(args, engines, trainer, worker, cfg, fp8, versions)
     finally:
@@ -371,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         "--phases", action="store_true",
         help="also time each phase of a cuda_ipc push inside the driver, the trainer and the engine",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile-export",
+        action="store_true",
+        help="also print a cProfile of the trainer's export per precision",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny preset on CPU, object store only (checks the script)"

@@ -136,6 +136,20 @@ def test_copy_pairs_copies_every_pair_across_dtypes() -> None:
     for dst, src in zip(dsts, srcs):
         assert same_bytes(dst, src.to(dst.dtype)), (dst.dtype, src.dtype)
     copy_pairs([])  # nothing to copy is not an error
+    # Pairs from ONE_BY_ONE_BYTES up go one by one, a strided one and a cast among them
+    import infir2_rl.weight_sync.buckets as B
+
+    big = B.ONE_BY_ONE_BYTES // 4
+    dsts = [
+        torch.zeros(big),
+        torch.zeros(2, big)[:, ::2],
+        torch.zeros(big, dtype=torch.bfloat16),
+        torch.zeros(3),
+    ]
+    srcs = [torch.randn(big), torch.randn(big // 2, 2).t(), torch.randn(big), torch.randn(3)]
+    copy_pairs(zip(dsts, srcs))
+    for dst, src in zip(dsts, srcs):
+        assert same_bytes(dst, src.to(dst.dtype)), (dst.dtype, src.dtype)
 
 
 def test_merge_keeps_every_ranks_handles() -> None:
