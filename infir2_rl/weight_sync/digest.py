@@ -118,7 +118,7 @@ def _sums_triton(tensors: list[Tensor]) -> Tensor:
         return out
     # One host-to-device copy of the tables: addresses, sizes, then each chunk's tensor and start.
     table = torch.tensor([t.data_ptr() for t in tensors] + sizes + owner + starts, dtype=torch.int64).to(
-        device, non_blocking=True
+        device
     )
     k, c = len(tensors), len(owner)
     ptrs, size_t, owner_t, start_t = table[:k], table[k : 2 * k], table[2 * k : 2 * k + c], table[2 * k + c :]

@@ -135,9 +135,10 @@ class WeightReceiver:
         copies: list[tuple[Tensor, Tensor]] = []
         for name, tensor in zip(bucket.names, bucket.tensors):
             self._load_one(name, tensor, copies)
-        # The copies run once every tensor of the bucket passed its checks (a refused bucket changes nothing),
-        # grouped by dtype into foreach copies (at 1.5B an FP8 push is 534 tensors; copy_ casts where a BF16
-        # engine is sent FP32, and moves object-store buckets from the CPU).
+        # The copies run once every tensor of the bucket passed its checks (a refused bucket changes nothing):
+        # large ones one by one, the rest grouped by dtype into foreach copies (``copy_pairs``; at 1.5B an FP8
+        # push is 534 tensors; copy_ casts where a BF16 engine is sent FP32, and moves object-store buckets
+        # from the CPU).
         copy_pairs(copies)
         if bucket.is_last and self._halves:
             raise ValueError(
