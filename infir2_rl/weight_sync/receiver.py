@@ -9,8 +9,8 @@ Loading (``WeightReceiver``): ``<p>.weight`` (float8_e4m3fn) and ``<p>.weight_sc
 ``Fp8InferenceLinear`` are stored until both halves are there (a pair may straddle two buckets), then
 copied in place (``Fp8InferenceLinear.fp8_copies``); any other tensor is copied into the parameter or buffer
 of that name, cast to its dtype (a BF16 engine takes FP32 master weights). Every tensor of a bucket is
-checked first and the bucket's copies then run as foreach copies by dtype (``buckets.copy_pairs``), so a
-refused bucket changes no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape
+checked first and the bucket's copies then run (``buckets.copy_pairs``: large tensors one by one, the rest
+as foreach copies by dtype), so a refused bucket changes no weight. Unknown names, FP8 bytes for a non-FP8 tensor, a plain weight for an FP8 linear, or a shape
 change are errors: a silent skip is how peers shipped wrong weights (verl#7986). An ``IpcBucket``
 (``weight_sync.transport: cuda_ipc``) is opened on the model's GPU first (``transport.open_ipc_bucket``),
 loaded the same way, and dropped once the copies have finished.

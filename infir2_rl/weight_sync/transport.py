@@ -100,7 +100,7 @@ def flatten(tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], list[tuple
     flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
     layout = [(str(t.dtype), tuple(t.shape), o) for t, o in zip(tensors, offsets)]
     views = unflatten(flat, layout)
-    copy_pairs(zip(views, tensors))  # foreach copies by dtype, not one launch per tensor
+    copy_pairs(zip(views, tensors))  # large tensors one by one, the rest as foreach copies by dtype
     return flat, views, layout
 
 
