@@ -85,7 +85,7 @@ def _time_cast(worker: Any, fp8: bool = True, requantize: bool = False) -> float
 TRAINER_PHASES = [
     ("infir2_rl.actors.trainer_worker", "build_buckets"),  # walks the export (FP8: reads the kept weights)
     ("infir2_rl.actors.trainer_worker", "share_buckets"),  # flatten into one buffer + IPC handle + sync
-    ("infir2_rl.weight_sync.transport", "flatten"),  # views (unflatten) + foreach copies into the buffer
+    ("infir2_rl.weight_sync.transport", "flatten"),  # views (unflatten) + the copies into the buffer
     ("infir2_rl.weight_sync.transport", "unflatten"),
     ("infir2_rl.actors.trainer_worker", "digests"),  # the self-check's sent side
 ]
