@@ -171,16 +171,20 @@ class Fp8Linear(nn.Linear):
                 "Fp8Linear: the weight is an FSDP shard outside a forward; export with "
                 "TorchTrainer.export_weights() or call export_fp8() from a forward hook"
             )
+        kept = self._kept
+        if kept is not None and self._kept_key == self._kept_stamp():
+            # Fresh kept buffers (the flat AdamW wrote them with the master): nothing to refresh, captured or
+            # not, so no CUDA capture query (a weight sync exports 196 linears at 1.5B through here).
+            return kept
         capturing = self.weight.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self._kept is not None:
-            if not capturing:
-                self.refresh_fp8()
-            elif self._kept_key != self._kept_stamp():
+        if kept is not None:  # stale
+            if capturing:
                 raise RuntimeError(
                     "Fp8Linear: a CUDA graph capture found the kept FP8 weight stale (refresh_fp8 before "
                     "capturing: the graph reads the buffers, it does not quantize)"
                 )
-            return self._kept
+            self.refresh_fp8()
+            return kept
         if capturing:
             # Inside a CUDA graph capture (trainers/torch/layer_graphs.py) the quantization is recorded, so
             # every replay quantizes the weight as it is then; caching the captured tensors would hand graph
@@ -201,11 +205,6 @@ class Fp8Linear(nn.Linear):
         """``(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`` exactly as forward uses them.
         With kept buffers these are the buffers themselves, rewritten by the next optimizer step like every
         other parameter a weight sync reads."""
-        kept = self._kept
-        if kept is not None and self._kept_key == self._kept_stamp():
-            # Fresh kept buffers (the flat AdamW wrote them with the master): what _fp8_weight returns, without
-            # its capture and refresh checks (a CUDA query each; a weight sync exports 196 linears at 1.5B).
-            return kept.w_fp8, kept.scale_inv
         fp8w = self._fp8_weight()
         return fp8w.w_fp8, fp8w.scale_inv
 
@@ -316,7 +315,7 @@ class Fp8InferenceLinear(nn.Module):
         self, weight_fp8: torch.Tensor, scale_inv: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (destination, source) pairs ``load_fp8_`` copies, after checking dtype and shapes: for a caller
-        that copies many tensors in one ``torch._foreach_copy_`` (``weight_sync.receiver``)."""
+        that batches many tensors' copies (``weight_sync.receiver``, through ``buckets.copy_pairs``)."""
         if weight_fp8.dtype != FP8_DTYPE or tuple(weight_fp8.shape) != tuple(self.weight.shape):
             raise ValueError(
                 f"weight_fp8 {weight_fp8.dtype} {tuple(weight_fp8.shape)}: expected {FP8_DTYPE} "
