@@ -11,6 +11,9 @@
 #   bash bench/rl_1p5b.sh OUT_DIR [overrides...]      # e.g. STEPS=10 ... rollout.max_response_len=128
 #
 # LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed.
+# NUM_GPUS (default 1) is what the run's Ray head offers: with 2, e.g. placement.mode=disaggregate (trainer on
+# one GPU, engine on the other, nccl weight sync) or trainer.num_workers=2 rollout.num_engines=2 (FSDP2 over
+# both GPUs, an engine colocated on each).
 set -u
 out=${1:?usage: bash bench/rl_1p5b.sh OUT_DIR [overrides...]}
 shift
@@ -29,7 +32,7 @@ if ! command -v ray >/dev/null; then  # Ray importable (e.g. on PYTHONPATH) but 
     ray() { python -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' "$@"; }
 fi
 ray stop --force >/dev/null 2>&1
-ray start --head --num-gpus=1 --include-dashboard=false --disable-usage-stats >"$out/ray_start.log" 2>&1 \
+ray start --head --num-gpus="${NUM_GPUS:-1}" --include-dashboard=false --disable-usage-stats >"$out/ray_start.log" 2>&1 \
     || { cat "$out/ray_start.log"; exit 1; }
 export RAY_ADDRESS=auto
 start=$(date +%s)

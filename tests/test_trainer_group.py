@@ -43,10 +43,12 @@ class LossWithMetric(SftLossFn):
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def stage_cfg(model: Path, num_workers: int, **trainer: object) -> SftStageConfig:
+def stage_cfg(
+    model: Path, num_workers: int, dtype: str = "auto", precision: str = "bf16", **trainer: object
+) -> SftStageConfig:
     return SftStageConfig(
-        model={"path": str(model)},
-        precision="bf16",
+        model={"path": str(model), "dtype": dtype},
+        precision=precision,
         trainer={
             "num_workers": num_workers,
             "global_batch_size": 8,
@@ -124,6 +126,46 @@ def test_two_actors_train_like_one(assets: tuple[Path, list[TokenBatch]]) -> Non
     assert losses == pytest.approx(losses_1, rel=3e-3) and norms == pytest.approx(norms_1, rel=2e-2)
     torch.testing.assert_close(logp, logp_1, rtol=0, atol=5e-2)
     assert losses != pytest.approx(losses_1, rel=1e-6)  # BF16 really was gathered
+
+
+def _masters(worker: object) -> torch.Tensor:
+    """Runs in a trainer actor: its FP32 masters and kept FP8 weights, as one byte string."""
+    segments = worker.backend.master_weights.segments  # type: ignore[attr-defined]
+    parts = [seg.flat.view(torch.uint8) for seg in segments]
+    parts += [
+        t.view(torch.uint8).flatten() for seg in segments if seg.fp8 for t in (seg.fp8.codes, seg.fp8.scales)
+    ]
+    return torch.cat(parts)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_replicas_with_fp32_masters_train_like_one_and_stay_bit_equal(
+    assets: tuple[Path, list[TokenBatch]],
+) -> None:
+    """trainer.data_parallel=replicate (each rank the one-GPU path: a BF16 model with FP32 masters and kept FP8
+    weights; the masters' gradients all-reduced per segment) against one worker, FP8 in BF16 compute."""
+    model, batches = assets
+    results, masters = {}, []
+    for num_workers in (1, 2):
+        cfg = stage_cfg(
+            model, num_workers, dtype="bfloat16", precision="fp8", param_dtype="bfloat16",
+            data_parallel="replicate",
+        )  # fmt: skip
+        with placed_trainer_group(cfg, total_steps=5) as group:
+            assert group.fsdp is (False if num_workers == 2 else None)
+            results[num_workers] = run(group, batches)
+            if num_workers == 2:
+                import ray
+
+                masters = ray.get([w.__ray_call__.remote(_masters) for w in group.workers])
+    losses_1, norms_1, logp_1 = results[1]
+    losses, norms, logp = results[2]
+    # BF16 compute: the ranks' micro-batch gradients are summed in another order than one worker's.
+    assert losses == pytest.approx(losses_1, rel=1e-3) and norms == pytest.approx(norms_1, rel=1e-2)
+    torch.testing.assert_close(logp, logp_1, rtol=0, atol=2e-2)
+    # Each rank trained on its own rows, yet every update used the same summed gradients: the replicas (what
+    # each rank exports to its own engine) are the same bytes.
+    assert masters[0].numel() > 0 and torch.equal(masters[0], masters[1])
 
 
 @pytest.mark.usefixtures("ray_local")

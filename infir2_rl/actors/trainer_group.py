@@ -73,8 +73,14 @@ class TrainerGroup:
             raise ValueError(
                 f"trainer.num_workers={self.num_workers}: the placement plan has {slots} trainer slots"
             )
-        if fsdp is None and placement.plan.use_gpu and self.num_workers > 1:
-            fsdp = True  # one GPU: None lets the worker decide (one-rank FSDP2 only if asked)
+        if fsdp is None and self.num_workers > 1:
+            # trainer.data_parallel: "auto" is FSDP2 on GPUs; None lets each worker decide (CPU: replicas; one
+            # worker: one-rank FSDP2 only if asked).
+            setting = cfg.trainer.data_parallel
+            if setting == "auto":
+                fsdp = True if placement.plan.use_gpu else None
+            else:
+                fsdp = setting == "fsdp"
         self.fsdp = fsdp
         # Every rank takes part in an export where it is collective: FSDP and megatron TP gather shards, and
         # megatron's te spec sums the distributed optimizer's FP32 master shards over the data-parallel ranks

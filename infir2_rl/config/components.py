@@ -106,6 +106,15 @@ class TrainerConfig(_Config):
     # "auto": bfloat16 on GPUs computing in bfloat16 (half the gather traffic), float32 on CPU. The masters,
     # optimizer state and gradient reduction stay FP32 either way (trainers/torch/distributed.py).
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Torch backend, several workers: how the ranks share the model. "fsdp": FSDP2 shards parameters, gradients
+    # and optimizer state over the ranks (any model size; each rank runs eagerly on FP32 parameters gathered
+    # per layer). "replicate": each rank holds the whole model and runs the one-GPU fast path (a BF16 model with
+    # FP32 masters, the flat AdamW, CUDA layer graphs, per trainer.param_dtype and trainer.cuda_graphs), and the
+    # ranks SUM-all-reduce their FP32 gradients once per step (one message per decoder layer); needs the model's
+    # ~18 bytes per parameter on every GPU (1.5B: ~29 GiB), so not for 7B on 80 GB. At 1.5B on 2 x H200 the
+    # RL step's training took 1.45 s under fsdp and <see docs> under replicate (docs/performance.md, "Two
+    # GPUs"). "auto": fsdp on GPUs, replicate on CPU (gloo; what CPU runs of several workers always did).
+    data_parallel: Literal["auto", "fsdp", "replicate"] = "auto"
     # Torch backend without FSDP: the dtype of the model's own parameters, what forwards compute with.
     # "bfloat16": a BF16 model (BF16 residual stream and norms, as the rollout engine) with FP32 master weights
     # and FP32 gradient accumulation in the trainer (trainers/torch/master_weights.py; FP8 decoder weights stay
@@ -190,6 +199,11 @@ class TrainerConfig(_Config):
     @model_validator(mode="after")
     def _check_buildable(self) -> TrainerConfig:
         # The one place that refuses trainer setups not built yet.
+        if self.backend == "megatron" and self.data_parallel != "auto":
+            raise ValueError(
+                f"trainer.data_parallel={self.data_parallel} is the torch backend's; megatron shards by"
+                " tensor_parallel_size and its own data parallelism: leave it at auto"
+            )
         if self.backend == "megatron" and self.pack_sequences is True:
             raise ValueError(
                 "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"

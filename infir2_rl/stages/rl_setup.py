@@ -109,8 +109,11 @@ class RlActors:
         return _RlCheckpointWriter(self)
 
     def shutdown(self) -> None:
-        self.trainer.shutdown()
+        # Engines first: with weight_sync.transport=nccl trainer rank 0 hosts the weight group's store, and an
+        # engine's NCCL heartbeat thread that outlives it printed a c10d traceback at the end of every
+        # disaggregated run (2 x H200, session 44).
         stop_actors(self.engines)
+        self.trainer.shutdown()
         self.placement.remove()
 
 

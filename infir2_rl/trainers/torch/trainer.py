@@ -535,10 +535,11 @@ class TorchTrainer:
             metrics.add(out)
             num_tokens += batch.attention_mask.sum()
             num_sequences += batch.num_sequences
-        if self.world_size > 1 and not self.fsdp:
-            if self.master_weights is not None:  # every segment's buffer, so that the reduce writes into them
-                self.master_weights.ensure_grads()
-            D.all_reduce_grads_(self.params)
+        if self.world_size > 1 and not self.fsdp:  # replicas: sum the gradients of every rank
+            if self.master_weights is not None:
+                self.master_weights.all_reduce_grads()  # in place, per segment
+            else:
+                D.all_reduce_grads_(self.params)
         grad_norm = self._grad_norm()
         lr = float(self.scheduler.get_last_lr()[0])
         skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, self.optimizer_cfg.grad_clip)
