@@ -12,8 +12,8 @@
 #
 # LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed.
 # NUM_GPUS (default 1) is what the run's Ray head offers: with 2, e.g. placement.mode=disaggregate (trainer on
-# one GPU, engine on the other, nccl weight sync) or trainer.num_workers=2 rollout.num_engines=2 (FSDP2 over
-# both GPUs, an engine colocated on each).
+# one GPU, engine on the other, nccl weight sync) or trainer.num_workers=2 rollout.num_engines=2 (two trainer
+# ranks, replicas at this size by trainer.data_parallel=auto, an engine colocated on each).
 set -u
 out=${1:?usage: bash bench/rl_1p5b.sh OUT_DIR [overrides...]}
 shift

@@ -7,9 +7,10 @@
 # tests     The nccl transport on real NCCL first (trainer actor on GPU 0, engine actor on GPU 1): pushes land byte
 #           for byte, and a killed engine fails the push within weight_sync.timeout_s while the trainer process
 #           survives (torch's NCCL wait-with-timeout abort path); then the one-GPU -m gpu tests of the pieces used.
-# dp        The 100m GPU pipeline (configs/gpu/pipeline_100m.yaml, unified_fp8) three times: on GPU 0 alone
-#           (one trainer worker, its engine colocated), then on both GPUs with trainer.num_workers=2 (FSDP2) and
-#           one colocated engine per GPU, gathering BF16 (trainer.fsdp_param_dtype=auto, the GPU default) and
+# dp        The 100m GPU pipeline (configs/gpu/pipeline_100m.yaml, unified_fp8) four times: on GPU 0 alone
+#           (one trainer worker, its engine colocated), then on both GPUs with trainer.num_workers=2 and one
+#           colocated engine per GPU: as replicas (trainer.data_parallel=replicate, what auto picks at this
+#           size), and under FSDP2 (=fsdp) gathering BF16 (trainer.fsdp_param_dtype=auto, the GPU default) and
 #           FP32 (=float32). Prints each stage's median step times beside the one-GPU run's.
 # sync      bench/weight_sync_nccl.py: trainer on GPU 0, engine on GPU 1, Qwen2.5-1.5B shape, object store vs
 #           nccl push (goal: nccl push <= 100 ms); JSON in OUT_DIR/sync.json.
@@ -73,8 +74,10 @@ for part in $parts; do
         [ -d "$out/one_gpu" ] || pipeline one_gpu 0
         # Same global batches: SFT's 64 conversations as 2 ranks x one micro-batch of 32, RL's 256 samples as 2 x 128.
         dp2=(sft:trainer.num_workers=2 sft:trainer.micro_batch_size=32 rl:trainer.num_workers=2 rl:rollout.num_engines=2)
+        pipeline dp2_replicate 0,1 "${dp2[@]}" sft:trainer.data_parallel=replicate rl:trainer.data_parallel=replicate
+        dp2+=(sft:trainer.data_parallel=fsdp rl:trainer.data_parallel=fsdp)
         pipeline dp2_bf16_gather 0,1 "${dp2[@]}"
-        runs=("$out/one_gpu" "$out/dp2_bf16_gather")
+        runs=("$out/one_gpu" "$out/dp2_replicate" "$out/dp2_bf16_gather")
         if [ "${DP_FP32:-1}" = 1 ]; then  # DP_FP32=0 skips the FP32-gather run
             pipeline dp2_fp32_gather 0,1 "${dp2[@]}" sft:trainer.fsdp_param_dtype=float32 rl:trainer.fsdp_param_dtype=float32
             runs+=("$out/dp2_fp32_gather")

@@ -168,6 +168,27 @@ def test_replicas_with_fp32_masters_train_like_one_and_stay_bit_equal(
     assert masters[0].numel() > 0 and torch.equal(masters[0], masters[1])
 
 
+def test_data_parallel_auto_keeps_replicas_where_their_state_fits_one_gpu(
+    assets: tuple[Path, list[TokenBatch]],
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from infir2_rl.trainers.torch import distributed as D
+
+    model, _ = assets
+    loaded = AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
+    assert D.count_parameters(str(model)) == sum(p.numel() for p in loaded.parameters())
+    resolve = D.resolve_data_parallel
+    assert resolve("auto", 2, True, 1_543_714_304) is False  # Qwen2.5-1.5B: ~27 GiB per replica
+    assert resolve("auto", 2, True, 3_085_938_688) is True  # Qwen2.5-3B: ~55 GiB, sharded
+    assert resolve("auto", 2, False) is None and resolve("auto", 1, True) is None  # CPU; one worker
+    assert resolve("replicate", 4, True) is False and resolve("fsdp", 2, False) is True
+    with pytest.raises(ValueError, match="parameter count"):
+        resolve("auto", 2, True)
+    with pytest.raises(ValueError, match="torch backend"):
+        stage_cfg(model, 2, backend="megatron", data_parallel="replicate")
+
+
 @pytest.mark.usefixtures("ray_local")
 def test_bad_trainer_settings_fail_before_actors_start(assets: tuple[Path, list[TokenBatch]]) -> None:
     model, _ = assets

@@ -110,10 +110,11 @@ class TrainerConfig(_Config):
     # and optimizer state over the ranks (any model size; each rank runs eagerly on FP32 parameters gathered
     # per layer). "replicate": each rank holds the whole model and runs the one-GPU fast path (a BF16 model with
     # FP32 masters, the flat AdamW, CUDA layer graphs, per trainer.param_dtype and trainer.cuda_graphs), and the
-    # ranks SUM-all-reduce their FP32 gradients once per step (one message per decoder layer); needs the model's
-    # ~18 bytes per parameter on every GPU (1.5B: ~29 GiB), so not for 7B on 80 GB. At 1.5B on 2 x H200 the
-    # RL step's training took 1.45 s under fsdp and <see docs> under replicate (docs/performance.md, "Two
-    # GPUs"). "auto": fsdp on GPUs, replicate on CPU (gloo; what CPU runs of several workers always did).
+    # ranks SUM-all-reduce their FP32 gradients once per step (one message per decoder layer); ~19 bytes per
+    # parameter on every GPU (1.5B: ~27 GiB). At 1.5B on 2 x H200 the RL step's training took 0.78 s as
+    # replicas, 1.87 s under fsdp, 1.50 s on one GPU (docs/performance.md, "Two GPUs", session 44). "auto":
+    # replicate on GPUs when that state is <= 40 GiB (up to ~2.2B parameters, counted from config.json),
+    # fsdp above; replicas on CPU (gloo). One worker ignores it (trainer.fsdp_param_dtype asks for one-rank FSDP2).
     data_parallel: Literal["auto", "fsdp", "replicate"] = "auto"
     # Torch backend without FSDP: the dtype of the model's own parameters, what forwards compute with.
     # "bfloat16": a BF16 model (BF16 residual stream and norms, as the rollout engine) with FP32 master weights
@@ -149,7 +150,8 @@ class TrainerConfig(_Config):
     # FLOP), padded elsewhere (CPU: the block-diagonal mask costs more than the padding it saves); true:
     # packed everywhere (the mask on CPU); false: padded.
     pack_sequences: bool | Literal["auto"] = "auto"
-    # Torch backend on one CUDA GPU: replay each decoder layer's forward and backward from CUDA graphs when
+    # Torch backend on a CUDA GPU per rank, without FSDP (one worker, or trainer.data_parallel replicas): replay
+    # each decoder layer's forward and backward from CUDA graphs when
     # training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
     # micro-batch shape (at most 64 training and 64 forward-only; others run eagerly); micro-batches, and
     # packed rows, are right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling,
@@ -158,8 +160,8 @@ class TrainerConfig(_Config):
     # 3.6x (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved
     # between steps: the largest shape's working memory, two activations per layer for training and three
     # for forward-only graphs, all shared by every shape. Under true_on_policy the graphs replay its
-    # invariant walk's layers (log-probs stay bit-equal to the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (one CUDA GPU,
-    # neither of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
+    # invariant walk's layers (log-probs stay bit-equal to the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (a CUDA GPU per
+    # rank, neither of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
     # looks enough; true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # Torch backend: RMSNorm and the SwiGLU MLP activation run as one Triton kernel each way

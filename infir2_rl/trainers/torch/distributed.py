@@ -1,14 +1,20 @@
 """Data parallelism for the torch trainer: process group setup, gradient all-reduce, FSDP2.
 
-Two ways to keep data-parallel replicas in step, chosen by device:
+Two ways to keep data-parallel ranks in step (`trainer.data_parallel`, resolved by `resolve_data_parallel`):
 
-* CPU (gloo): every rank holds the full model; after backward the gradients are SUM-all-reduced.
-  SUM, not mean: each rank already scales its micro-batch losses by num_units / total_units of the
-  *global* batch, so the sum over ranks is exactly the gradient of the global-batch mean.
-* CUDA (nccl), world size > 1: FSDP2 `fully_shard` on each decoder layer and the root. FSDP2's
-  reduce-scatter averages over ranks, so the trainer multiplies the loss by world_size to undo it.
-  Every all-gather is a collective: all ranks must run the same number of forwards, which the
-  trainer guarantees by padding the shorter ranks with zero-weight dummy micro-batches.
+* Replicas (`replicate`; always on CPU over gloo): every rank holds the full model and runs the one-GPU path
+  (on a GPU: a BF16 model with FP32 masters, the flat AdamW, CUDA layer graphs); after backward the
+  gradients are SUM-all-reduced (with masters: each segment's FP32 gradient buffer in place,
+  `MasterWeights.all_reduce_grads`). SUM, not mean: each rank already scales its micro-batch losses by
+  num_units / total_units of the *global* batch, so the sum over ranks is exactly the gradient of the
+  global-batch mean; every rank gets the same sums, so the replicas stay bit-equal.
+* FSDP2 (`fsdp`): `fully_shard` on each decoder layer and the root. FSDP2's reduce-scatter averages over
+  ranks, so the trainer multiplies the loss by world_size to undo it. Every all-gather is a collective: all
+  ranks must run the same number of forwards, which the trainer guarantees by padding the shorter ranks
+  with zero-weight dummy micro-batches. Any model size, but each rank runs eagerly on FP32 parameters.
+  `auto` on GPUs takes replicas when a model's trainer state fits one GPU comfortably (`REPLICA_MAX_BYTES`):
+  at 1.5B on 2 x H200 the RL step's training took 0.78 s as replicas, 1.87 s under FSDP2 and 1.50 s on
+  one GPU (docs/performance.md, "Two GPUs", session 44).
 
 What FSDP2 gathers (`trainer.fsdp_param_dtype`, resolved by `resolve_fsdp_param_dtype`): the sharded
 parameters are always the FP32 masters (AdamW and its moments stay FP32). With `bfloat16` (`auto` on a GPU
@@ -44,6 +50,41 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 # A rank that waits longer than this on a collective is reported as hung instead of waiting forever.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+# trainer.data_parallel=auto on GPUs: replicas when each GPU's trainer state is at most REPLICA_MAX_BYTES, at
+# REPLICA_BYTES_PER_PARAM: BF16 model 2, FP32 masters 4, FP32 gradients 4, AdamW moments 8, kept FP8 weights
+# ~1 (1.5B: ~27 GiB, 29.2 GiB measured at its training peak; 3B and up: FSDP2). Activations, CUDA graphs
+# and a colocated engine need the rest of an 80 GB GPU.
+REPLICA_BYTES_PER_PARAM = 19
+REPLICA_MAX_BYTES = 40 << 30
+
+
+def count_parameters(model_path: str) -> int:
+    """The model's parameter count, from its config.json alone (built on the meta device: no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def resolve_data_parallel(
+    setting: str, num_workers: int, use_gpu: bool, num_params: int | None = None
+) -> bool | None:
+    """``trainer.data_parallel`` -> the ``fsdp`` flag of a group of ``num_workers`` ranks: True shards with
+    FSDP2, False keeps replicas, None leaves it to the worker (one worker; or CPU, where it keeps replicas).
+    ``auto`` on GPUs needs ``num_params``: replicas when their state fits ``REPLICA_MAX_BYTES``."""
+    if num_workers < 2:
+        return None
+    if setting != "auto":
+        return setting == "fsdp"
+    if not use_gpu:
+        return None
+    if num_params is None:
+        raise ValueError("trainer.data_parallel=auto on GPUs needs the model's parameter count")
+    return num_params * REPLICA_BYTES_PER_PARAM > REPLICA_MAX_BYTES
 
 
 def free_port() -> int:
