@@ -74,7 +74,12 @@ class TrainerGroup:
                 f"trainer.num_workers={self.num_workers}: the placement plan has {slots} trainer slots"
             )
         if fsdp is None and cfg.trainer.backend == "torch":
-            fsdp = self._data_parallel(cfg, placement.plan.use_gpu)
+            from infir2_rl.trainers.torch import distributed as D
+
+            fsdp = D.resolve_data_parallel(
+                cfg.trainer.data_parallel, self.num_workers, placement.plan.use_gpu,
+                lambda: D.count_parameters(cfg.model.path),
+            )  # fmt: skip
         elif fsdp is None and placement.plan.use_gpu and self.num_workers > 1:
             fsdp = True  # megatron: collective export (its ranks hold shards)
         self.fsdp = fsdp
@@ -125,24 +130,6 @@ class TrainerGroup:
             self.num_workers, sorted(set(devices)), fsdp, self.pack_sequences,
             self.trainer_cfg.sorts_rows, self.pads_to_buckets,
         )  # fmt: skip
-
-    def _data_parallel(self, cfg: SftStageConfig | RlStageConfig, use_gpu: bool) -> bool | None:
-        """trainer.data_parallel as the ``fsdp`` flag (``distributed.resolve_data_parallel``); the choice of
-        ``auto`` on GPUs is logged with the numbers it was made on."""
-        from infir2_rl.trainers.torch import distributed as D
-
-        setting, count = cfg.trainer.data_parallel, None
-        if setting == "auto" and use_gpu and self.num_workers > 1:
-            count = D.count_parameters(cfg.model.path)
-        fsdp = D.resolve_data_parallel(setting, self.num_workers, use_gpu, count)
-        if count is not None:
-            state = count * D.REPLICA_BYTES_PER_PARAM / 2**30
-            log.info(
-                "trainer.data_parallel=auto: %s (%.2fB parameters, ~%.0f GiB of trainer state per replica, %s %.0f)",
-                "fsdp" if fsdp else "replicate", count / 1e9, state, ">" if fsdp else "<=",
-                D.REPLICA_MAX_BYTES / 2**30,
-            )  # fmt: skip
-        return fsdp
 
     # ------------------------------------------------------------------ fan-out helpers
     def _all(self, method: str, *args: Any) -> list[Any]:

@@ -12,9 +12,8 @@ Two ways to keep data-parallel ranks in step (`trainer.data_parallel`, resolved 
   ranks, so the trainer multiplies the loss by world_size to undo it. Every all-gather is a collective: all
   ranks must run the same number of forwards, which the trainer guarantees by padding the shorter ranks
   with zero-weight dummy micro-batches. Any model size, but each rank runs eagerly on FP32 parameters.
-  `auto` on GPUs takes replicas when a model's trainer state fits one GPU comfortably (`REPLICA_MAX_BYTES`):
-  at 1.5B on 2 x H200 the RL step's training took 0.78 s as replicas, 1.87 s under FSDP2 and 1.50 s on
-  one GPU (docs/performance.md, "Two GPUs", session 44).
+  `auto` on GPUs takes replicas when a model's trainer state fits one GPU comfortably (`REPLICA_MAX_BYTES`;
+  why and what it measured: the `trainer.data_parallel` comment in config/components.py).
 
 What FSDP2 gathers (`trainer.fsdp_param_dtype`, resolved by `resolve_fsdp_param_dtype`): the sharded
 parameters are always the FP32 masters (AdamW and its moments stay FP32). With `bfloat16` (`auto` on a GPU
@@ -39,8 +38,9 @@ for 38% (FP8) and 17% (BF16) more step time (docs/mismatch.md, source 1).
 
 from __future__ import annotations
 
+import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -50,6 +50,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 # A rank that waits longer than this on a collective is reported as hung instead of waiting forever.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+log = logging.getLogger(__name__)
 
 
 # trainer.data_parallel=auto on GPUs: replicas when each GPU's trainer state is at most REPLICA_MAX_BYTES, at
@@ -71,20 +72,26 @@ def count_parameters(model_path: str) -> int:
 
 
 def resolve_data_parallel(
-    setting: str, num_workers: int, use_gpu: bool, num_params: int | None = None
+    setting: str, num_workers: int, use_gpu: bool, num_params: Callable[[], int]
 ) -> bool | None:
     """``trainer.data_parallel`` -> the ``fsdp`` flag of a group of ``num_workers`` ranks: True shards with
     FSDP2, False keeps replicas, None leaves it to the worker (one worker; or CPU, where it keeps replicas).
-    ``auto`` on GPUs needs ``num_params``: replicas when their state fits ``REPLICA_MAX_BYTES``."""
+    ``auto`` on GPUs calls ``num_params`` (``count_parameters``) and keeps replicas when their state fits
+    ``REPLICA_MAX_BYTES``; the choice is logged with the numbers it was made on."""
     if num_workers < 2:
         return None
     if setting != "auto":
         return setting == "fsdp"
     if not use_gpu:
         return None
-    if num_params is None:
-        raise ValueError("trainer.data_parallel=auto on GPUs needs the model's parameter count")
-    return num_params * REPLICA_BYTES_PER_PARAM > REPLICA_MAX_BYTES
+    count = num_params()
+    fsdp = count * REPLICA_BYTES_PER_PARAM > REPLICA_MAX_BYTES
+    log.info(
+        "trainer.data_parallel=auto: %s (%.2fB parameters, ~%.0f GiB of trainer state per replica, %s %.0f)",
+        "fsdp" if fsdp else "replicate", count / 1e9, count * REPLICA_BYTES_PER_PARAM / 2**30,
+        ">" if fsdp else "<=", REPLICA_MAX_BYTES / 2**30,
+    )  # fmt: skip
+    return fsdp
 
 
 def free_port() -> int:
