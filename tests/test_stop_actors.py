@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from infir2_rl.actors.remote import stop_actors
+from infir2_rl.actors.remote import gather, stop_actors
 
 
 @ray.remote(num_cpus=0)
@@ -20,6 +20,14 @@ class _Sleeper:
 
     def sleep(self, s: float) -> None:
         time.sleep(s)
+
+    def fail_after(self, s: float) -> None:
+        time.sleep(s)
+        raise RuntimeError("Read error: the peer closed the connection")
+
+    def die_after(self, s: float) -> None:
+        time.sleep(s)
+        os._exit(1)
 
 
 def _dead(actor: object) -> bool:
@@ -44,3 +52,20 @@ def test_idle_actors_exit_and_busy_ones_are_killed_after_the_timeout() -> None:
     stop_actors([_Sleeper.remote()], timeout_s=30.0)  # type: ignore[attr-defined]
     assert time.perf_counter() - start < 25  # an idle actor does not wait out the timeout
     stop_actors([])
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_gather_raises_a_ranks_death_over_the_error_it_caused_in_a_peer() -> None:
+    """Rank 0 fails first (what a gloo peer of a killed rank sees), rank 1's actor dies after: ``ray.get``
+    raises rank 0's error; ``gather`` the death, chained to that error."""
+    ranks = [_Sleeper.remote(), _Sleeper.remote()]  # type: ignore[attr-defined]
+    ray.get([r.ping.remote() for r in ranks])
+    with pytest.raises(ray.exceptions.RayTaskError, match="Read error"):
+        ray.get([ranks[0].fail_after.remote(0.0), ranks[1].die_after.remote(1.0)])
+    ranks[1] = _Sleeper.remote()  # type: ignore[attr-defined]
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        gather([ranks[0].fail_after.remote(0.0), ranks[1].die_after.remote(1.0)])
+    assert "Read error" in str(died.value.__cause__)
+    assert gather([r.ping.remote() for r in [_Sleeper.remote(), _Sleeper.remote()]])  # type: ignore[attr-defined]
+    with pytest.raises(ray.exceptions.RayTaskError, match="Read error"):  # no death: the failure itself
+        gather([ranks[0].fail_after.remote(0.0), ranks[0].ping.remote()], grace_s=1.0)

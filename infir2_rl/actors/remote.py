@@ -6,6 +6,7 @@ Ray handles get ``handle.method.remote(*args)`` and all refs are fetched with on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,35 @@ def call_all(calls: Sequence[Call], timeout_s: float | None = None) -> list[Any]
             args = tuple(_resolve(a) for a in call.args)
             results[i] = getattr(call.target, call.method)(*args)
     return results
+
+
+# How long ``gather`` waits, after a call failed, for the other calls to show whether one of their actors died.
+DEATH_GRACE_S = 10.0
+
+
+def gather(refs: Sequence[Any], grace_s: float = DEATH_GRACE_S) -> list[Any]:
+    """``ray.get(refs)`` of calls to the ranks of one group, except that when a call fails and another call's
+    actor died, the death is raised (chained to the first failure). A rank killed inside a collective makes its
+    peers fail as well, often first (gloo "Read error", a closed connection), and ``ray.get`` raises the first
+    failure it sees; only the death names the cause, which ``errors.describe`` turns into "<actor> died ...
+    rerun the same command to resume" (seen under load: the surviving rank's gloo error surfaced instead)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return list(ray.get(list(refs)))
+    except RayActorError:
+        raise
+    except Exception as first:
+        deadline = time.monotonic() + grace_s
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except RayActorError as death:
+                raise death from first
+            except Exception:  # this call's own failure, or still running at the deadline
+                continue
+        raise
 
 
 def _resolve(value: Any) -> Any:

@@ -1,6 +1,7 @@
 """TrainerGroup: N TrainerWorker actors in one placement group, driven as one data-parallel trainer.
 
-Every call fans out to all ranks and is gathered with a single `ray.get`. A global batch is cut into
+Every call fans out to all ranks and is gathered with a single `ray.get` (`remote.gather`: a rank's death wins over
+the errors it caused in its peers). A global batch is cut into
 contiguous row shards, one per rank, and each shard into micro-batches (microbatch.py); the loss
 weights use the global unit count, so the result does not depend on the number of ranks.
 
@@ -27,7 +28,7 @@ import ray
 from torch import Tensor
 
 from infir2_rl.actors.placement import Placement, reserve_for
-from infir2_rl.actors.remote import stop_actors
+from infir2_rl.actors.remote import gather, stop_actors
 from infir2_rl.actors.trainer_worker import TrainerSpec, TrainerWorker, unpack_tensors
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
@@ -133,10 +134,10 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ fan-out helpers
     def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return gather([getattr(w, method).remote(*args) for w in self.workers])
 
     def _per_rank(self, method: str, per_rank_args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args)])
+        return gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args)])
 
     def _rows(self, batch: TokenBatch) -> list[list[int]]:
         """Each model replica's row indices (``microbatch.shard_rows``: by length under trainer.sort_by_length
