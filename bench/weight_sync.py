@@ -1,7 +1,7 @@
 """Weight sync with trainer and engine colocated on one GPU: object store vs CUDA IPC, Qwen2.5-1.5B shape.
 
     python bench/weight_sync.py [--reps 7] [--warmup 2] [--bucket-mb 512] [--precisions unified_fp8 bf16]
-                                [--requantize] [--phases] [--out PATH] [--tiny]
+                                [--requantize] [--plans on off] [--phases] [--out PATH] [--tiny]
 
 What is timed. A trainer actor (``TrainerGroup``: FP32 master weights, FP8 decoder linears) and a native
 FP8 engine actor (``create_engines``: W8A8 linears, BF16 elsewhere) share one GPU bundle exactly as the RL
@@ -24,7 +24,9 @@ pushes, both transports in one process on the same actors; ratios are against th
 cast + push with cuda_ipc, i.e. its whole sync, <= 100 ms. ``--tiny``: the tiny preset on CPU, object
 store only (checks the script in a minute). ``--phases``: then --reps more pushes with the self-check on,
 each phase's host time summed inside the driver, the trainer and the engine (``TRAINER_PHASES`` etc.: the
-functions are wrapped with timers in each process), printed per push.
+functions are wrapped with timers in each process), printed per push. ``--plans on off``: the cuda_ipc rows
+twice, with the copy plans (``weight_sync/copy_plan.py``: one launch per side once the layout is known) and
+without them (tensor by tensor, the code before session 45), in the same process.
 
 ``--precisions unified_fp8 bf16`` runs the whole measurement once per RL ``precision`` in one process, one after
 the other (actors of one precision are shut down before the next start): ``bf16`` is a BF16 trainer pushing
@@ -80,21 +82,24 @@ def _time_cast(worker: Any, fp8: bool = True, requantize: bool = False) -> float
 
 
 # --phases: functions timed inside each actor, (module, attribute) or (module, class.method); every call's host
-# seconds are summed per name. share_buckets and WeightReceiver.load end in a stream synchronize, so their
+# seconds are summed per name. IpcExporter.share and WeightReceiver.load end in a stream synchronize, so their
 # totals include the GPU copies they queued.
 TRAINER_PHASES = [
-    ("infir2_rl.actors.trainer_worker", "build_buckets"),  # walks the export (FP8: reads the kept weights)
-    ("infir2_rl.actors.trainer_worker", "share_buckets"),  # flatten into one buffer + IPC handle + sync
-    ("infir2_rl.weight_sync.transport", "flatten"),  # views (unflatten) + the copies into the buffer
-    ("infir2_rl.weight_sync.transport", "unflatten"),
+    ("infir2_rl.weight_sync.transport", "IpcExporter.share"),  # buffer, copies, IPC handle, sync
+    ("infir2_rl.weight_sync.transport", "build_buckets"),  # (no plan yet) bucket the export
+    ("infir2_rl.weight_sync.transport", "flatten"),  # (no plan yet) views + the copies into the buffer
+    ("infir2_rl.weight_sync.copy_plan", "CopyPlan.matches"),  # the plan's check of the exported tensors
+    ("infir2_rl.weight_sync.copy_plan", "CopyPlan.run"),  # the one launch (both sides)
     ("infir2_rl.actors.trainer_worker", "digests"),  # the self-check's sent side
 ]
 ENGINE_PHASES = [
-    ("infir2_rl.weight_sync.receiver", "WeightReceiver.load"),  # outer call: open + check + copy + sync
-    ("infir2_rl.weight_sync.receiver", "open_ipc_bucket"),
-    ("infir2_rl.weight_sync.transport", "unflatten"),  # views of the mapped buffer
-    ("infir2_rl.weight_sync.receiver", "WeightReceiver._load_one"),
-    ("infir2_rl.weight_sync.receiver", "copy_pairs"),
+    ("infir2_rl.weight_sync.receiver", "WeightReceiver.load"),  # outer call: map + check + copy + sync
+    ("infir2_rl.weight_sync.receiver", "map_ipc_buffer"),
+    ("infir2_rl.weight_sync.receiver", "open_ipc_bucket"),  # (no plan yet) map + views
+    ("infir2_rl.weight_sync.receiver", "WeightReceiver._load_one"),  # (no plan yet) checks per tensor
+    ("infir2_rl.weight_sync.receiver", "copy_pairs"),  # (no plan yet)
+    ("infir2_rl.weight_sync.copy_plan", "CopyPlan.matches"),
+    ("infir2_rl.weight_sync.copy_plan", "CopyPlan.run"),
     ("infir2_rl.weight_sync.receiver", "digests"),  # the self-check's held side
 ]
 
@@ -206,6 +211,19 @@ def _phases(
     return out
 
 
+def _use_plans(actor: Any, enabled: bool) -> None:
+    """Runs in the trainer or engine actor: copy plans on or off (``--plans``), forgetting the ones made."""
+    from infir2_rl.weight_sync import copy_plan
+    from infir2_rl.weight_sync.transport import IpcExporter
+
+    copy_plan.ENABLED = enabled
+    if hasattr(actor, "_ipc"):  # TrainerWorker
+        actor._ipc = IpcExporter()
+    receiver = getattr(getattr(actor, "backend", None), "_receiver", None)  # RolloutEngine of a native engine
+    if receiver is not None:
+        receiver._ipc_plan = None
+
+
 def _profile_export(worker: Any, fp8: bool, requantize: bool, reps: int = 5) -> str:
     """Runs in the trainer actor: cProfile of ``reps`` exports as a cuda_ipc push makes them (the export walk,
     the buckets and the shared buffer), the top functions by their own time."""
@@ -213,14 +231,15 @@ def _profile_export(worker: Any, fp8: bool, requantize: bool, reps: int = 5) -> 
     import io
     import pstats
 
-    from infir2_rl.weight_sync.buckets import build_buckets
-    from infir2_rl.weight_sync.transport import ONE_BUFFER, share_buckets
+    from infir2_rl.weight_sync.transport import ONE_BUFFER, IpcExporter
 
     profile = cProfile.Profile()
+    exporter = IpcExporter()
+    exporter.share(list(worker.backend.export_weights(fp8)), ONE_BUFFER, 0)  # plans the pushes below
     for _ in range(reps):
         _step_boundary(worker, requantize)
         profile.enable()
-        held = share_buckets(build_buckets(worker.backend.export_weights(fp8), ONE_BUFFER, 0, device=None))
+        held = exporter.share(list(worker.backend.export_weights(fp8)), ONE_BUFFER, 0)
         profile.disable()
         del held
     out = io.StringIO()
@@ -248,9 +267,12 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
     ipc_sizes = args.ipc_bucket_mb or [args.bucket_mb]
     runs = [("object_store", "object_store", args.bucket_mb)] if "object_store" in args.transports else []
     if gpu and "cuda_ipc" in args.transports:
-        runs += [
-            ("cuda_ipc" if i == 0 else f"cuda_ipc@{mb}", "cuda_ipc", mb) for i, mb in enumerate(ipc_sizes)
-        ]
+        for plans in args.plans:
+            suffix = "" if plans == "on" else " no-plan"
+            runs += [
+                (("cuda_ipc" if i == 0 else f"cuda_ipc@{mb}") + suffix, "cuda_ipc", mb)
+                for i, mb in enumerate(ipc_sizes)
+            ]
     path = model_dir(args.tiny)
     ray.init(
         num_cpus=None if gpu else 2, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False
@@ -293,6 +315,8 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
         results["cast_ms"] = summary(casts[args.warmup :])
         versions = itertools.count(1)
         for result_key, transport, bucket_mb in runs:
+            plans = not result_key.endswith("no-plan")
+            ray.get([a.__ray_call__.remote(_use_plans, plans) for a in (worker, *engines)])
             row: dict[str, Any] = {}
             for check_layers, key in ((0, "sync"), (2, "check")):
                 c = cfg(transport, check_layers, bucket_mb)
@@ -324,6 +348,7 @@ def run(args: argparse.Namespace, precision: str = "unified_fp8") -> dict[str, A
                 f"# {precision}: cProfile of 5 exports in the trainer (export walk, buckets, IPC buffer)\n{text}"
             )
         if args.phases:
+            ray.get([a.__ray_call__.remote(_use_plans, True) for a in (worker, *engines)])
             results["phases_ms"] = _phases(args, engines, trainer, worker, cfg, fp8, versions)
     finally:
         for e in engines:
@@ -393,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         "--requantize", action="store_true",
         help="forget the FP8 weights before every export, so it quantizes them (the RL step's export reads the"
         " flat AdamW's kept ones: the default here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--plans", nargs="+", choices=["on", "off"], default=["on"],
+        help="cuda_ipc with the copy plans of weight_sync/copy_plan.py (on) and without (off: tensor by tensor)",
     )  # fmt: skip
     parser.add_argument(
         "--phases", action="store_true",

@@ -25,11 +25,13 @@ from infir2_rl.models.factory import init_model, load_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import StaleWeightsError
 from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.copy_plan import CopyPlan, _rows
 from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.service import WeightSyncService, make_transport, same_bytes
 from infir2_rl.weight_sync.transport import (
     ONE_BUFFER,
     CudaIpcTransport,
+    HeldBuffer,
     IpcBucket,
     ObjectStoreTransport,
     TensorSource,
@@ -120,6 +122,86 @@ def test_flat_buffer_round_trip_keeps_every_byte_dtype_and_shape() -> None:
     assert all(same_bytes(a, b) for a, b in zip(tensors, unflatten(inside, layout)))
     with pytest.raises(ValueError, match="outside"):
         unflatten(flat[:256], layout)
+
+
+def test_copy_plan_describes_tensors_as_rows_apart_or_refuses() -> None:
+    grid = torch.zeros(5, 8)[:, :3]  # an engine's FP8 scale grid: rows padded apart
+    assert _rows(grid) == (5, 3, 8)
+    assert _rows(torch.zeros(4, 6)) == (1, 24, 24)  # contiguous: one row
+    assert _rows(torch.zeros(1, 6)[:, :2]) == (1, 2, 2)  # a single row, whatever its stride
+    assert _rows(torch.zeros(10)[::2]) == (5, 1, 2)  # 1-D with a stride: rows of one element
+    assert _rows(torch.tensor(1.0)) == (1, 1, 1)
+    assert _rows(torch.zeros(2, 3, 4)[:, :, :2]) is None  # the last dim is not contiguous
+    assert _rows(torch.zeros(4, 6).t()) is None
+
+
+def test_copy_plan_is_only_made_for_gpu_tensors_copied_as_they_are() -> None:
+    cpu = [torch.zeros(4), torch.zeros(3, 2)]
+    assert CopyPlan.build(cpu, [0, 256], ["torch.float32", "torch.float32"]) is None
+
+
+def test_held_buffer_views_only_the_tensors_asked_for() -> None:
+    tensors = [
+        torch.randn(3, 4),
+        torch.randn(5, dtype=torch.bfloat16),
+        torch.randn(2, 2).to(torch.float8_e4m3fn),
+    ]
+    flat, _, layout = flatten(tensors)
+    held = HeldBuffer(["a", "b", "c"], flat, layout)
+    got = held.tensors(["c", "a"])
+    assert sorted(got) == ["a", "c"]
+    assert same_bytes(tensors[0], got["a"]) and same_bytes(tensors[2], got["c"])
+    assert got["a"].untyped_storage().data_ptr() == flat.data_ptr()
+
+
+def _plan_cases(device: str) -> list[Tensor]:
+    """Tensors of every kind a push carries, plus the odd ones: a scale grid with rows apart, an odd byte
+    count, an empty tensor, a 0-dim one, one large enough for several 64 KiB programs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    grid = torch.randn(6, 16, generator=gen, device=device)[:, :5]
+    return [
+        torch.randn(384, 256, generator=gen, device=device).to(torch.float8_e4m3fn),
+        grid,
+        torch.randn(300, generator=gen, device=device).to(torch.bfloat16),
+        torch.randint(0, 255, (77,), generator=gen, device=device, dtype=torch.uint8),
+        torch.empty(0, 4, device=device),
+        torch.tensor(2.5, device=device),
+        torch.randn(1 << 18, generator=gen, device=device),
+    ]
+
+
+@gpu
+def test_copy_plan_moves_every_byte_both_ways_in_one_launch() -> None:
+    sources = _plan_cases("cuda")
+    expected, _, layout = flatten(sources)
+    offsets, dtypes = [o for _, _, o in layout], [d for d, _, _ in layout]
+    plan = CopyPlan.build(sources, offsets, dtypes)
+    assert plan is not None and plan.word == torch.uint8  # the 77-byte tensor forces 1-byte words
+    flat = torch.zeros_like(expected)
+    plan.run(flat, to_flat=True)
+    torch.cuda.synchronize()
+    for a, b in zip(unflatten(flat, layout), unflatten(expected, layout)):
+        assert same_bytes(a, b)
+    # Out of the buffer into targets laid out like the sources (the grid's rows apart), nothing else touched.
+    targets = [torch.zeros_like(t) for t in sources]
+    targets[1] = torch.zeros(6, 16, device="cuda")[:, :5]  # rows apart, as the source grid's
+    back = CopyPlan.build(targets, offsets, dtypes)
+    assert back is not None and back.matches(targets) and not back.matches(sources)
+    back.run(expected, to_flat=False)
+    torch.cuda.synchronize()
+    assert all(same_bytes(s, t) for s, t in zip(sources, targets))
+    assert not targets[1]._base[:, 5:].any()  # type: ignore[index]  # the padding between rows
+    # Words of 8 bytes where every address, row and stride allows (the push's own tensors)
+    wide = [sources[0], sources[6], torch.zeros(4, 64, device="cuda")[:, :32]]
+    flat_w, _, layout_w = flatten(wide)
+    plan_w = CopyPlan.build(wide, [o for _, _, o in layout_w], [d for d, _, _ in layout_w])
+    assert plan_w is not None and plan_w.word == torch.int64
+    out = torch.zeros_like(flat_w)
+    plan_w.run(out, to_flat=True)
+    assert torch.equal(out, flat_w)
+    # A cast or a tensor replaced: no plan / no match.
+    assert CopyPlan.build([sources[0].float()], [0], [dtypes[0]]) is None
+    assert not plan.matches([t.clone() for t in sources])
 
 
 def test_copy_pairs_copies_every_pair_across_dtypes() -> None:
@@ -280,6 +362,58 @@ def test_ipc_push_from_this_process_into_an_engine_actor(ray_gpu: Any, model_dir
         WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc")).push(state, version=1)
     assert ray.get(engine.health.remote()).weight_version == 2
     _assert_engine_holds(ray, engine, dict(state2))
+    ray.kill(engine)
+
+
+def _planned_ref(engine: Any) -> Any:
+    """Whether the engine actor's receiver holds a copy plan (an ObjectRef of a bool)."""
+    return engine.__ray_call__.remote(lambda e: e._receiver._ipc_plan is not None)
+
+
+@gpu
+def test_pushes_of_one_layout_take_the_copy_plan_on_both_sides(ray_gpu: Any, model_dir: Path) -> None:
+    """A second push of the same tensors (updated in place, as a trainer does) is copied by the plans of the
+    first on both sides; every byte lands; a replaced engine tensor makes the engine load tensor by tensor again
+    (and re-plan); the version rule holds on the planned path."""
+    ray = ray_gpu
+    engine = _engine_actor(ray, model_dir)
+    state = _state(model_dir, seed=1, device="cuda", dtype=torch.bfloat16)
+    source = TensorSource(state)
+    service = WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc", self_check_layers=2))
+    service.push_from(source, fp8=True, version=1)  # tensor by tensor; plans the next push
+    assert source._ipc._plan is not None and ray.get(_planned_ref(engine))
+    with torch.no_grad():
+        for (_, t), (_, t2) in zip(state, _state(model_dir, seed=2, device="cuda", dtype=torch.bfloat16)):
+            t.copy_(t2)  # new values at the same addresses
+    plan = source._ipc._plan
+    service.push_from(source, fp8=True, version=2)
+    assert source._ipc._plan is plan  # reused, not rebuilt
+    _assert_engine_holds(ray, engine, dict(state))
+
+    # The engine's tensor of one name replaced: that push loads tensor by tensor, and plans again.
+    name = next(n for n, t in state if t.dtype == torch.float8_e4m3fn)
+    prefix = name.rpartition(".")[0]
+
+    def replace(e: Any, prefix: str = prefix) -> None:
+        module = e._receiver.model.get_submodule(prefix)
+        module._buffers["weight"] = module._buffers["weight"].clone()
+
+    ray.get(engine.__ray_call__.remote(replace))
+    with torch.no_grad():
+        for _, t in state:
+            if t.dtype == torch.bfloat16:
+                t.mul_(2)
+    service.push_from(source, fp8=True, version=3)
+    _assert_engine_holds(ray, engine, dict(state))
+    assert ray.get(_planned_ref(engine))
+
+    # A stale push is refused on the planned path too, and changes nothing.
+    with pytest.raises(StaleWeightsError):
+        WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc")).push_from(
+            source, fp8=True, version=2
+        )
+    assert ray.get(engine.health.remote()).weight_version == 3
+    _assert_engine_holds(ray, engine, dict(state))
     ray.kill(engine)
 
 

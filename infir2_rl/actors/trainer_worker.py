@@ -28,9 +28,8 @@ from infir2_rl.metrics import names
 from infir2_rl.trainers.torch.distributed import free_port, init_process_group
 from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
-from infir2_rl.weight_sync.buckets import build_buckets
 from infir2_rl.weight_sync.digest import Digest, digests
-from infir2_rl.weight_sync.transport import IpcBucket, share_buckets
+from infir2_rl.weight_sync.transport import HeldBuffer, IpcBucket, IpcExporter, held_tensors
 
 if TYPE_CHECKING:
     from infir2_rl.trainers.megatron.trainer import MegatronTrainer
@@ -110,7 +109,8 @@ class TrainerWorker:
             torch.set_num_threads(spec.torch_threads)
         self._backend: TorchTrainer | MegatronTrainer | None = None
         # The last cuda_ipc export: views of GPU buffers engines may still read (see export_ipc_buckets).
-        self._export: list[WeightBucket] = []
+        self._export: list[WeightBucket | HeldBuffer] = []
+        self._ipc = IpcExporter()  # cuda_ipc: the last push's layout and copy plan
         # weight_sync.transport=nccl: the weight group (rank 0) and the flat buffers of the push in flight.
         self._broadcast = BroadcastExport()
 
@@ -217,13 +217,12 @@ class TrainerWorker:
         until `release_export`. Called on every rank: under FSDP the export is collective, and each rank
         serves the engine on its GPU."""
         self._export = []  # free the previous export before building the next one
-        local = build_buckets(self.backend.export_weights(fp8), max_bytes, version, device=None)
-        shared, self._export = share_buckets(local)
+        shared, held = self._ipc.share(list(self.backend.export_weights(fp8)), max_bytes, version)
+        self._export = list(held)
         return shared
 
     def _held(self, names: Iterable[str]) -> dict[str, Tensor]:
-        wanted = set(names)
-        return {n: t for b in self._export for n, t in zip(b.names, b.tensors) if n in wanted}
+        return held_tensors(self._export, names)
 
     def read_export(self, names: Sequence[str]) -> TensorMap:
         """CPU copies of tensors of the held export (the bytes the engines were sent; tests and tools)."""
@@ -250,7 +249,7 @@ class TrainerWorker:
         metas = self._broadcast.export(
             self.backend.export_weights(fp8), max_bytes, version, keep=self.rank == 0
         )
-        self._export = self._broadcast.held
+        self._export = list(self._broadcast.held)
         return metas
 
     def broadcast_bucket(self, index: int, timeout_s: float) -> None:

@@ -31,9 +31,10 @@ from infir2_rl.fp8.quant import FP8_DTYPE
 from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
 from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_bucket
 from infir2_rl.weight_sync.buckets import copy_pairs
+from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.group import WeightGroup
-from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
+from infir2_rl.weight_sync.transport import IpcBucket, map_ipc_buffer, open_ipc_bucket
 
 
 class VersionGate:
@@ -43,7 +44,7 @@ class VersionGate:
         self.version = version
         self.pending: int | None = None
 
-    def admit(self, bucket: WeightBucket) -> bool:
+    def admit(self, bucket: WeightBucket | IpcBucket) -> bool:
         """Check ``bucket`` against the rule; True when it opens a new push."""
         if bucket.version < self.version or (self.pending is not None and bucket.version < self.pending):
             loading = f" and is loading {self.pending}" if self.pending is not None else ""
@@ -54,7 +55,7 @@ class VersionGate:
         self.pending = bucket.version
         return opens
 
-    def commit(self, bucket: WeightBucket) -> None:
+    def commit(self, bucket: WeightBucket | IpcBucket) -> None:
         if bucket.is_last:
             self.version, self.pending = bucket.version, None
 
@@ -75,6 +76,10 @@ class WeightReceiver:
             module = model.get_submodule(prefix)
             self._slots[name] = (module, leaf, leaf in module._parameters)
         self._halves: dict[str, dict[str, Tensor]] = {}
+        # weight_sync.transport=cuda_ipc: the last push's names, layout and copy plan (``_load_ipc``).
+        self._ipc_plan: CopyPlan | None = None
+        self._ipc_names: list[str] = []
+        self._ipc_layout: list[tuple[str, tuple[int, ...], int]] = []
         # weight_sync.transport=nccl: this engine's membership of the trainer's weight group.
         self.group: WeightGroup | None = None
 
@@ -121,10 +126,7 @@ class WeightReceiver:
 
     def load(self, bucket: WeightBucket | IpcBucket) -> None:
         if isinstance(bucket, IpcBucket):
-            device = self._device()
-            self.load(open_ipc_bucket(bucket, device))
-            # The trainer may free or overwrite its tensors once this returns: the copies must be done.
-            torch.cuda.current_stream(device).synchronize()
+            self._load_ipc(bucket)
             return
         if len(bucket.names) != len(bucket.tensors):
             raise ValueError(
@@ -145,6 +147,40 @@ class WeightReceiver:
                 f"push of version {bucket.version} ended with FP8 linears missing a half: {sorted(self._halves)}"
             )
         self.gate.commit(bucket)
+
+    def _load_ipc(self, bucket: IpcBucket) -> None:
+        """Load a bucket from the trainer's GPU buffer: by the last push's copy plan when this push has its
+        names, layout and destinations (``copy_plan.CopyPlan``: one launch, nothing per tensor on the host but
+        the check), else tensor by tensor as ``load`` does, planning the next push."""
+        device = self._device()
+        plan = self._ipc_plan
+        if (
+            plan is not None
+            and bucket.num_buckets == 1
+            and bucket.names == self._ipc_names
+            and bucket.layout == self._ipc_layout
+        ):
+            targets = [self._tensor(n) for n in bucket.names]
+            if all(t is not None for t in targets) and plan.matches(targets):  # type: ignore[arg-type]
+                self.gate.admit(bucket)  # the version rule, as for any bucket
+                plan.run(map_ipc_buffer(bucket, device), to_flat=False)
+                # The trainer may free or overwrite its buffer once this returns: the copies must be done.
+                torch.cuda.current_stream(device).synchronize()
+                self.gate.commit(bucket)
+                return
+        self._ipc_plan = None
+        self.load(open_ipc_bucket(bucket, device))
+        torch.cuda.current_stream(device).synchronize()
+        if bucket.num_buckets == 1:
+            # Loaded: every name is the engine tensor it was copied into, and its checks passed. A plan exists
+            # only where each was copied as it is (no cast) and one launch can do it.
+            targets = [self._tensor(n) for n in bucket.names]
+            # Two names of one engine tensor (tied weights) would be two copies into it in one launch.
+            if all(t is not None for t in targets) and len({t.data_ptr() for t in targets}) == len(targets):  # type: ignore[union-attr]
+                offsets = [offset for _, _, offset in bucket.layout]
+                dtypes = [d for d, _, _ in bucket.layout]
+                self._ipc_plan = CopyPlan.build(targets, offsets, dtypes)  # type: ignore[arg-type]
+                self._ipc_names, self._ipc_layout = list(bucket.names), list(bucket.layout)
 
     def _load_one(self, name: str, tensor: Tensor, copies: list[tuple[Tensor, Tensor]]) -> None:
         """Check one sent tensor against the engine's and add its (destination, source) copy to ``copies``

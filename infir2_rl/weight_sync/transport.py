@@ -63,6 +63,7 @@ from infir2_rl.actors.remote import Call, call_all, is_actor
 from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
 from infir2_rl.weight_sync.buckets import build_buckets, copy_pairs
+from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.digest import Digest, digests
 
 # Position of the storage's device index in the args of torch's rebuild_cuda_tensor (torch 2.1 .. 2.13).
@@ -86,6 +87,10 @@ class IpcBucket:
     # Per tensor: dtype name, shape, byte offset in the buffer.
     layout: list[tuple[str, tuple[int, ...], int]]
 
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_buckets - 1
+
 
 def gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
@@ -93,12 +98,8 @@ def gpu_uuid(device: torch.device) -> str:
 
 def flatten(tensors: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], list[tuple[str, tuple[int, ...], int]]]:
     """Copy ``tensors`` into one uint8 buffer on their device: (buffer, views of it, layout)."""
-    offsets, size = [], 0
-    for t in tensors:
-        offsets.append(size)
-        size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    layout, size = _layout(tensors)
     flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
-    layout = [(str(t.dtype), tuple(t.shape), o) for t, o in zip(tensors, offsets)]
     views = unflatten(flat, layout)
     copy_pairs(zip(views, tensors))  # large tensors one by one, the rest as foreach copies by dtype
     return flat, views, layout
@@ -127,11 +128,41 @@ def unflatten(flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...], int]]) 
     return views
 
 
-def share_buckets(buckets: Sequence[WeightBucket]) -> tuple[list[IpcBucket], list[WeightBucket]]:
-    """IPC buckets of ``buckets``' GPU tensors, and the same buckets as views of the shared buffers, which
-    the caller holds until every engine has loaded the push."""
+@dataclass
+class HeldBuffer:
+    """The trainer's side of one shared bucket, held until the push ends: its buffer and where each tensor
+    lies in it. Views are made only of the tensors asked for (the self-check reads two layers' worth; a view
+    of every tensor is host time per tensor on every push)."""
+
+    names: list[str]
+    flat: Tensor
+    layout: list[tuple[str, tuple[int, ...], int]]
+
+    def tensors(self, wanted: Iterable[str]) -> dict[str, Tensor]:
+        wanted = set(wanted)
+        picked = [(n, entry) for n, entry in zip(self.names, self.layout) if n in wanted]
+        return dict(zip([n for n, _ in picked], unflatten(self.flat, [e for _, e in picked])))
+
+
+def _layout(tensors: Sequence[Tensor]) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
+    """Each tensor's (dtype, shape, byte offset) in a flat buffer (offsets ``_ALIGN``-aligned), and its size."""
+    layout, size = [], 0
+    for t in tensors:
+        layout.append((str(t.dtype), tuple(t.shape), size))
+        size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return layout, size
+
+
+def _handles(flat: Tensor) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """An ``IpcBucket``'s handles of ``flat``, a buffer on this rank's GPU."""
     from torch.multiprocessing.reductions import reduce_tensor
 
+    return {gpu_uuid(flat.device): reduce_tensor(flat)}
+
+
+def share_buckets(buckets: Sequence[WeightBucket]) -> tuple[list[IpcBucket], list[HeldBuffer]]:
+    """IPC buckets of ``buckets``' GPU tensors, and the shared buffers, which the caller holds until every
+    engine has loaded the push."""
     devices = {t.device for b in buckets for t in b.tensors}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         raise ValueError(
@@ -139,24 +170,65 @@ def share_buckets(buckets: Sequence[WeightBucket]) -> tuple[list[IpcBucket], lis
             f" shares tensors of one GPU; {_USE_OBJECT_STORE} for CPU runs"
         )
     device = devices.pop()
-    uuid = gpu_uuid(device)
     shared, held = [], []
     for b in buckets:
-        flat, views, layout = flatten(b.tensors)
-        held.append(WeightBucket(b.version, b.index, b.num_buckets, list(b.names), views))
+        flat, _, layout = flatten(b.tensors)
+        held.append(HeldBuffer(list(b.names), flat, layout))
         shared.append(
-            IpcBucket(
-                b.version,
-                b.index,
-                b.num_buckets,
-                list(b.names),
-                b.num_bytes,
-                {uuid: reduce_tensor(flat)},
-                layout,
-            )
+            IpcBucket(b.version, b.index, b.num_buckets, list(b.names), b.num_bytes, _handles(flat), layout)
         )
     torch.cuda.current_stream(device).synchronize()  # the buffers are written before another process reads
     return shared, held
+
+
+class IpcExporter:
+    """The trainer's side of ``cuda_ipc`` pushes (``TrainerWorker``, ``TensorSource``): ``share`` makes the
+    IPC buckets of one export. A push of one bucket (the default, ``CudaIpcTransport``) whose tensors are the
+    previous push's (same names, addresses, dtypes, shapes, strides: the trainer updates its weights in place)
+    takes the copy plan of that push (``copy_plan.CopyPlan``): one launch fills the new buffer, and nothing is
+    done per tensor on the host but the check. Anything else goes through ``build_buckets`` and
+    ``share_buckets`` (and plans the next push when it is one bucket that one launch can copy)."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._layout: list[tuple[str, tuple[int, ...], int]] = []
+        self._size = 0
+        self._num_bytes = 0
+        self._plan: CopyPlan | None = None
+
+    def share(
+        self, named: Sequence[tuple[str, Tensor]], max_bytes: int, version: int
+    ) -> tuple[list[IpcBucket], list[HeldBuffer]]:
+        names = [n for n, _ in named]
+        tensors = [t for _, t in named]
+        if self._plan is not None and names == self._names and self._plan.matches(tensors):
+            if version < 0:
+                raise ValueError(f"version={version}: weight versions are >= 0")
+            flat = torch.empty(self._size, dtype=torch.uint8, device=tensors[0].device)
+            self._plan.run(flat, to_flat=True)
+            torch.cuda.current_stream(flat.device).synchronize()  # written before another process reads
+            bucket = IpcBucket(version, 0, 1, names, self._num_bytes, _handles(flat), self._layout)
+            return [bucket], [HeldBuffer(names, flat, self._layout)]
+        self._plan = None
+        shared, held = share_buckets(build_buckets(named, max_bytes, version, device=None))
+        if len(shared) == 1:
+            offsets = [offset for _, _, offset in shared[0].layout]
+            self._plan = CopyPlan.build(tensors, offsets, [d for d, _, _ in shared[0].layout])
+            self._names, self._layout, self._size = names, shared[0].layout, held[0].flat.numel()
+            self._num_bytes = shared[0].num_bytes
+        return shared, held
+
+
+def held_tensors(held: Sequence[WeightBucket | HeldBuffer], names: Iterable[str]) -> dict[str, Tensor]:
+    """The tensors of these names in a held export (buckets of tensors, or shared buffers)."""
+    wanted = set(names)
+    out: dict[str, Tensor] = {}
+    for b in held:
+        if isinstance(b, HeldBuffer):
+            out.update(b.tensors(wanted))
+        else:
+            out.update((n, t) for n, t in zip(b.names, b.tensors) if n in wanted)
+    return out
 
 
 def merge_ipc_buckets(per_rank: Sequence[Sequence[IpcBucket]]) -> list[IpcBucket]:
@@ -180,8 +252,8 @@ def rebuild_on_this_gpu(handle: tuple[Any, tuple[Any, ...]], device_index: int) 
     return fn(*args[:_DEVICE_ARG], device_index, *args[_DEVICE_ARG + 1 :])  # type: ignore[no-any-return]
 
 
-def open_ipc_bucket(bucket: IpcBucket, device: torch.device) -> WeightBucket:
-    """The engine side: map the trainer's buffer into this process and view its tensors (no copy yet)."""
+def map_ipc_buffer(bucket: IpcBucket, device: torch.device) -> Tensor:
+    """The engine side: the trainer's buffer of this bucket mapped into this process (no copy)."""
     if device.type != "cuda":
         raise ValueError(
             f"weight_sync.transport=cuda_ipc sent bucket {bucket.index} to an engine on {device}: CUDA IPC"
@@ -195,8 +267,12 @@ def open_ipc_bucket(bucket: IpcBucket, device: torch.device) -> WeightBucket:
             f" this engine (it sees {sorted(local)}); CUDA IPC needs each engine colocated with a trainer rank"
             f" (placement.mode=colocate); {_USE_OBJECT_STORE}"
         )
-    flat = rebuild_on_this_gpu(bucket.handles[uuid], local[uuid])
-    tensors = unflatten(flat, bucket.layout)
+    return rebuild_on_this_gpu(bucket.handles[uuid], local[uuid])
+
+
+def open_ipc_bucket(bucket: IpcBucket, device: torch.device) -> WeightBucket:
+    """The engine side: map the trainer's buffer into this process and view its tensors (no copy yet)."""
+    tensors = unflatten(map_ipc_buffer(bucket, device), bucket.layout)
     return WeightBucket(bucket.version, bucket.index, bucket.num_buckets, list(bucket.names), tensors)
 
 
@@ -221,18 +297,21 @@ class TensorSource:
 
     def __init__(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.named = list(named_tensors)
-        self._held: list[WeightBucket] = []
+        self._held: list[WeightBucket | HeldBuffer] = []
+        self._ipc = IpcExporter()
         self._broadcast = BroadcastExport()
 
     def export_weights(self, fp8: bool = True) -> list[tuple[str, Tensor]]:
         return self.named
 
     def export_ipc_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[IpcBucket]:
-        shared, self._held = share_buckets(build_buckets(self.named, max_bytes, version, device=None))
+        self._held = []
+        shared, held = self._ipc.share(self.named, max_bytes, version)
+        self._held = list(held)
         return shared
 
     def read_export(self, names: Sequence[str]) -> Mapping[str, Tensor]:
-        return tensors_named(self._held, names)
+        return held_tensors(self._held, names)
 
     def digest_export(self, as_dtypes: Mapping[str, str]) -> dict[str, Digest]:
         return digests(dict(self.read_export(list(as_dtypes))), list(as_dtypes), dict(as_dtypes))
@@ -253,7 +332,7 @@ class TensorSource:
 
     def export_broadcast_buckets(self, fp8: bool, max_bytes: int, version: int) -> list[BucketMeta]:
         metas = self._broadcast.export(self.named, max_bytes, version)
-        self._held = self._broadcast.held
+        self._held = list(self._broadcast.held)
         return metas
 
     def broadcast_bucket(self, index: int, timeout_s: float) -> None:
