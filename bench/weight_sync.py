@@ -147,7 +147,9 @@ def _install_timers(actor: Any, phases: list[tuple[str, str]]) -> list[tuple[Any
 
         setattr(owner, leaf, functools.wraps(inner)(timed))
         undo.append((owner, leaf, inner))
-    return undo
+    # In an actor nothing is returned: a wrapped original is no longer found under its name, so Ray would pickle
+    # it by value, with its globals (a Triton kernel's lock among them).
+    return undo if actor is None else []
 
 
 def _read_timers(actor: Any) -> dict[str, list[float]]:

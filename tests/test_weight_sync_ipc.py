@@ -377,13 +377,19 @@ def test_pushes_of_one_layout_take_the_copy_plan_on_both_sides(ray_gpu: Any, mod
     (and re-plan); the version rule holds on the planned path."""
     ray = ray_gpu
     engine = _engine_actor(ray, model_dir)
-    state = _state(model_dir, seed=1, device="cuda", dtype=torch.bfloat16)
+
+    def export(
+        seed: int,
+    ) -> list[tuple[str, Tensor]]:  # as a trainer sends it: no tied lm_head (engine_export)
+        return [(n, t) for n, t in _state(model_dir, seed, "cuda", torch.bfloat16) if n != "lm_head.weight"]
+
+    state = export(1)
     source = TensorSource(state)
     service = WeightSyncService([engine], WeightSyncConfig(transport="cuda_ipc", self_check_layers=2))
     service.push_from(source, fp8=True, version=1)  # tensor by tensor; plans the next push
     assert source._ipc._plan is not None and ray.get(_planned_ref(engine))
     with torch.no_grad():
-        for (_, t), (_, t2) in zip(state, _state(model_dir, seed=2, device="cuda", dtype=torch.bfloat16)):
+        for (_, t), (_, t2) in zip(state, export(2)):
             t.copy_(t2)  # new values at the same addresses
     plan = source._ipc._plan
     service.push_from(source, fp8=True, version=2)
