@@ -221,9 +221,10 @@ def _use_plans(actor: Any, enabled: bool) -> None:
     copy_plan.ENABLED = enabled
     if hasattr(actor, "_ipc"):  # TrainerWorker
         actor._ipc = IpcExporter()
+        actor._broadcast._plan = None
     receiver = getattr(getattr(actor, "backend", None), "_receiver", None)  # RolloutEngine of a native engine
     if receiver is not None:
-        receiver._ipc_plan = None
+        receiver._plans.clear()
 
 
 def _profile_export(worker: Any, fp8: bool, requantize: bool, reps: int = 5) -> str:

@@ -24,14 +24,13 @@ from infir2_rl.fp8.linear import swap_to_fp8_training
 from infir2_rl.models.factory import init_model, load_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import StaleWeightsError
-from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets
 from infir2_rl.weight_sync.copy_plan import CopyPlan, _rows
 from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.service import WeightSyncService, make_transport, same_bytes
 from infir2_rl.weight_sync.transport import (
     ONE_BUFFER,
     CudaIpcTransport,
-    HeldBuffer,
     IpcBucket,
     ObjectStoreTransport,
     TensorSource,
@@ -367,7 +366,7 @@ def test_ipc_push_from_this_process_into_an_engine_actor(ray_gpu: Any, model_dir
 
 def _planned_ref(engine: Any) -> Any:
     """Whether the engine actor's receiver holds a copy plan (an ObjectRef of a bool)."""
-    return engine.__ray_call__.remote(lambda e: e._receiver._ipc_plan is not None)
+    return engine.__ray_call__.remote(lambda e: bool(e._receiver._plans))
 
 
 @gpu

@@ -20,7 +20,7 @@ from infir2_rl.engines.native.engine import NativeEngine
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import EngineHealth, StaleWeightsError, WeightSyncError
-from infir2_rl.weight_sync.broadcast import flat_bytes, unflatten_bytes
+from infir2_rl.weight_sync.broadcast import BroadcastExport, unflatten_bytes
 from infir2_rl.weight_sync.group import WeightGroup, host_store
 from infir2_rl.weight_sync.nccl import NcclTransport
 from infir2_rl.weight_sync.service import WeightSyncService, make_transport, same_bytes
@@ -67,18 +67,27 @@ def _form_group(world: int, timeout_s: float) -> list[WeightGroup]:
 
 
 def test_flat_buckets_round_trip_any_dtype_mix_at_any_offset() -> None:
+    """The sender's buffer is SGLang's flattened layout (bytes back to back, no padding), and both the engine's
+    unflatten and the sender's held buffer give every tensor back, unaligned ones included."""
+    from infir2_rl.engines.sglang.protocol import flat_bytes
+
     tensors = [
         torch.randn(3, dtype=torch.bfloat16),  # 6 bytes: the next tensor starts unaligned
         torch.randn(2, 5),
         torch.randn(7, 9).to(torch.float8_e4m3fn),
         torch.tensor(3.5, dtype=torch.float64),  # a scalar at offset 6 + 40 + 63 = 109
     ]
-    flat = flat_bytes(tensors)
-    assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for t in tensors)
-    back = unflatten_bytes(flat, [(t.dtype, tuple(t.shape)) for t in tensors])
+    names = [f"t{i}" for i in range(len(tensors))]
+    sender = BroadcastExport()
+    (meta,) = sender.export(list(zip(names, tensors)), max_bytes=1 << 20, version=0)
+    flat = sender.held[0].flat
+    assert torch.equal(flat, flat_bytes(tensors)) and meta.num_bytes == flat.numel()
+    back = unflatten_bytes(flat, meta.metas)
     assert all(same_bytes(a, b) and a.dtype == b.dtype for a, b in zip(tensors, back))
+    held = sender.held[0].tensors(names)
+    assert all(same_bytes(t, held[n]) and t.dtype == held[n].dtype for n, t in zip(names, tensors))
     with pytest.raises(ValueError, match="take"):
-        unflatten_bytes(flat[:-1], [(t.dtype, tuple(t.shape)) for t in tensors])
+        unflatten_bytes(flat[:-1], meta.metas)
 
 
 def test_group_broadcasts_and_a_missing_peer_times_out_instead_of_hanging() -> None:

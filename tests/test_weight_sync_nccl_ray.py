@@ -84,6 +84,13 @@ def test_trainer_rank0_broadcasts_to_an_engine_actor(
             held = ray.get(engines[0].read_weights.remote(list(sent)))
             assert all(same_bytes(t, held[n]) for n, t in sent.items())
             assert ray.get(engines[0].health.remote()).weight_version == version
+            if (
+                where == "gpu"
+            ):  # copy plans made by push 1 (weight_sync/copy_plan.py), so push 2 is copied by them
+                assert ray.get(engines[0].__ray_call__.remote(lambda e: len(e.backend._receiver._plans)))
+                assert ray.get(
+                    trainer.weight_sender().__ray_call__.remote(lambda w: w._broadcast._plan is not None)
+                )
             trainer.train_step(batch, SftLossFn(), num_target_tokens(batch))  # new weights for the next push
         with pytest.raises(ValueError, match="pushes must increase"):
             sync.push_from(trainer, fp8=True, version=2)

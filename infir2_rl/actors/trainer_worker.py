@@ -28,8 +28,9 @@ from infir2_rl.metrics import names
 from infir2_rl.trainers.torch.distributed import free_port, init_process_group
 from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
+from infir2_rl.weight_sync.buckets import HeldBuffer, held_tensors
 from infir2_rl.weight_sync.digest import Digest, digests
-from infir2_rl.weight_sync.transport import HeldBuffer, IpcBucket, IpcExporter, held_tensors
+from infir2_rl.weight_sync.transport import IpcBucket, IpcExporter
 
 if TYPE_CHECKING:
     from infir2_rl.trainers.megatron.trainer import MegatronTrainer

@@ -6,19 +6,22 @@ engine receives the same broadcast (``engines/sglang/protocol.flat_bytes`` build
 metadata (names, dtypes, shapes) travels through Ray as a ``BucketMeta``: a few KB per bucket.
 
 Sender (``BroadcastExport``, held by trainer rank 0 or by a ``TensorSource``): ``export`` cuts the tensors into
-buckets (``buckets.build_buckets``, left on their device: the GPU under NCCL), copies each into its flat
-buffer and keeps the buffers until ``release`` (the next export, or the end of the push), so the self-check can
-read back exactly the bytes that were sent. ``broadcast(i)`` sends buffer i.
+buckets (``buckets.build_buckets``, left on their device: the GPU under NCCL), copies them into one buffer,
+bucket after bucket, and keeps it until ``release`` (the next export, or the end of the push), so the
+self-check can read back exactly the bytes that were sent. ``broadcast(i)`` sends bucket i's part of it. A
+push of the same tensors as the last one fills the buffer with one launch (``copy_plan.CopyPlan``).
 
-Receiver (``receive_bucket``): allocates the flat buffer on its device, receives it, and views the tensors out
-of it (a tensor at an offset that is not a multiple of its element size is copied out instead: ``view``
-needs aligned storage). The engine then loads the ``WeightBucket`` like any other (``receiver.py``): it is
-received first and checked after, so a refused (stale) bucket still consumes its broadcast and the group
-stays in step.
+Receiver (``receive_flat``): allocates the flat buffer on its device and receives it; ``receive_bucket`` also
+views the tensors out of it (a tensor at an offset that is not a multiple of its element size is copied out
+instead: ``view`` needs aligned storage). The engine then loads it (``receiver.py``: by its copy plan when the
+bucket is laid out as the last push's, else as a ``WeightBucket`` like any other): it is received first and
+checked after, so a refused (stale) bucket still consumes its broadcast and the group stays in step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +30,8 @@ import torch
 from torch import Tensor
 
 from infir2_rl.types import WeightBucket
-from infir2_rl.weight_sync.buckets import build_buckets
+from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets
+from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.group import WeightGroup, group_backend, host_store
 
 # Per tensor: its dtype and shape (what SGLang's update_weights_from_distributed takes as dtypes/shapes).
@@ -48,14 +52,13 @@ class BucketMeta:
     def num_bytes(self) -> int:
         return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.metas)
 
-
-def flat_bytes(tensors: Sequence[Tensor]) -> Tensor:
-    """The tensors' bytes back to back in one uint8 tensor on their device (a copy)."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_buckets - 1
 
 
 def unflatten_bytes(flat: Tensor, metas: Sequence[TensorMeta]) -> list[Tensor]:
-    """The tensors of a ``flat_bytes`` buffer: views where aligned, copies where not."""
+    """The tensors of a flat bucket (bytes back to back): views where aligned, copies where not."""
     total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in metas)
     if total != flat.numel():
         raise ValueError(f"flat bucket of {flat.numel()} bytes, its tensors take {total}")
@@ -77,8 +80,14 @@ class BroadcastExport:
         self.group: WeightGroup | None = None
         self._store: object = None
         self._flats: list[Tensor] = []
-        # The buckets as views of the flat buffers: the bytes sent, read back for the self-check.
-        self.held: list[WeightBucket] = []
+        self._metas: list[BucketMeta] = []
+        # The buckets' flat buffers with their layouts: the bytes sent, read back for the self-check.
+        self.held: list[HeldBuffer] = []
+        # The last push's buckets (names and metas) and its copy plan (``copy_plan.py``): every bucket's bytes
+        # lie back to back in one buffer, which one launch fills when the next push has the same tensors.
+        self._planned_names: list[str] = []
+        self._planned: list[BucketMeta] = []
+        self._plan: CopyPlan | None = None
 
     def open_group(self, host: str, device: torch.device, timeout_s: float) -> tuple[str, int, str]:
         """Host the group's store: ``(host, port, backend)`` for the engines to join."""
@@ -105,23 +114,64 @@ class BroadcastExport:
         self, named: Iterable[tuple[str, Tensor]], max_bytes: int, version: int, keep: bool = True
     ) -> list[BucketMeta]:
         """Cut ``named`` into flat buckets held until ``release``; ``keep=False`` (ranks that only take part
-        in a collective export) holds nothing and returns []."""
+        in a collective export) holds nothing and returns []. All buckets' bytes go into one buffer, back to
+        back; a push of the planned push's tensors (same names, addresses, dtypes, shapes, strides) fills it
+        with one launch (``copy_plan.CopyPlan``), any other cuts and copies tensor by tensor and plans again."""
         self.release()
         if not keep:
             for _ in named:  # consumed all the same: under FSDP each tensor's gather is a collective
                 pass
             return []
+        named = list(named)
+        names, tensors = [n for n, _ in named], [t for _, t in named]
+        if self._plan is not None and names == self._planned_names and self._plan.matches(tensors):
+            metas = [dataclasses.replace(m, version=version) for m in self._planned]
+            flat = torch.empty(sum(m.num_bytes for m in metas), dtype=torch.uint8, device=tensors[0].device)
+            self._plan.run(flat, to_flat=True)
+            return self._hold(flat, metas)
+        self._plan = None
         buckets = build_buckets(named, max_bytes, version, device=None)
-        metas = []
-        for b in buckets:
-            flat = flat_bytes(b.tensors)
-            layout = [(t.dtype, tuple(t.shape)) for t in b.tensors]
-            self._flats.append(flat)
-            self.held.append(
-                WeightBucket(b.version, b.index, b.num_buckets, list(b.names), unflatten_bytes(flat, layout))
+        metas = [
+            BucketMeta(
+                b.version,
+                b.index,
+                b.num_buckets,
+                list(b.names),
+                [(t.dtype, tuple(t.shape)) for t in b.tensors],
             )
-            metas.append(BucketMeta(b.version, b.index, b.num_buckets, list(b.names), layout))
+            for b in buckets
+        ]
+        flat = torch.empty(sum(m.num_bytes for m in metas), dtype=torch.uint8, device=tensors[0].device)
+        start = 0
+        for b, m in zip(buckets, metas):
+            torch.cat(
+                [t.reshape(-1).view(torch.uint8) for t in b.tensors], out=flat[start : start + m.num_bytes]
+            )
+            start += m.num_bytes
             b.tensors.clear()  # the flat copy is what is held: free the exported tensors as we go
+        # Every tensor lies right after the one before it, bucket after bucket.
+        sizes = [math.prod(shape) * dtype.itemsize for m in metas for dtype, shape in m.metas]
+        offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        dtypes = [str(dtype) for m in metas for dtype, _ in m.metas]
+        self._plan = CopyPlan.build(tensors, offsets, dtypes)
+        self._planned_names, self._planned = names, metas
+        return self._hold(flat, metas)
+
+    def _hold(self, flat: Tensor, metas: list[BucketMeta]) -> list[BucketMeta]:
+        """Hold ``flat`` (every bucket's bytes back to back) as one buffer per bucket until ``release``."""
+        start = 0
+        for m in metas:
+            bucket = flat[start : start + m.num_bytes]
+            offsets = list(
+                itertools.accumulate(
+                    (math.prod(shape) * dtype.itemsize for dtype, shape in m.metas), initial=0
+                )
+            )
+            layout = [(str(dtype), shape, o) for (dtype, shape), o in zip(m.metas, offsets)]
+            self._flats.append(bucket)
+            self.held.append(HeldBuffer(list(m.names), bucket, layout))
+            start += m.num_bytes
+        self._metas = metas
         return metas
 
     def broadcast(self, index: int, timeout_s: float) -> None:
@@ -132,11 +182,10 @@ class BroadcastExport:
         if not 0 <= index < len(self._flats):
             raise ValueError(f"bucket {index}: this export holds {len(self._flats)} buckets")
         self.group.timeout_s = timeout_s
-        b = self.held[index]
-        self.group.broadcast_(self._flats[index], f"bucket {index} of version {b.version}")
+        self.group.broadcast_(self._flats[index], f"bucket {index} of version {self._metas[index].version}")
 
     def release(self) -> None:
-        self._flats, self.held = [], []
+        self._flats, self.held, self._metas = [], [], []
 
     def mark_broken(self, reason: str) -> None:
         """The driver saw this push fail (an engine died, a call timed out): later broadcasts refuse. NCCL can
@@ -150,8 +199,8 @@ class BroadcastExport:
         self.group, self._store = None, None
 
 
-def receive_bucket(group: WeightGroup | None, meta: BucketMeta, device: torch.device) -> WeightBucket:
-    """The engine's side of one bucket: receive its flat buffer on ``device`` and view its tensors."""
+def receive_flat(group: WeightGroup | None, meta: BucketMeta, device: torch.device) -> Tensor:
+    """The engine's side of one bucket: receive its flat buffer on ``device``."""
     if group is None:
         raise RuntimeError(
             "update_weights_from_distributed before init_weights_update_group: the engine is not in the weight group"
@@ -163,5 +212,10 @@ def receive_bucket(group: WeightGroup | None, meta: BucketMeta, device: torch.de
         )
     flat = torch.empty(meta.num_bytes, dtype=torch.uint8, device=device)
     group.broadcast_(flat, f"receiving bucket {meta.index} of version {meta.version}")
-    tensors = unflatten_bytes(flat, meta.metas)
+    return flat
+
+
+def receive_bucket(group: WeightGroup | None, meta: BucketMeta, device: torch.device) -> WeightBucket:
+    """The engine's side of one bucket: receive its flat buffer on ``device`` and view its tensors."""
+    tensors = unflatten_bytes(receive_flat(group, meta, device), meta.metas)
     return WeightBucket(meta.version, meta.index, meta.num_buckets, list(meta.names), tensors)

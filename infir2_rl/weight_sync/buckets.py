@@ -10,7 +10,9 @@ keeps them where they are (the ``cuda_ipc`` transport hands engines the trainer'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -108,3 +110,41 @@ def copy_pairs(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
                 groups.setdefault((dst.device, src.device, dst.dtype, src.dtype), []).append((dst, src))
         for group in groups.values():
             torch._foreach_copy_([dst for dst, _ in group], [src for _, src in group])
+
+
+@dataclass
+class HeldBuffer:
+    """The sender's side of one bucket as one flat ``uint8`` buffer, held until the push ends: the buffer and
+    where each tensor lies in it (dtype name, shape, byte offset). Views are made only of the tensors asked for:
+    the self-check reads two layers' worth, and a view of every tensor is host time per tensor on every push.
+    A tensor at an offset that is not a multiple of its element size (the nccl transport's packed layout) is
+    copied out instead (``view`` needs aligned storage)."""
+
+    names: list[str]
+    flat: Tensor
+    layout: list[tuple[str, tuple[int, ...], int]]
+
+    def tensors(self, wanted: Iterable[str]) -> dict[str, Tensor]:
+        wanted = set(wanted)
+        out = {}
+        for name, (dtype_name, shape, offset) in zip(self.names, self.layout):
+            if name not in wanted:
+                continue
+            dtype = getattr(torch, dtype_name.removeprefix("torch."))
+            chunk = self.flat[offset : offset + math.prod(shape) * dtype.itemsize]
+            if offset % dtype.itemsize:
+                chunk = chunk.clone()
+            out[name] = chunk.view(dtype).view(shape)
+        return out
+
+
+def held_tensors(held: Iterable[WeightBucket | HeldBuffer], names: Iterable[str]) -> dict[str, Tensor]:
+    """The tensors of these names in a held export (buckets of tensors, or flat buffers)."""
+    wanted = set(names)
+    out: dict[str, Tensor] = {}
+    for b in held:
+        if isinstance(b, HeldBuffer):
+            out.update(b.tensors(wanted))
+        else:
+            out.update((n, t) for n, t in zip(b.names, b.tensors) if n in wanted)
+    return out

@@ -21,7 +21,11 @@ loads it the same way: received first, checked after, so a refused bucket still 
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +33,7 @@ from torch import Tensor, nn
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
 from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
-from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_bucket
+from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_flat, unflatten_bytes
 from infir2_rl.weight_sync.buckets import copy_pairs
 from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.digest import Digest, digests
@@ -44,7 +48,7 @@ class VersionGate:
         self.version = version
         self.pending: int | None = None
 
-    def admit(self, bucket: WeightBucket | IpcBucket) -> bool:
+    def admit(self, bucket: WeightBucket | IpcBucket | BucketMeta) -> bool:
         """Check ``bucket`` against the rule; True when it opens a new push."""
         if bucket.version < self.version or (self.pending is not None and bucket.version < self.pending):
             loading = f" and is loading {self.pending}" if self.pending is not None else ""
@@ -55,9 +59,18 @@ class VersionGate:
         self.pending = bucket.version
         return opens
 
-    def commit(self, bucket: WeightBucket | IpcBucket) -> None:
+    def commit(self, bucket: WeightBucket | IpcBucket | BucketMeta) -> None:
         if bucket.is_last:
             self.version, self.pending = bucket.version, None
+
+
+@dataclass
+class _Planned:
+    """A bucket as it was sent the last time it was loaded tensor by tensor, and the plan that copies it."""
+
+    names: list[str]
+    layout: list[Any]  # as sent: an IpcBucket's layout, or a broadcast bucket's metas
+    plan: CopyPlan
 
 
 class WeightReceiver:
@@ -76,10 +89,9 @@ class WeightReceiver:
             module = model.get_submodule(prefix)
             self._slots[name] = (module, leaf, leaf in module._parameters)
         self._halves: dict[str, dict[str, Tensor]] = {}
-        # weight_sync.transport=cuda_ipc: the last push's names, layout and copy plan (``_load_ipc``).
-        self._ipc_plan: CopyPlan | None = None
-        self._ipc_names: list[str] = []
-        self._ipc_layout: list[tuple[str, tuple[int, ...], int]] = []
+        # cuda_ipc and nccl: per (transport, bucket index), the last bucket loaded tensor by tensor and its
+        # copy plan (``_planned``).
+        self._plans: dict[tuple[str, int], _Planned] = {}
         # weight_sync.transport=nccl: this engine's membership of the trainer's weight group.
         self.group: WeightGroup | None = None
 
@@ -107,9 +119,21 @@ class WeightReceiver:
     def receive(
         self, version: int, index: int, num_buckets: int, names: Sequence[str], metas: Sequence[TensorMeta]
     ) -> None:
-        """Receive one broadcast bucket from the weight group and load it."""
+        """Receive one broadcast bucket from the weight group and load it (by its copy plan when it is laid out
+        as the last bucket of this index was)."""
         meta = BucketMeta(version, index, num_buckets, list(names), list(metas))
-        self.load(receive_bucket(self.group, meta, self._device()))
+        flat = receive_flat(self.group, meta, self._device())
+        key = ("nccl", index)
+        plan = self._planned(key, meta.names, meta.metas)
+        if plan is not None:
+            self._admit(meta)
+            plan.run(flat, to_flat=False)
+            self._commit(meta)
+            return
+        self.load(WeightBucket(version, index, num_buckets, meta.names, unflatten_bytes(flat, meta.metas)))
+        sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in meta.metas]
+        offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        self._plan_next(key, meta.names, meta.metas, offsets, [str(dtype) for dtype, _ in meta.metas])
 
     def _tensor(self, name: str) -> Tensor | None:
         """The model's tensor of that state-dict name as it is now, or None."""
@@ -132,8 +156,7 @@ class WeightReceiver:
             raise ValueError(
                 f"bucket {bucket.index}: {len(bucket.names)} names but {len(bucket.tensors)} tensors"
             )
-        if self.gate.admit(bucket):
-            self._halves = {}
+        self._admit(bucket)
         copies: list[tuple[Tensor, Tensor]] = []
         for name, tensor in zip(bucket.names, bucket.tensors):
             self._load_one(name, tensor, copies)
@@ -142,6 +165,13 @@ class WeightReceiver:
         # push is 534 tensors; copy_ casts where a BF16 engine is sent FP32, and moves object-store buckets
         # from the CPU).
         copy_pairs(copies)
+        self._commit(bucket)
+
+    def _admit(self, bucket: WeightBucket | IpcBucket | BucketMeta) -> None:
+        if self.gate.admit(bucket):  # a new push
+            self._halves = {}
+
+    def _commit(self, bucket: WeightBucket | IpcBucket | BucketMeta) -> None:
         if bucket.is_last and self._halves:
             raise ValueError(
                 f"push of version {bucket.version} ended with FP8 linears missing a half: {sorted(self._halves)}"
@@ -149,38 +179,49 @@ class WeightReceiver:
         self.gate.commit(bucket)
 
     def _load_ipc(self, bucket: IpcBucket) -> None:
-        """Load a bucket from the trainer's GPU buffer: by the last push's copy plan when this push has its
-        names, layout and destinations (``copy_plan.CopyPlan``: one launch, nothing per tensor on the host but
-        the check), else tensor by tensor as ``load`` does, planning the next push."""
+        """Load a bucket from the trainer's GPU buffer: by its copy plan when it is laid out as the last bucket
+        of this index was, else tensor by tensor as ``load`` does, planning the next push."""
         device = self._device()
-        plan = self._ipc_plan
-        if (
-            plan is not None
-            and bucket.num_buckets == 1
-            and bucket.names == self._ipc_names
-            and bucket.layout == self._ipc_layout
-        ):
-            targets = [self._tensor(n) for n in bucket.names]
-            if all(t is not None for t in targets) and plan.matches(targets):  # type: ignore[arg-type]
-                self.gate.admit(bucket)  # the version rule, as for any bucket
-                plan.run(map_ipc_buffer(bucket, device), to_flat=False)
-                # The trainer may free or overwrite its buffer once this returns: the copies must be done.
-                torch.cuda.current_stream(device).synchronize()
-                self.gate.commit(bucket)
-                return
-        self._ipc_plan = None
-        self.load(open_ipc_bucket(bucket, device))
+        key = ("cuda_ipc", bucket.index)
+        plan = self._planned(key, bucket.names, bucket.layout)
+        if plan is not None:
+            self._admit(bucket)  # the version rule, as for any bucket
+            plan.run(map_ipc_buffer(bucket, device), to_flat=False)
+        else:
+            self.load(open_ipc_bucket(bucket, device))
+        # The trainer may free or overwrite its buffer once this returns: the copies must be done.
         torch.cuda.current_stream(device).synchronize()
-        if bucket.num_buckets == 1:
-            # Loaded: every name is the engine tensor it was copied into, and its checks passed. A plan exists
-            # only where each was copied as it is (no cast) and one launch can do it.
-            targets = [self._tensor(n) for n in bucket.names]
-            # Two names of one engine tensor (tied weights) would be two copies into it in one launch.
-            if all(t is not None for t in targets) and len({t.data_ptr() for t in targets}) == len(targets):  # type: ignore[union-attr]
-                offsets = [offset for _, _, offset in bucket.layout]
-                dtypes = [d for d, _, _ in bucket.layout]
-                self._ipc_plan = CopyPlan.build(targets, offsets, dtypes)  # type: ignore[arg-type]
-                self._ipc_names, self._ipc_layout = list(bucket.names), list(bucket.layout)
+        if plan is not None:
+            self._commit(bucket)
+        else:
+            offsets = [offset for _, _, offset in bucket.layout]
+            self._plan_next(key, bucket.names, bucket.layout, offsets, [d for d, _, _ in bucket.layout])
+
+    def _planned(self, key: tuple[str, int], names: list[str], layout: list[Any]) -> CopyPlan | None:
+        """The plan of the bucket last loaded under ``key``, if this one has its names and layout (as sent)
+        and the engine's tensors of those names are still the ones it copies into (``CopyPlan.matches``:
+        address, dtype, shape, strides; ``Module.to()`` or a model reload would move them)."""
+        planned = self._plans.get(key)
+        if planned is None or planned.names != names or planned.layout != layout:
+            return None
+        targets = [self._tensor(n) for n in names]
+        if any(t is None for t in targets) or not planned.plan.matches(targets):  # type: ignore[arg-type]
+            return None
+        return planned.plan
+
+    def _plan_next(
+        self, key: tuple[str, int], names: list[str], layout: list[Any], offsets: list[int], dtypes: list[str]
+    ) -> None:
+        """After a bucket was loaded tensor by tensor (each name is the engine tensor it was copied into and its
+        checks passed): the plan for the next bucket laid out the same, where one launch can copy it (no cast;
+        no two names of one engine tensor, e.g. tied weights, which one launch would write twice)."""
+        self._plans.pop(key, None)
+        targets = [self._tensor(n) for n in names]
+        if any(t is None for t in targets) or len({t.data_ptr() for t in targets}) != len(targets):  # type: ignore[union-attr]
+            return
+        plan = CopyPlan.build(targets, offsets, dtypes)  # type: ignore[arg-type]
+        if plan is not None:
+            self._plans[key] = _Planned(list(names), list(layout), plan)
 
     def _load_one(self, name: str, tensor: Tensor, copies: list[tuple[Tensor, Tensor]]) -> None:
         """Check one sent tensor against the engine's and add its (destination, source) copy to ``copies``

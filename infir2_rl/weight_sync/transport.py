@@ -62,7 +62,7 @@ from torch import Tensor
 from infir2_rl.actors.remote import Call, call_all, is_actor
 from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
-from infir2_rl.weight_sync.buckets import build_buckets, copy_pairs
+from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets, copy_pairs, held_tensors
 from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.digest import Digest, digests
 
@@ -126,22 +126,6 @@ def unflatten(flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...], int]]) 
             step *= size
         views.append(typed.as_strided(shape, strides[::-1], typed.storage_offset() + offset // itemsize))
     return views
-
-
-@dataclass
-class HeldBuffer:
-    """The trainer's side of one shared bucket, held until the push ends: its buffer and where each tensor
-    lies in it. Views are made only of the tensors asked for (the self-check reads two layers' worth; a view
-    of every tensor is host time per tensor on every push)."""
-
-    names: list[str]
-    flat: Tensor
-    layout: list[tuple[str, tuple[int, ...], int]]
-
-    def tensors(self, wanted: Iterable[str]) -> dict[str, Tensor]:
-        wanted = set(wanted)
-        picked = [(n, entry) for n, entry in zip(self.names, self.layout) if n in wanted]
-        return dict(zip([n for n, _ in picked], unflatten(self.flat, [e for _, e in picked])))
 
 
 def _layout(tensors: Sequence[Tensor]) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
@@ -217,18 +201,6 @@ class IpcExporter:
             self._names, self._layout, self._size = names, shared[0].layout, held[0].flat.numel()
             self._num_bytes = shared[0].num_bytes
         return shared, held
-
-
-def held_tensors(held: Sequence[WeightBucket | HeldBuffer], names: Iterable[str]) -> dict[str, Tensor]:
-    """The tensors of these names in a held export (buckets of tensors, or shared buffers)."""
-    wanted = set(names)
-    out: dict[str, Tensor] = {}
-    for b in held:
-        if isinstance(b, HeldBuffer):
-            out.update(b.tensors(wanted))
-        else:
-            out.update((n, t) for n, t in zip(b.names, b.tensors) if n in wanted)
-    return out
 
 
 def merge_ipc_buckets(per_rank: Sequence[Sequence[IpcBucket]]) -> list[IpcBucket]:
