@@ -292,6 +292,10 @@ class EngineBackend(Protocol):
 
     def resume_memory(self) -> None: ...
 
+    def close(self) -> None:
+        """Let go of what the engine holds outside its process (its side of the weight group, a server)."""
+        ...
+
 
 # ---------------------------------------------------------------- weight sync
 _FP8_DTYPES = {str(d): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -28,6 +29,23 @@ class _Sleeper:
     def die_after(self, s: float) -> None:
         time.sleep(s)
         os._exit(1)
+
+
+@ray.remote(num_cpus=0)
+class _Closer:
+    """An actor with ``close``: it writes a file (so the test sees it ran), or fails when told to."""
+
+    def __init__(self, path: str, fail: bool) -> None:
+        self.path, self.fail = path, fail
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        if self.fail:
+            raise RuntimeError("the group was already gone")
+        with open(self.path, "w") as f:
+            f.write("closed")
 
 
 def _dead(actor: object) -> bool:
@@ -69,3 +87,13 @@ def test_gather_raises_a_ranks_death_over_the_error_it_caused_in_a_peer() -> Non
     assert gather([r.ping.remote() for r in [_Sleeper.remote(), _Sleeper.remote()]])  # type: ignore[attr-defined]
     with pytest.raises(ray.exceptions.RayTaskError, match="Read error"):  # no death: the failure itself
         gather([ranks[0].fail_after.remote(0.0), ranks[0].ping.remote()], grace_s=1.0)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_actors_are_closed_before_they_stop_and_a_failed_close_stops_them_anyway(tmp_path: object) -> None:
+    closed = f"{tmp_path}/closed"
+    ok, failing, plain = _Closer.remote(closed, False), _Closer.remote("", True), _Sleeper.remote()  # type: ignore[attr-defined]
+    ray.get([ok.ping.remote(), failing.ping.remote(), plain.ping.remote()])
+    stop_actors([ok, failing, plain], timeout_s=10.0)
+    assert Path(closed).read_text() == "closed"
+    assert _dead(ok) and _dead(failing) and _dead(plain)

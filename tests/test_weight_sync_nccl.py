@@ -145,6 +145,12 @@ def test_nccl_push_reaches_every_engine_and_stale_buckets_keep_the_group_in_step
     assert stale.push_from(source, fp8=True, version=3).version == 3
     assert engines[0]._receiver.group is group  # not re-formed: the stale bucket kept it in step
     assert all(same_bytes(t, engines[1].read_weights([n])[n]) for n, t in state)
+    # Closed (what stop_actors asks before an engine actor exits): its side of the group is shut down.
+    engines[0].close()
+    assert engines[0]._receiver.group is None
+    with pytest.raises(RuntimeError, match="not in the weight group"):
+        engines[0].update_weights_from_distributed(4, 0, 1, [], [])
+    engines[0].close()  # twice is fine
 
 
 class _SilentEngine:

@@ -6,10 +6,13 @@ Ray handles get ``handle.method.remote(*args)`` and all refs are fetched with on
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def is_actor(handle: object) -> bool:
@@ -100,8 +103,11 @@ def _resolve(value: Any) -> Any:
 
 
 def stop_actors(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
-    """Stop Ray actors: a graceful exit first (each finishes the task it runs, then exits through
-    ``exit_actor``), then ``ray.kill`` for any still alive after ``timeout_s``.
+    """Stop Ray actors: ``close()`` first on those that have one (a rollout engine shuts down its side of the
+    weight group; torch printed "destroy_process_group() was not called before program exit" from every
+    engine of a disaggregated run without it), then a graceful exit (each finishes the task it runs, then
+    exits through ``exit_actor``), then ``ray.kill`` for any still alive; each step waits at most ``timeout_s``.
+    A ``close`` that fails is logged, and the actor is stopped all the same.
 
     ``ray.kill`` alone ends a worker with a signal whose handler raises ``SystemExit`` wherever the worker is,
     and when that was inside a garbage-collector callback (fp8/ops.py's weak-reference cache) the stage's
@@ -112,6 +118,13 @@ def stop_actors(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
     actors = [a for a in actors if is_actor(a)]
     if not actors:
         return
+    closing = [a.close.remote() for a in actors if hasattr(a, "close")]
+    done, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - stopping anyway; the cause is worth a line
+            log.warning("an actor's close() failed before it was stopped: %s", str(exc).splitlines()[0])
     refs = [a.__ray_terminate__.remote() for a in actors]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for a in actors:

@@ -143,6 +143,11 @@ class RolloutEngine:
     def update_weights_from_distributed(self, *args: Any) -> None:
         self.backend.update_weights_from_distributed(*args)  # type: ignore[attr-defined]
 
+    def close(self) -> None:
+        """Before the actor stops (``remote.stop_actors``): the backend lets go of what it holds outside this
+        process (the native engine its side of the weight group, SGLang its server)."""
+        self.backend.close()
+
     def abort(self) -> None:
         self.backend.abort()
 

@@ -261,6 +261,10 @@ class TrainerWorker:
         self._export = []
         self._broadcast.release()
 
+    def close(self) -> None:
+        """Before the actor stops (``remote.stop_actors``): shut down rank 0's side of the weight group."""
+        self._broadcast.close_group()
+
     def break_weight_group(self, reason: str) -> None:
         """Rank 0: a push failed on the driver's side; refuse later broadcasts (``BroadcastExport.mark_broken``)."""
         self._broadcast.mark_broken(reason)

@@ -314,6 +314,12 @@ class NativeEngine:
     def _count_steps(self, steps: int) -> None:
         self.num_decode_steps += steps
 
+    def close(self) -> None:
+        """Shut down this engine's side of the weight group (``weight_sync.transport: nccl``), if it joined one."""
+        if self._receiver.group is not None:
+            self._receiver.group.close()
+            self._receiver.group = None
+
     def abort(self) -> None:
         """Make the running ``generate`` return at its next decode step (unfinished rows: "abort")."""
         self._abort.set()
