@@ -221,7 +221,7 @@ def _use_plans(actor: Any, enabled: bool) -> None:
     copy_plan.ENABLED = enabled
     if hasattr(actor, "_ipc"):  # TrainerWorker
         actor._ipc = IpcExporter()
-        actor._broadcast._plan = None
+        actor._broadcast._plans = []
     receiver = getattr(getattr(actor, "backend", None), "_receiver", None)  # RolloutEngine of a native engine
     if receiver is not None:
         receiver._plans.clear()

@@ -89,7 +89,7 @@ def test_trainer_rank0_broadcasts_to_an_engine_actor(
             ):  # copy plans made by push 1 (weight_sync/copy_plan.py), so push 2 is copied by them
                 assert ray.get(engines[0].__ray_call__.remote(lambda e: len(e.backend._receiver._plans)))
                 assert ray.get(
-                    trainer.weight_sender().__ray_call__.remote(lambda w: w._broadcast._plan is not None)
+                    trainer.weight_sender().__ray_call__.remote(lambda w: bool(w._broadcast._plans))
                 )
             trainer.train_step(batch, SftLossFn(), num_target_tokens(batch))  # new weights for the next push
         with pytest.raises(ValueError, match="pushes must increase"):

@@ -6,10 +6,9 @@ engine receives the same broadcast (``engines/sglang/protocol.flat_bytes`` build
 metadata (names, dtypes, shapes) travels through Ray as a ``BucketMeta``: a few KB per bucket.
 
 Sender (``BroadcastExport``, held by trainer rank 0 or by a ``TensorSource``): ``export`` cuts the tensors into
-buckets (``buckets.build_buckets``, left on their device: the GPU under NCCL), copies them into one buffer,
-bucket after bucket, and keeps it until ``release`` (the next export, or the end of the push), so the
-self-check can read back exactly the bytes that were sent. ``broadcast(i)`` sends bucket i's part of it. A
-push of the same tensors as the last one fills the buffer with one launch (``copy_plan.CopyPlan``).
+buckets (``buckets.build_buckets``, left on their device: the GPU under NCCL), copies each into its flat
+buffer and keeps the buffers until ``release`` (the next export, or the end of the push), so the self-check can read back exactly the bytes that were sent. ``broadcast(i)`` sends buffer i. A
+push of the same tensors as the last one fills each buffer with one launch (``copy_plan.CopyPlan``).
 
 Receiver (``receive_flat``): allocates the flat buffer on its device and receives it; ``receive_bucket`` also
 views the tensors out of it (a tensor at an offset that is not a multiple of its element size is copied out
@@ -57,6 +56,13 @@ class BucketMeta:
         return self.index == self.num_buckets - 1
 
 
+def bucket_offsets(metas: Sequence[TensorMeta]) -> list[int]:
+    """Each tensor's byte offset in a flat bucket (bytes back to back), then the bucket's size."""
+    return list(
+        itertools.accumulate((math.prod(shape) * dtype.itemsize for dtype, shape in metas), initial=0)
+    )
+
+
 def unflatten_bytes(flat: Tensor, metas: Sequence[TensorMeta]) -> list[Tensor]:
     """The tensors of a flat bucket (bytes back to back): views where aligned, copies where not."""
     total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in metas)
@@ -83,11 +89,10 @@ class BroadcastExport:
         self._metas: list[BucketMeta] = []
         # The buckets' flat buffers with their layouts: the bytes sent, read back for the self-check.
         self.held: list[HeldBuffer] = []
-        # The last push's buckets (names and metas) and its copy plan (``copy_plan.py``): every bucket's bytes
-        # lie back to back in one buffer, which one launch fills when the next push has the same tensors.
+        # The last push's names, buckets and one copy plan per bucket (``copy_plan.py``), for the next push.
         self._planned_names: list[str] = []
         self._planned: list[BucketMeta] = []
-        self._plan: CopyPlan | None = None
+        self._plans: list[CopyPlan] = []
 
     def open_group(self, host: str, device: torch.device, timeout_s: float) -> tuple[str, int, str]:
         """Host the group's store: ``(host, port, backend)`` for the engines to join."""
@@ -114,65 +119,60 @@ class BroadcastExport:
         self, named: Iterable[tuple[str, Tensor]], max_bytes: int, version: int, keep: bool = True
     ) -> list[BucketMeta]:
         """Cut ``named`` into flat buckets held until ``release``; ``keep=False`` (ranks that only take part
-        in a collective export) holds nothing and returns []. All buckets' bytes go into one buffer, back to
-        back; a push of the planned push's tensors (same names, addresses, dtypes, shapes, strides) fills it
-        with one launch (``copy_plan.CopyPlan``), any other cuts and copies tensor by tensor and plans again."""
+        in a collective export) holds nothing and returns []. A push of the last push's tensors (same names,
+        and per tensor address, dtype, shape, strides) fills each bucket with one launch of that bucket's copy
+        plan (``copy_plan.CopyPlan``); any other cuts and copies tensor by tensor and plans again. Either way an
+        exported tensor is let go once its bucket's copy is queued (under FSDP they are gathered copies, and a
+        push holds one bucket of them beyond the buckets sent)."""
         self.release()
         if not keep:
             for _ in named:  # consumed all the same: under FSDP each tensor's gather is a collective
                 pass
             return []
         named = list(named)
-        names, tensors = [n for n, _ in named], [t for _, t in named]
-        if self._plan is not None and names == self._planned_names and self._plan.matches(tensors):
+        names = [n for n, _ in named]
+        if self._plans and names == self._planned_names:
             metas = [dataclasses.replace(m, version=version) for m in self._planned]
-            flat = torch.empty(sum(m.num_bytes for m in metas), dtype=torch.uint8, device=tensors[0].device)
-            self._plan.run(flat, to_flat=True)
-            return self._hold(flat, metas)
-        self._plan = None
+            tensors: list[Tensor | None] = [t for _, t in named]
+            spans = list(itertools.pairwise(itertools.accumulate((len(m.names) for m in metas), initial=0)))
+            if all(p.matches(tensors[lo:hi]) for p, (lo, hi) in zip(self._plans, spans)):  # type: ignore[arg-type]
+                del named
+                for plan, m, (lo, hi) in zip(self._plans, metas, spans):
+                    flat = torch.empty(m.num_bytes, dtype=torch.uint8, device=tensors[lo].device)  # type: ignore[union-attr]
+                    plan.run(flat, to_flat=True)
+                    tensors[lo:hi] = [None] * (hi - lo)  # freed in stream order, after the copy just queued
+                    self._hold(flat, m)
+                return metas
+            del tensors
+        self._plans = []
         buckets = build_buckets(named, max_bytes, version, device=None)
-        metas = [
-            BucketMeta(
+        del named  # the buckets hold the tensors now: each bucket's are let go once it is copied
+        metas, plans = [], []
+        for b in buckets:
+            m = BucketMeta(
                 b.version,
                 b.index,
                 b.num_buckets,
                 list(b.names),
                 [(t.dtype, tuple(t.shape)) for t in b.tensors],
             )
-            for b in buckets
-        ]
-        flat = torch.empty(sum(m.num_bytes for m in metas), dtype=torch.uint8, device=tensors[0].device)
-        start = 0
-        for b, m in zip(buckets, metas):
-            torch.cat(
-                [t.reshape(-1).view(torch.uint8) for t in b.tensors], out=flat[start : start + m.num_bytes]
+            plans.append(
+                CopyPlan.build(b.tensors, bucket_offsets(m.metas)[:-1], [str(d) for d, _ in m.metas])
             )
-            start += m.num_bytes
-            b.tensors.clear()  # the flat copy is what is held: free the exported tensors as we go
-        # Every tensor lies right after the one before it, bucket after bucket.
-        sizes = [math.prod(shape) * dtype.itemsize for m in metas for dtype, shape in m.metas]
-        offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
-        dtypes = [str(dtype) for m in metas for dtype, _ in m.metas]
-        self._plan = CopyPlan.build(tensors, offsets, dtypes)
-        self._planned_names, self._planned = names, metas
-        return self._hold(flat, metas)
-
-    def _hold(self, flat: Tensor, metas: list[BucketMeta]) -> list[BucketMeta]:
-        """Hold ``flat`` (every bucket's bytes back to back) as one buffer per bucket until ``release``."""
-        start = 0
-        for m in metas:
-            bucket = flat[start : start + m.num_bytes]
-            offsets = list(
-                itertools.accumulate(
-                    (math.prod(shape) * dtype.itemsize for dtype, shape in m.metas), initial=0
-                )
-            )
-            layout = [(str(dtype), shape, o) for (dtype, shape), o in zip(m.metas, offsets)]
-            self._flats.append(bucket)
-            self.held.append(HeldBuffer(list(m.names), bucket, layout))
-            start += m.num_bytes
-        self._metas = metas
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in b.tensors])
+            b.tensors.clear()
+            self._hold(flat, m)
+            metas.append(m)
+        if all(p is not None for p in plans):
+            self._plans, self._planned_names, self._planned = plans, names, metas  # type: ignore[assignment]
         return metas
+
+    def _hold(self, flat: Tensor, meta: BucketMeta) -> None:
+        """Hold one bucket's buffer (its tensors' bytes back to back) until ``release``."""
+        layout = [(str(d), shape, o) for (d, shape), o in zip(meta.metas, bucket_offsets(meta.metas))]
+        self._flats.append(flat)
+        self.held.append(HeldBuffer(list(meta.names), flat, layout))
+        self._metas.append(meta)
 
     def broadcast(self, index: int, timeout_s: float) -> None:
         """Send flat bucket ``index`` to every engine (they receive it in ``receive_bucket``)."""

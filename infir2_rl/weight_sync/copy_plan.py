@@ -41,9 +41,9 @@ ENABLED = True
 CHUNK_BYTES = 1 << 16  # bytes per Triton program
 _BLOCK = 1024  # words per loop iteration of a program
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_COLUMNS = (
-    5  # table row: tensor address, offset in the buffer (words), rows, words per row, row stride (words)
-)
+# A plan's table has one row per tensor: its address, its offset in the buffer (words), rows, words per row and
+# row stride (words); the kernel reads row ``owner * 5``.
+_COLUMNS = 5
 
 Key = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]
 
@@ -78,7 +78,7 @@ if _HAVE_TRITON:
         """Program i: words [start, start + CHUNK) of tensor ``owner[i]`` (counted in its row-major order)
         between the tensor and its place in ``flat``, whose element type is the word."""
         i = tl.program_id(0)
-        row_of_table = table + tl.load(owner + i) * 5
+        row_of_table = table + tl.load(owner + i) * 5  # _COLUMNS
         first = tl.load(start + i).to(tl.int32)
         tensor = tl.load(row_of_table).to(tl.pointer_type(flat.dtype.element_ty))
         placed = flat + tl.load(row_of_table + 1)

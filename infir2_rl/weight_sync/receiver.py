@@ -17,12 +17,15 @@ loaded the same way, and dropped once the copies have finished.
 With ``weight_sync.transport: nccl`` the engine joins the trainer's weight group (``join_group``) and
 ``receive`` takes each bucket's broadcast into a flat buffer on the model's device (``broadcast.py``), then
 loads it the same way: received first, checked after, so a refused bucket still keeps the group in step.
+
+Copy plans (``copy_plan.py``; ``cuda_ipc`` and ``nccl``): a bucket loaded tensor by tensor leaves a plan keyed by
+(transport, bucket index); the next bucket of that key with the same names and layout, whose engine tensors
+are still the planned ones (address, dtype, shape, strides), is copied by one launch after the version rule,
+without views or per-tensor checks: those passed when the plan was made, for the same layout and tensors.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +36,13 @@ from torch import Tensor, nn
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
 from infir2_rl.types import StaleWeightsError, TensorMap, WeightBucket
-from infir2_rl.weight_sync.broadcast import BucketMeta, TensorMeta, receive_flat, unflatten_bytes
+from infir2_rl.weight_sync.broadcast import (
+    BucketMeta,
+    TensorMeta,
+    bucket_offsets,
+    receive_flat,
+    unflatten_bytes,
+)
 from infir2_rl.weight_sync.buckets import copy_pairs
 from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.digest import Digest, digests
@@ -131,8 +140,7 @@ class WeightReceiver:
             self._commit(meta)
             return
         self.load(WeightBucket(version, index, num_buckets, meta.names, unflatten_bytes(flat, meta.metas)))
-        sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in meta.metas]
-        offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        offsets = bucket_offsets(meta.metas)[:-1]
         self._plan_next(key, meta.names, meta.metas, offsets, [str(dtype) for dtype, _ in meta.metas])
 
     def _tensor(self, name: str) -> Tensor | None:
