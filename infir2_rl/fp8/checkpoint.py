@@ -244,6 +244,11 @@ def load_fp8_model(
     return model.eval()
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without autograd history: a ``detach()`` only where there is some (each is host time, 534 per push)."""
+    return t.detach() if t.requires_grad else t
+
+
 def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors for weight sync, in state-dict order, produced one module at a time.
 
@@ -271,10 +276,10 @@ def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterato
             else:
                 assert isinstance(module, Fp8InferenceLinear)
                 w_fp8, scale_inv = module.weight, module.weight_scale_inv
-            yield key, w_fp8.detach()
+            yield key, _detached(w_fp8)
             if not scale_inv.is_contiguous():  # engine grids: rows apart
                 scale_inv = scale_inv.contiguous()
-            yield f"{prefix}.weight_scale_inv", scale_inv.detach()
+            yield f"{prefix}.weight_scale_inv", _detached(scale_inv)
         elif module is not None and leaf == "weight_scale_inv":
             continue  # yielded right after its weight
         elif prefix in plain and leaf == "weight":
@@ -283,4 +288,4 @@ def fp8_state_from_model(model: nn.Module, pow2_scales: bool = False) -> Iterato
             yield key, w_fp8
             yield f"{prefix}.weight_scale_inv", scale_inv
         else:
-            yield key, tensor.detach()
+            yield key, _detached(tensor)

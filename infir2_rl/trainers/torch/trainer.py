@@ -682,7 +682,7 @@ class TorchTrainer:
 
         if not self.fsdp and fp8:
             for name, tensor in fp8_state_from_model(self.model, pow2_scales=self.pow2_scales):
-                yield io.hf_name(name), tensor.detach()
+                yield io.hf_name(name), tensor  # detached there
             return
         # FSDP2: modules hold shards. Gather one tensor at a time (all ranks in the same order) and quantize
         # decoder linears with the quantizer Fp8Linear's forward uses: the same bytes it trains with.
@@ -693,7 +693,9 @@ class TorchTrainer:
 
         with torch.no_grad():
             for name, value in self.model.state_dict().items():
-                full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+                full = (
+                    value.full_tensor() if isinstance(value, DTensor) else value
+                )  # state_dict() detached it
                 prefix, _, leaf = io.hf_name(name).rpartition(".")
                 if fp8 and leaf == "weight" and prefix.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
                     as_trained = D.gathered_like_forward(full, self.fsdp_param_dtype)
