@@ -693,9 +693,8 @@ class TorchTrainer:
 
         with torch.no_grad():
             for name, value in self.model.state_dict().items():
-                full = (
-                    value.full_tensor() if isinstance(value, DTensor) else value
-                )  # state_dict() detached it
+                # state_dict() detached it already
+                full = value.full_tensor() if isinstance(value, DTensor) else value
                 prefix, _, leaf = io.hf_name(name).rpartition(".")
                 if fp8 and leaf == "weight" and prefix.rsplit(".", 1)[-1] in DECODER_LINEAR_NAMES:
                     as_trained = D.gathered_like_forward(full, self.fsdp_param_dtype)
