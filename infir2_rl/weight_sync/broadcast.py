@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from infir2_rl.types import WeightBucket
-from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets
+from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets, view_bytes
 from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.group import WeightGroup, group_backend, host_store
 
@@ -65,18 +65,10 @@ def bucket_offsets(metas: Sequence[TensorMeta]) -> list[int]:
 
 def unflatten_bytes(flat: Tensor, metas: Sequence[TensorMeta]) -> list[Tensor]:
     """The tensors of a flat bucket (bytes back to back): views where aligned, copies where not."""
-    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in metas)
-    if total != flat.numel():
-        raise ValueError(f"flat bucket of {flat.numel()} bytes, its tensors take {total}")
-    out, offset = [], 0
-    for dtype, shape in metas:
-        num_bytes = math.prod(shape) * dtype.itemsize
-        chunk = flat[offset : offset + num_bytes]
-        if offset % dtype.itemsize:
-            chunk = chunk.clone()
-        out.append(chunk.view(dtype).view(shape))
-        offset += num_bytes
-    return out
+    offsets = bucket_offsets(metas)
+    if offsets[-1] != flat.numel():
+        raise ValueError(f"flat bucket of {flat.numel()} bytes, its tensors take {offsets[-1]}")
+    return [view_bytes(flat, dtype, shape, o) for (dtype, shape), o in zip(metas, offsets)]
 
 
 class BroadcastExport:

@@ -126,16 +126,20 @@ class HeldBuffer:
 
     def tensors(self, wanted: Iterable[str]) -> dict[str, Tensor]:
         wanted = set(wanted)
-        out = {}
-        for name, (dtype_name, shape, offset) in zip(self.names, self.layout):
-            if name not in wanted:
-                continue
-            dtype = getattr(torch, dtype_name.removeprefix("torch."))
-            chunk = self.flat[offset : offset + math.prod(shape) * dtype.itemsize]
-            if offset % dtype.itemsize:
-                chunk = chunk.clone()
-            out[name] = chunk.view(dtype).view(shape)
-        return out
+        return {
+            name: view_bytes(self.flat, getattr(torch, dtype_name.removeprefix("torch.")), shape, offset)
+            for name, (dtype_name, shape, offset) in zip(self.names, self.layout)
+            if name in wanted
+        }
+
+
+def view_bytes(flat: Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Tensor:
+    """The tensor of ``dtype`` and ``shape`` at byte ``offset`` of the uint8 buffer ``flat``: a view where the
+    offset is a multiple of the element size, a copy where not (``view`` needs aligned storage)."""
+    chunk = flat[offset : offset + math.prod(shape) * dtype.itemsize]
+    if offset % dtype.itemsize:
+        chunk = chunk.clone()
+    return chunk.view(dtype).view(shape)
 
 
 def held_tensors(held: Iterable[WeightBucket | HeldBuffer], names: Iterable[str]) -> dict[str, Tensor]:
