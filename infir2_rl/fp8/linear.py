@@ -135,6 +135,10 @@ class Fp8Linear(nn.Linear):
             w = self.weight
         return (w._version, w.data_ptr())
 
+    def kept_fp8_fresh(self) -> bool:
+        """Whether the kept FP8 weight is the quantization of the weight as it is now (False without one)."""
+        return self._kept is not None and self._kept_key == self._kept_stamp()
+
     def mark_fp8_fresh(self) -> None:
         """The kept FP8 weight is the quantization of the weight as it is now (its writer says so)."""
         self._kept_key = self._kept_stamp()

@@ -71,6 +71,7 @@ from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unle
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch import fused_layers, varlen_attention
+from infir2_rl.trainers.torch.export_listing import UNLISTABLE, ExportListing, ExportRecorder
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
 from infir2_rl.trainers.torch.master_weights import MasterWeights
 from infir2_rl.trainers.torch.reference import load_reference_model
@@ -237,6 +238,8 @@ class TorchTrainer:
             D.apply_fsdp2(model, self.fsdp_param_dtype)
         self.model: PreTrainedModel = model
         self.fsdp = D.is_fsdp(model)
+        # export_weights' listing per fp8 flag (export_listing.py): an ExportListing, or UNLISTABLE
+        self._export_listings: dict[bool, object] = {}
         self.true_on_policy = true_on_policy
         if true_on_policy:
             self._check_true_on_policy()
@@ -678,6 +681,25 @@ class TorchTrainer:
         yield from for_engines(self._export_as_held(fp8), self.compute_dtype, tied)
 
     def _export_as_held(self, fp8: bool) -> Iterator[tuple[str, Tensor]]:
+        """Without FSDP, the tensors of the first walk again while the model holds them (export_listing.py);
+        a walk whose tensors the model does not all hold (quantized on the fly) runs every push."""
+        if self.fsdp:
+            yield from self._walk_export(fp8)  # collective: every rank gathers every push
+            return
+        listing = self._export_listings.get(fp8)
+        if isinstance(listing, ExportListing) and listing.current():
+            yield from listing
+            return
+        if listing is UNLISTABLE:
+            yield from self._walk_export(fp8)
+            return
+        recorder = ExportRecorder(self.model)
+        for name, tensor in self._walk_export(fp8):
+            recorder.add(name, tensor)
+            yield name, tensor
+        self._export_listings[fp8] = recorder.listing() or UNLISTABLE
+
+    def _walk_export(self, fp8: bool) -> Iterator[tuple[str, Tensor]]:
         from infir2_rl.fp8.checkpoint import fp8_state_from_model
 
         if not self.fsdp and fp8:
@@ -711,6 +733,7 @@ class TorchTrainer:
     def load(self, directory: Path) -> None:
         """Restore weights, optimizer, schedule, RNG states and step from a `save` directory."""
         io.load_checkpoint(self, Path(directory))
+        self._export_listings.clear()  # the next export walks (a listing would find any replaced tensor)
 
     def save_hf(self, directory: Path, dtype: torch.dtype | None = None) -> None:
         """An HF directory transformers loads (weights in `dtype`, default the compute dtype) + tokenizer."""
