@@ -53,13 +53,14 @@ rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_f
 rows = [r for r in rows if "memory/train_peak_gb" in r]
 phases = ("rollout", "score", "train", "sync")
 print("step | " + " | ".join(f"{p} peak/reserved GiB" for p in phases) + " | rollout / old_logprobs / train / weight_sync s"
-      + " | decode-graph capture in the rollout s")
+      + " | decode-graph capture in the rollout s | weight sync phase / push / self-check ms")
 for r in rows:
     cells = [f"{r.get(f'memory/{p}_peak_gb', float('nan')):6.2f} / {r.get(f'memory/{p}_reserved_gb', float('nan')):6.2f}" for p in phases]
     # old_logprobs: "-" when no row was scored before the first update (one update per rollout: stages/rl.py)
     times = " / ".join(f"{r[f'time/{t}_s']:.2f}" if f"time/{t}_s" in r else "-" for t in ("rollout", "old_logprobs", "train", "weight_sync"))
     capture = f"{r['rollout/graph_capture_s']:.3f}" if "rollout/graph_capture_s" in r else "-"
-    print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times} | {capture}")
+    sync = " / ".join(f"{r[k] * 1e3:.1f}" if k in r else "-" for k in ("time/weight_sync_s", "weight_sync/push_s", "weight_sync/check_s"))
+    print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times} | {capture} | {sync}")
 for p in phases:
     vals = [r[f"memory/{p}_peak_gb"] for r in rows if f"memory/{p}_peak_gb" in r]
     res = [r[f"memory/{p}_reserved_gb"] for r in rows if f"memory/{p}_reserved_gb" in r]

@@ -141,7 +141,11 @@ def test_an_rl_stage_pushes_through_the_broadcast_group(
     assert isinstance(cfg, RlStageConfig) and cfg.rollout_fp8 and cfg.train_fp8
     with caplog.at_level(logging.INFO, logger="infir2_rl"):
         assert run_rl_stage(cfg).last_step == 2
-    assert "first push (nccl)" in caplog.text and "weight group 'infir2_weight_sync' formed" in caplog.text
+    assert (
+        "engines ready" in caplog.text
+        and "first push (nccl)" in caplog.text
+        and "weight group 'infir2_weight_sync' formed" in caplog.text
+    )
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines() if line]
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 2 and all(r[names.WEIGHT_SYNC_PUSH_S] > 0 for r in steps)
