@@ -10,7 +10,9 @@
 #
 #   bash bench/rl_1p5b.sh OUT_DIR [overrides...]      # e.g. STEPS=10 ... rollout.max_response_len=128
 #
-# LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed.
+# LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed. Budget
+# for the stage's final checkpoint after the last step (22-30 s at 1.5B on an H200): a cut there loses no step but
+# exits 124.
 # NUM_GPUS (default 1) is what the run's Ray head offers: with 2, e.g. placement.mode=disaggregate (trainer on
 # one GPU, engine on the other, nccl weight sync) or trainer.num_workers=2 rollout.num_engines=2 (two trainer
 # ranks, replicas at this size by trainer.data_parallel=auto, an engine colocated on each).
