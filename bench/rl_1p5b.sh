@@ -10,6 +10,12 @@
 #
 #   bash bench/rl_1p5b.sh OUT_DIR [overrides...]      # e.g. STEPS=10 ... rollout.max_response_len=128
 #
+# At the recipe's response length (64 responses of up to 8K tokens, ~50 s a step on an H200; docs/performance.md,
+# "Unified FP8 RL at 1.5B", session 46), once per precision=bf16 / unified_fp8:
+#   STEPS=3 bash bench/rl_1p5b.sh OUT_DIR precision=unified_fp8 rollout.max_response_len=8192 \
+#       rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 rollout.over_sampling_prompts=8 \
+#       trainer.max_tokens_per_gpu=16384
+#
 # LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed. Budget
 # for the stage's final checkpoint after the last step (22-30 s at 1.5B on an H200): a cut there loses no step but
 # exits 124.
