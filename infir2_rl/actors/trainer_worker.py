@@ -28,7 +28,7 @@ from infir2_rl.metrics import names
 from infir2_rl.trainers.torch.distributed import free_port, init_process_group
 from infir2_rl.types import LossFn, TensorMap, TokenBatch, TrainStats, WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
-from infir2_rl.weight_sync.buckets import HeldBuffer, held_tensors
+from infir2_rl.weight_sync.buckets import HeldBuffer, dtype_named, held_tensors
 from infir2_rl.weight_sync.digest import Digest, digests
 from infir2_rl.weight_sync.transport import IpcBucket, IpcExporter
 
@@ -55,10 +55,7 @@ def pack_tensors(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor,
 
 
 def unpack_tensors(packed: Sequence[tuple[str, Tensor, str]]) -> list[tuple[str, Tensor]]:
-    return [
-        (name, t.view(getattr(torch, dtype.removeprefix("torch."))) if dtype else t)
-        for name, t, dtype in packed
-    ]
+    return [(name, t.view(dtype_named(dtype)) if dtype else t) for name, t, dtype in packed]
 
 
 @dataclass

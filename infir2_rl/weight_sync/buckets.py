@@ -127,10 +127,15 @@ class HeldBuffer:
     def tensors(self, wanted: Iterable[str]) -> dict[str, Tensor]:
         wanted = set(wanted)
         return {
-            name: view_bytes(self.flat, getattr(torch, dtype_name.removeprefix("torch.")), shape, offset)
+            name: view_bytes(self.flat, dtype_named(dtype_name), shape, offset)
             for name, (dtype_name, shape, offset) in zip(self.names, self.layout)
             if name in wanted
         }
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of a transport layout's dtype name (``str(dtype)``, with or without ``torch.``)."""
+    return getattr(torch, name.removeprefix("torch."))  # type: ignore[no-any-return]
 
 
 def view_bytes(flat: Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Tensor:

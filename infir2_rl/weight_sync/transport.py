@@ -62,7 +62,7 @@ from torch import Tensor
 from infir2_rl.actors.remote import Call, call_all, is_actor
 from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.broadcast import BroadcastExport, BucketMeta
-from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets, copy_pairs, held_tensors
+from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets, copy_pairs, dtype_named, held_tensors
 from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.digest import Digest, digests
 
@@ -114,7 +114,7 @@ def unflatten(flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...], int]]) 
     for dtype_name, shape, offset in layout:
         typed = as_dtype.get(dtype_name)
         if typed is None:
-            typed = as_dtype[dtype_name] = flat.view(getattr(torch, dtype_name.removeprefix("torch.")))
+            typed = as_dtype[dtype_name] = flat.view(dtype_named(dtype_name))
         itemsize = typed.element_size()
         if offset % itemsize or offset + math.prod(shape) * itemsize > flat.numel():
             raise ValueError(
@@ -314,11 +314,6 @@ class TensorSource:
         self._broadcast.mark_broken(reason)
 
 
-def tensors_named(buckets: Sequence[WeightBucket], names: Iterable[str]) -> dict[str, Tensor]:
-    wanted = set(names)
-    return {n: t for b in buckets for n, t in zip(b.names, b.tensors) if n in wanted}
-
-
 class Push:
     """One weight version on its way to the engines, made by ``Transport.open``."""
 
@@ -369,7 +364,7 @@ class _ObjectStorePush(Push):
         call_all([Call(e, "update_weights", (payload,)) for e in engines], timeout_s)
 
     def read_sent(self, names: Sequence[str]) -> Mapping[str, Tensor]:
-        return tensors_named(self.buckets, names)
+        return held_tensors(self.buckets, names)
 
 
 class ObjectStoreTransport:

@@ -20,17 +20,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from infir2_rl.fp8.linear import Fp8Linear
-
-# What a tensor is, as far as an exported view of it goes: its address, dtype, shape and strides.
-Where = tuple[int, Any, tuple[int, ...], tuple[int, ...]]
-
+from infir2_rl.weight_sync.copy_plan import Key, key
 
 # Remembered for a walk that gave no listing, so that later pushes do not note their walks again.
 UNLISTABLE = object()
-
-
-def _where(t: Tensor) -> Where:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 class ExportListing:
@@ -48,8 +41,8 @@ class ExportListing:
 
     def current(self) -> bool:
         """Whether the listed tensors are still the model's; stale kept FP8 weights are refreshed first."""
-        for store, key, tensor, address in self._held:
-            if store.get(key) is not tensor or tensor.data_ptr() != address:
+        for store, name, tensor, address in self._held:
+            if store.get(name) is not tensor or tensor.data_ptr() != address:
                 return False
         for linear, kept in self._kept:
             if linear.kept_fp8 is not kept:
@@ -66,15 +59,16 @@ class ExportRecorder:
     """Notes each (name, tensor) of a walk with what holds the tensor; ``listing()`` after the walk."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._holders: dict[Where, tuple[str, Any, Any]] = {}
+        # A tensor's holder by what an exported view of it is: address, dtype, shape, strides (copy_plan.key).
+        self._holders: dict[Key, tuple[str, Any, Any]] = {}
         for module in model.modules():
             for store in (module._parameters, module._buffers):
-                for key, tensor in store.items():
+                for name, tensor in store.items():
                     if tensor is not None:
-                        self._holders[_where(tensor)] = ("store", store, key)
+                        self._holders[key(tensor)] = ("store", store, name)
             if isinstance(module, Fp8Linear) and module.kept_fp8 is not None:
                 for tensor in (module.kept_fp8.w_fp8, module.kept_fp8.scale_inv):
-                    self._holders[_where(tensor)] = ("kept", module, module.kept_fp8)
+                    self._holders[key(tensor)] = ("kept", module, module.kept_fp8)
         self._named: list[tuple[str, Tensor]] | None = []
         self._held: dict[tuple[int, str], tuple[dict[str, Any], str, Tensor, int]] = {}
         self._kept: dict[int, tuple[Fp8Linear, object]] = {}
@@ -82,15 +76,17 @@ class ExportRecorder:
     def add(self, name: str, tensor: Tensor) -> None:
         if self._named is None:
             return  # a tensor earlier in this walk had no holder
-        holder = self._holders.get(_where(tensor))
+        holder = self._holders.get(key(tensor))
         if holder is None:
             self._named = None  # made for this push (a quantization, a cast, a copy): no listing
             return
-        kind, owner, key = holder
+        kind, owner, slot = (
+            holder  # (a module's store, the tensor's name there) or (a linear, its kept weight)
+        )
         if kind == "store":
-            self._held[(id(owner), key)] = (owner, key, owner[key], owner[key].data_ptr())
+            self._held[(id(owner), slot)] = (owner, slot, owner[slot], owner[slot].data_ptr())
         else:
-            self._kept[id(owner)] = (owner, key)
+            self._kept[id(owner)] = (owner, slot)
         self._named.append((name, tensor))
 
     def listing(self) -> ExportListing | None:
