@@ -160,10 +160,12 @@ def profile_decode(
     return out
 
 
-def time_attention() -> dict[str, float]:
+def time_attention(contexts: list[int] | None = None, batches: list[int] | None = None) -> dict[str, float]:
     """Decode attention of one layer, 1.5B shape (12 heads, 2 KV heads, D 128), timed as CUDA-graph replays
     (20 calls per replay, median of 5): the engine's Triton split-K kernel against SDPA over a static cache
-    (the whole cache length, masked, GQA in SDPA), in us."""
+    (the whole cache length, masked, GQA in SDPA), in us. ``contexts``: every row at each of these lengths
+    (cache 64 longer), at each of ``batches``, instead of the four default cases; the floor is the K/V bytes
+    read at the GPU's nominal bandwidth (3.35 TB/s: H100 SXM; an H200 has 4.8)."""
     import torch.nn.functional as F
 
     from infir2_rl.engines.native import attention
@@ -187,7 +189,10 @@ def time_attention() -> dict[str, float]:
         return statistics.median(times)
 
     out = {}
-    for batch, ctx, cache_len in ((64, 256, 256), (256, 256, 256), (64, 1024, 2304), (256, 1024, 2304)):
+    cases = [(64, 256, 256), (256, 256, 256), (64, 1024, 2304), (256, 1024, 2304)]
+    if contexts:
+        cases = [(b, ctx, ctx + 64) for b in batches or [64] for ctx in contexts]
+    for batch, ctx, cache_len in cases:
         k = torch.randn(batch + 1, 2, cache_len, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q = torch.randn(batch, 12, 128, device="cuda", dtype=torch.bfloat16)
@@ -357,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attention", action="store_true", help="time Triton split-K vs SDPA decode attention"
     )
+    parser.add_argument(
+        "--attention-contexts",
+        type=int,
+        nargs="*",
+        help="with --attention: these context lengths at each --batch-sizes, instead of the default cases",
+    )
     parser.add_argument("--gemms", action="store_true", help="each decoder GEMM: BF16 vs FP8 candidates")
     parser.add_argument("--rl", action="store_true", help="the RL-shaped workload")
     parser.add_argument("--rl-repeats", type=int, default=2)
@@ -476,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         write_report(args.out, report)
     if args.attention and device.type == "cuda":
-        report["attention_us"] = time_attention()
+        report["attention_us"] = time_attention(args.attention_contexts, args.batch_sizes)
     if args.gemms and device.type == "cuda":
         report["gemms"] = time_gemms(engines, sorted(set(args.batch_sizes)))
         write_report(args.out, report)

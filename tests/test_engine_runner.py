@@ -97,6 +97,49 @@ def test_prompts_over_one_prefill_budget_are_admitted_together(model_dir: Path) 
     _assert_same(eager.generate(requests), got)
 
 
+def test_the_kv_cache_holds_the_calls_rows_not_max_batch_size(model_dir: Path) -> None:
+    """The cache gets a slot per row of the call (rounded up to a graph batch size), not max_batch_size:
+    10 rows -> 16 slots; a call with more rows grows it, one with fewer keeps it; samples are the eager
+    path's either way. (An RL step of 64 rows x 16K tokens took 80% of an H200's free memory, 99 GiB, for
+    max_batch_size=256 slots, where 64 slots need 31 GiB.)"""
+    runner = NativeEngine(
+        str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="runner", max_batch_size=256
+    )
+    eager = NativeEngine(str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="eager")
+    scheduler = runner._scheduler
+    requests = _requests(stop=STOP)  # 3 + 2 + 3 + 2 = 10 rows
+    _assert_same(eager.generate(requests), runner.generate(requests))
+    assert scheduler.cache is not None and (scheduler.num_slots, scheduler.cache.num_slots) == (16, 16)
+    more = requests + [
+        GenerateRequest(f"x{i}", list(range(7, 12)), n=4, params=requests[0].params, seed=10 + i)
+        for i in range(3)
+    ]  # 22 rows
+    _assert_same(eager.generate(more), runner.generate(more))
+    grown = scheduler.cache
+    assert grown is not None and grown.num_slots == 24
+    runner.generate(requests[:1])
+    assert scheduler.cache is grown  # fewer rows: the allocation stays
+
+
+def test_a_cache_cut_short_by_memory_is_kept_for_later_calls(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When memory gave fewer slots than the call wanted, later calls of that size keep the allocation (rows
+    take turns in its slots) instead of reallocating, and capturing graphs again, every call."""
+    runner = NativeEngine(
+        str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="runner", max_batch_size=256
+    )
+    scheduler = runner._scheduler
+    monkeypatch.setattr(scheduler, "_slots_that_fit", lambda length, wanted: min(wanted, 3))
+    requests = _requests(stop=STOP)
+    expected = NativeEngine(str(model_dir), fp8=False, dtype="float32", device="cpu").generate(requests)
+    _assert_same(expected, runner.generate(requests))
+    cache = scheduler.cache
+    assert cache is not None and cache.num_slots == 3
+    _assert_same(expected, runner.generate(requests))
+    assert scheduler.cache is cache
+
+
 def test_fp8_runner_log_probs_equal_the_fp8_trainer_forward(model_dir: Path) -> None:
     # FP8: the runner's fused GEMMs sum in another order than the eager path's, which can flip the e4m3
     # rounding of one activation element at a near-tie (test_engine_native.py: single log-probs move by up

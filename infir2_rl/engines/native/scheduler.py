@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from infir2_rl.engines.native.cuda_graphs import DecodeState, GraphDecoder
+from infir2_rl.engines.native.cuda_graphs import GRAPH_BATCH_SIZES, DecodeState, GraphDecoder
 from infir2_rl.engines.native.kv_cache import KVCache
 from infir2_rl.engines.native.model_runner import Qwen2Runner
 from infir2_rl.engines.native.prefill_graphs import PrefillGraphs
@@ -53,7 +53,10 @@ class Scheduler:
         max_prefill_tokens: int = 16384,
     ) -> None:
         self.runner, self.max_slots, self.use_graphs = runner, num_slots, use_graphs
-        self.num_slots = num_slots  # may be lowered per allocation to fit the KV cache in free GPU memory
+        # Slots of the current allocation: the rows of the call that made it (rounded up to a graph batch
+        # size), at most max_slots, fewer when their KV cache would not fit in free GPU memory (``_ensure``).
+        self.num_slots = num_slots
+        self._slots_capped = False  # the current allocation got fewer slots than it wanted (memory)
         self.pad_token_id, self.sync_every, self.max_prefill_tokens = (
             pad_token_id,
             sync_every,
@@ -79,20 +82,27 @@ class Scheduler:
         self.steps_by_size: Counter[int] = Counter()
 
     # ---- memory ---------------------------------------------------------------------------------
-    def _ensure(self, max_len: int, max_response: int, max_stops: int) -> None:
-        """Allocate (or grow) cache, state and graphs for these sizes; keeps them when they already fit."""
+    def _ensure(self, max_len: int, max_response: int, max_stops: int, rows: int) -> None:
+        """Allocate (or grow) cache, state and graphs for these sizes; keeps them when they already fit.
+
+        Slots follow the call's rows, not max_batch_size: 64 rows of 16K tokens get a 31 GiB cache, where
+        max_batch_size=256 slots took 80% of the free memory (99 GiB on an H200) for the same work. A later
+        call with more rows grows it, unless the current one was already cut short by memory."""
+        wanted = self._slots_wanted(rows)
         if (
             self.cache is not None
             and self.state is not None
             and self.cache.max_len >= max_len
             and self.state.max_response >= max_response
             and self.state.stop_ids.shape[1] >= max_stops
+            and (self.num_slots >= wanted or self._slots_capped)
         ):
             return
         self.release()
         length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
         length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
-        self.num_slots = self._slots_that_fit(length)
+        self.num_slots = self._slots_that_fit(length, wanted)
+        self._slots_capped = self.num_slots < wanted
         self.cache = self.runner.new_cache(self.num_slots, length)
         self.state = DecodeState(self.num_slots, max_response, max_stops, self.runner.device)
         self.decoder = GraphDecoder(self.runner, self.cache, self.state, self.use_graphs, self.warmed)
@@ -109,18 +119,25 @@ class Scheduler:
         return self.decoder.capture_s
 
     @staticmethod
-    def _sizes(requests: Sequence[GenerateRequest]) -> tuple[int, int, int]:
+    def _sizes(requests: Sequence[GenerateRequest]) -> tuple[int, int, int, int]:
         return (
             max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests),
             max(r.params.max_new_tokens for r in requests),
             max(len(r.params.stop_token_ids) for r in requests),
+            sum(r.n for r in requests),
         )
 
-    def _slots_that_fit(self, length: int) -> int:
-        """``max_slots``, or fewer when their KV cache would take more than KV_MEMORY_FRACTION of the free GPU
+    def _slots_wanted(self, rows: int) -> int:
+        """Slots for a call of ``rows`` rows: the smallest graph batch size >= rows (so that calls of similar
+        size share one allocation and its graphs), at most ``max_slots``."""
+        size = next((s for s in GRAPH_BATCH_SIZES if s >= rows), rows)
+        return min(size, self.max_slots)
+
+    def _slots_that_fit(self, length: int, wanted: int) -> int:
+        """``wanted``, or fewer when their KV cache would take more than KV_MEMORY_FRACTION of the free GPU
         memory (long responses, or a colocated trainer): fewer rows then decode at once, loudly logged."""
         if self.runner.device.type != "cuda":
-            return self.max_slots
+            return wanted
         free, _ = torch.cuda.mem_get_info(self.runner.device)
         r = self.runner
         per_slot = 2 * r.num_layers * r.num_kv_heads * length * r.head_dim * torch.finfo(r.dtype).bits // 8
@@ -130,14 +147,14 @@ class Scheduler:
                 f"the KV cache of one sequence of {length} positions ({per_slot / 2**30:.2f} GiB) does not fit in "
                 f"{KV_MEMORY_FRACTION:.0%} of the free GPU memory ({free / 2**30:.1f} GiB): lower max_new_tokens"
             )
-        if fit < self.max_slots:
+        if fit < wanted:
             logger.warning(
                 "native engine: KV cache for %d rows of %d positions needs %.1f GiB, %.0f%% of free GPU memory "
-                "is %.1f GiB: decoding %d rows at a time instead of max_batch_size=%d",
-                self.max_slots, length, self.max_slots * per_slot / 2**30, 100 * KV_MEMORY_FRACTION,
-                KV_MEMORY_FRACTION * free / 2**30, fit, self.max_slots,
+                "is %.1f GiB: decoding %d rows at a time instead of %d",
+                wanted, length, wanted * per_slot / 2**30, 100 * KV_MEMORY_FRACTION,
+                KV_MEMORY_FRACTION * free / 2**30, fit, wanted,
             )  # fmt: skip
-        return min(fit, self.max_slots)
+        return min(fit, wanted)
 
     def release(self, colocated: bool = False) -> None:
         """Drop the KV cache, decode state and decode graphs (weights stay where they are). ``colocated``
