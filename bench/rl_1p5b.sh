@@ -15,6 +15,9 @@
 #   STEPS=3 bash bench/rl_1p5b.sh OUT_DIR precision=unified_fp8 rollout.max_response_len=8192 \
 #       rollout.prompts_per_step=8 rollout.n_samples_per_prompt=8 rollout.over_sampling_prompts=8 \
 #       trainer.max_tokens_per_gpu=16384
+# and the second stage's 16K at T = 1.1 (~130-140 s a step; session 47): the same with rollout.max_response_len=16384
+# rollout.temperature=1.1 trainer.max_tokens_per_gpu=18432 (a row of 16,448 tokens pads to the 18,432 bucket).
+# A second table gives each step's response lengths, rollout tokens/s and train/rollout mismatch.
 #
 # LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed. Budget
 # for the stage's final checkpoint after the last step (22-30 s at 1.5B on an H200): a cut there loses no step but
@@ -69,6 +72,12 @@ for r in rows:
     capture = f"{r['rollout/graph_capture_s']:.3f}" if "rollout/graph_capture_s" in r else "-"
     sync = " / ".join(f"{r[k] * 1e3:.1f}" if k in r else "-" for k in ("time/weight_sync_s", "weight_sync/push_s", "weight_sync/check_s"))
     print(f"{r['step']:4d} | " + " | ".join(cells) + f" | {times} | {capture} | {sync}")
+# What the step did: response lengths (random weights rarely stop), the rollout's tokens/s, the mismatch.
+print("step | response mean | response max | rollout tokens/s | K3 | mean |dlogp|")
+fields = (("rollout/response_len_mean", ".0f"), ("rollout/response_len_max", ".0f"), ("rollout/tokens_per_s", ".0f"),
+          ("mismatch/k3", ".3g"), ("mismatch/abs_logp_diff_mean", ".3g"))
+for r in rows:
+    print(f"{r['step']:4d} | " + " | ".join(format(r[k], f) if k in r else "-" for k, f in fields))
 for p in phases:
     vals = [r[f"memory/{p}_peak_gb"] for r in rows if f"memory/{p}_peak_gb" in r]
     res = [r[f"memory/{p}_reserved_gb"] for r in rows if f"memory/{p}_reserved_gb" in r]

@@ -101,7 +101,7 @@ def test_the_kv_cache_holds_the_calls_rows_not_max_batch_size(model_dir: Path) -
     """The cache gets a slot per row of the call (rounded up to a graph batch size), not max_batch_size:
     10 rows -> 16 slots; a call with more rows grows it, one with fewer keeps it; samples are the eager
     path's either way. (An RL step of 64 rows x 16K tokens took 80% of an H200's free memory, 99 GiB, for
-    max_batch_size=256 slots, where 64 slots need 31 GiB.)"""
+    max_batch_size=256 slots, where 64 slots need 29 GiB.)"""
     runner = NativeEngine(
         str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="runner", max_batch_size=256
     )

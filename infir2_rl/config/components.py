@@ -282,7 +282,8 @@ class RolloutConfig(_Config):
     top_p: float = Field(default=1.0, gt=0, le=1)
     # Top-k sampling; -1 disables it (required for exact RL log-probs).
     top_k: int = -1
-    # Sequences decoded together in one engine batch.
+    # Most sequences decoded together in one engine batch (native: the KV cache holds a call's rows up to this
+    # many, fewer where 80% of the free GPU memory does not hold them; the rest wait for free slots).
     max_batch_size: int = Field(default=256, ge=1)
     # Rollout steps (optimizer steps) of the stage.
     num_steps: int = Field(default=10, ge=1)

@@ -4,7 +4,9 @@ Layout per layer: keys and values (num_slots + 1, KVH, max_len, D); the extra la
 padding rows of a graph batch and finished rows write and read (``SCRATCH`` = num_slots). A sequence keeps
 its slot from prefill to its last token, so nothing is ever moved or re-laid out; a finished sequence's
 slot is simply handed to the next one (continuous batching). Static rather than paged: simple, and the
-memory is bounded by ``num_slots * max_len`` (1.5B shape, 256 slots x 2,304 positions in BF16: 16.9 GB).
+memory is bounded by ``num_slots * max_len`` (1.5B shape, 256 slots x 2,304 positions in BF16: 16.9 GB; 64
+slots x 16,640: 28.9 GiB with the scratch slot). The scheduler gives it one slot per row of the call
+(``Scheduler._ensure``).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Scheduler:
     def _ensure(self, max_len: int, max_response: int, max_stops: int, rows: int) -> None:
         """Allocate (or grow) cache, state and graphs for these sizes; keeps them when they already fit.
 
-        Slots follow the call's rows, not max_batch_size: 64 rows of 16K tokens get a 31 GiB cache, where
+        Slots follow the call's rows, not max_batch_size: 64 rows of 16K tokens get a 29 GiB cache, where
         max_batch_size=256 slots took 80% of the free memory (99 GiB on an H200) for the same work. A later
         call with more rows grows it, unless the current one was already cut short by memory."""
         wanted = self._slots_wanted(rows)
