@@ -85,6 +85,18 @@ def test_global_batch_divisible_by_micro_batch_times_dp() -> None:
     assert msg.startswith("trainer.global_batch_size=30") and "4 x 2 = 8" in msg
 
 
+def test_a_token_budget_below_the_longest_row_is_refused_when_the_config_loads() -> None:
+    """A row longer than trainer.max_tokens_per_gpu fits no micro-batch: refused here, not at the first update
+    after a rollout; a budget that holds the longest row is accepted."""
+    rl = {"kind": "rl", "data": {"max_prompt_tokens": 64}, "rollout": {"max_response_len": 16384}}
+    msg = _err(rl | {"trainer": {"max_tokens_per_gpu": 16384}})
+    assert msg.startswith("trainer.max_tokens_per_gpu=16384: below the longest row")
+    assert "data.max_prompt_tokens 64 + rollout.max_response_len 16384 = 16448 tokens" in msg
+    assert parse_stage_config(rl | {"trainer": {"max_tokens_per_gpu": 16448}}).longest_row()[0] == 16448
+    msg = _err({"kind": "sft", "data": {"max_seq_len": 4096}, "trainer": {"max_tokens_per_gpu": 2048}})
+    assert msg.startswith("trainer.max_tokens_per_gpu=2048") and "data.max_seq_len = 4096 tokens" in msg
+
+
 def test_rl_global_batch_follows_rollout() -> None:
     cfg = parse_stage_config({"kind": "rl", "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4}})
     # Derived, not written into the trainer section: the section keeps what the user set (nothing).
