@@ -127,8 +127,8 @@ class TrainerConfig(_Config):
     # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
     micro_batch_size: int = Field(default=8, ge=1)
     # Token budget of one micro-batch on one worker (padded tokens, or real tokens when packed); None =
-    # fixed micro_batch_size. Must hold the stage's longest row (SFT: data.max_seq_len; RL:
-    # data.max_prompt_tokens + rollout.max_response_len), checked when the config loads.
+    # fixed micro_batch_size. Must hold the longest row: an RL stage checks data.max_prompt_tokens +
+    # rollout.max_response_len when the config loads; an SFT row over it fails at the first step.
     max_tokens_per_gpu: int | None = Field(default=None, ge=1)
     # With max_tokens_per_gpu: order the batch's rows by length, longest first, before they are split among
     # the ranks (dealt in turn: each gets as many long rows) and grouped into micro-batches, so rows of like

@@ -114,25 +114,9 @@ class _StageBase(_Config):
                 fix = "null to disable evaluation" if field == "data.test_path" else "a path"
                 raise ValueError(f"{field}='': empty (it would mean the current directory); set it to {fix}")
 
-    def longest_row(self) -> tuple[int, str]:
-        """The most tokens one training row of this stage can have, and what bounds it (config names)."""
-        raise NotImplementedError
-
-    def _check_token_budget(self) -> None:
-        # A row over the budget fits no micro-batch: the trainer would raise at its first update, after the
-        # first rollout (minutes at 16K responses) or the data scan, not here.
-        budget = self.trainer.max_tokens_per_gpu
-        longest, bound = self.longest_row()
-        if budget is not None and longest > budget:
-            raise ValueError(
-                f"trainer.max_tokens_per_gpu={budget}: below the longest row this stage can make ({bound} ="
-                f" {longest} tokens), which no micro-batch could hold; set it to >= {longest}"
-            )
-
     @model_validator(mode="after")
     def _check_stage(self) -> _StageBase:
         self._check_kind()
-        self._check_token_budget()
         self._check_paths_not_empty()
         t = self.trainer
         model_parallel = t.tensor_parallel_size * t.context_parallel_size
@@ -191,9 +175,6 @@ class SftStageConfig(_StageBase):
     def train_fp8(self) -> bool:
         return self.precision == "fp8"
 
-    def longest_row(self) -> tuple[int, str]:
-        return self.data.max_seq_len, "data.max_seq_len"
-
 
 class RlStageConfig(_StageBase):
     # GRPO reinforcement learning with FP8 rollout engines.
@@ -225,12 +206,9 @@ class RlStageConfig(_StageBase):
         """Whether engines generate with blockwise FP8 W8A8 decoder linears (pushed by the trainer each step)."""
         return self.precision != "bf16"
 
-    def longest_row(self) -> tuple[int, str]:
-        d, r = self.data, self.rollout
-        return (
-            d.max_prompt_tokens + r.max_response_len,
-            f"data.max_prompt_tokens {d.max_prompt_tokens} + rollout.max_response_len {r.max_response_len}",
-        )
+    def longest_row(self) -> int:
+        """The most tokens one RL row can have: a prompt kept by the data scan plus a whole response."""
+        return self.data.max_prompt_tokens + self.rollout.max_response_len
 
     @property
     def samples_per_step(self) -> int:
@@ -250,6 +228,16 @@ class RlStageConfig(_StageBase):
 
     def _check_kind(self) -> None:
         r = self.rollout
+        budget = self.trainer.max_tokens_per_gpu
+        if budget is not None and self.longest_row() > budget:
+            # Responses routinely run to max_response_len; a row over the budget fits no micro-batch, and the
+            # trainer would say so only at its first update, after the first rollout (minutes at 16K).
+            raise ValueError(
+                f"trainer.max_tokens_per_gpu={budget}: below the longest row this stage can make"
+                f" (data.max_prompt_tokens {self.data.max_prompt_tokens} + rollout.max_response_len"
+                f" {r.max_response_len} = {self.longest_row()} tokens), which no micro-batch could hold;"
+                f" set it to >= {self.longest_row()} or lower data.max_prompt_tokens"
+            )
         if r.n_samples_per_prompt < 2:
             raise ValueError(
                 f"rollout.n_samples_per_prompt={r.n_samples_per_prompt}: must be >= 2 for GRPO"
