@@ -160,12 +160,17 @@ def profile_decode(
     return out
 
 
+def nominal_bandwidth(device_name: str) -> float:
+    """HBM bytes/s the floors below divide by: an H200's 4.8 TB/s, else the H100 SXM's 3.35."""
+    return 4.8e12 if "H200" in device_name else 3.35e12
+
+
 def time_attention(contexts: list[int] | None = None, batches: list[int] | None = None) -> dict[str, float]:
     """Decode attention of one layer, 1.5B shape (12 heads, 2 KV heads, D 128), timed as CUDA-graph replays
     (20 calls per replay, median of 5): the engine's Triton split-K kernel against SDPA over a static cache
     (the whole cache length, masked, GQA in SDPA), in us. ``contexts``: every row at each of these lengths
     (cache 64 longer), at each of ``batches``, instead of the four default cases; the floor is the K/V bytes
-    read at the GPU's nominal bandwidth (3.35 TB/s: H100 SXM; an H200 has 4.8)."""
+    read at the GPU's nominal bandwidth (``nominal_bandwidth``)."""
     import torch.nn.functional as F
 
     from infir2_rl.engines.native import attention
@@ -204,7 +209,7 @@ def time_attention(contexts: list[int] | None = None, batches: list[int] | None 
         sdpa_us = graph_us(functools.partial(sdpa, q[:, :, None], k[:batch], v[:batch]))
         key = f"b{batch} ctx{ctx} cache{cache_len}"
         out[f"triton {key}"], out[f"sdpa_static {key}"] = triton_us, sdpa_us
-        floor_us = 2 * batch * 2 * ctx * 128 * 2 / 3.35e12 * 1e6
+        floor_us = 2 * batch * 2 * ctx * 128 * 2 / nominal_bandwidth(torch.cuda.get_device_name()) * 1e6
         print(
             f"attention {key}: triton {triton_us:.1f} us, SDPA static cache {sdpa_us:.1f} us (floor {floor_us:.1f} us)"
         )
@@ -235,7 +240,7 @@ def time_gemms(engines: dict[str, Any], batches: list[int]) -> list[dict[str, An
             qr = QuantizedRows(q, s_t, batch)
             choice = chooser.pick(qr, fp8.weight, fp8.scale, fp8.bias, torch.bfloat16)
             times = {k: 1e3 * v for k, v in next(iter(chooser.timings.values())).items()}
-            floor_us = fp8.weight.numel() / 3.35e12 * 1e6
+            floor_us = fp8.weight.numel() / nominal_bandwidth(torch.cuda.get_device_name()) * 1e6
             best = times[str(choice)]
             rows.append(
                 dict(batch=batch, gemm=name, n=fp8.weight.shape[0], k=fp8.weight.shape[1], bf16_us=bf16_us,
