@@ -206,15 +206,15 @@ def start_rl_actors(
     )
     # The engines load their models while the trainer group starts; wait for them here, so that the first
     # push's time is the push's (it had included up to ~18 s of engine start-up at 1.5B).
+    from ray.exceptions import GetTimeoutError
+
     started = time.perf_counter()
     try:
         call_all([Call(e, "health") for e in engines], cfg.weight_sync.timeout_s)
-    except Exception as exc:
-        if type(exc).__name__ == "GetTimeoutError":
-            raise TimeoutError(
-                f"the rollout engines did not start within weight_sync.timeout_s={cfg.weight_sync.timeout_s} s"
-            ) from exc
-        raise
+    except GetTimeoutError as exc:
+        raise TimeoutError(
+            f"the rollout engines did not start within weight_sync.timeout_s={cfg.weight_sync.timeout_s} s"
+        ) from exc
     ready_s = time.perf_counter() - started
     push = actors.sync.push_from(trainer, cfg.rollout_fp8, version=state.step)
     log.info(

@@ -59,7 +59,8 @@ class ExportRecorder:
     """Notes each (name, tensor) of a walk with what holds the tensor; ``listing()`` after the walk."""
 
     def __init__(self, model: nn.Module) -> None:
-        # A tensor's holder by what an exported view of it is: address, dtype, shape, strides (copy_plan.key).
+        # A tensor's holder by what an exported view of it is: address, dtype, shape, strides (copy_plan.key);
+        # ("store", a module's _parameters or _buffers, the name there) or ("kept", a linear, its kept weight).
         self._holders: dict[Key, tuple[str, Any, Any]] = {}
         for module in model.modules():
             for store in (module._parameters, module._buffers):
@@ -80,9 +81,7 @@ class ExportRecorder:
         if holder is None:
             self._named = None  # made for this push (a quantization, a cast, a copy): no listing
             return
-        kind, owner, slot = (
-            holder  # (a module's store, the tensor's name there) or (a linear, its kept weight)
-        )
+        kind, owner, slot = holder
         if kind == "store":
             self._held[(id(owner), slot)] = (owner, slot, owner[slot], owner[slot].data_ptr())
         else:
