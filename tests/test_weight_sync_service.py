@@ -127,6 +127,27 @@ def test_self_check_rotates_layers_until_it_finds_the_fault(model_dir: Path) -> 
         service.push(perturbed_fp8_state(model_dir, seed=2), version=2)  # layers 2 and 3
 
 
+class FailingEngine:
+    """An engine whose bucket load raises ``error`` (as ``call_all`` raises for a remote one)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def update_weights(self, bucket: WeightBucket) -> None:
+        raise self.error
+
+
+def test_a_push_past_its_timeout_names_the_bucket_and_other_errors_pass_through(model_dir: Path) -> None:
+    from ray.exceptions import GetTimeoutError
+
+    state = perturbed_fp8_state(model_dir, seed=1)
+    cfg = WeightSyncConfig(bucket_size_mb=1, timeout_s=3.0)
+    with pytest.raises(WeightSyncError, match=r"version 4 hung on bucket 0 .*weight_sync.timeout_s=3.0"):
+        WeightSyncService([FailingEngine(GetTimeoutError("no reply"))], cfg).push(iter(state), version=4)
+    with pytest.raises(RuntimeError, match="engine crashed"):  # not a timeout: raised as it is
+        WeightSyncService([FailingEngine(RuntimeError("engine crashed"))], cfg).push(iter(state), version=4)
+
+
 @pytest.mark.parametrize(("engines", "layers", "k"), [(8, 28, 2), (2, 4, 2), (3, 28, 5), (1, 28, 2)])
 def test_self_check_reads_back_every_layer_of_every_engine(engines: int, layers: int, k: int) -> None:
     # With the window and the engine both stepping on every push, 8 engines x 28 layers (the 7B recipe) left

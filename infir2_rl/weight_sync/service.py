@@ -110,19 +110,19 @@ class WeightSyncService:
             )
         if version < 0:
             raise ValueError(f"version={version}: weight versions are >= 0")
+        from ray.exceptions import GetTimeoutError  # lazy: local engines need no Ray until here
+
         push = self.transport.open(source, fp8, version, self.max_bucket_bytes)
         try:
             start = time.perf_counter()
             for index in range(len(push.buckets)):
                 try:
                     push.send(self.engines, index, self.cfg.timeout_s)
-                except Exception as exc:
-                    if type(exc).__name__ == "GetTimeoutError":
-                        raise WeightSyncError(
-                            f"push of version {version} hung on bucket {index} for more than"
-                            f" weight_sync.timeout_s={self.cfg.timeout_s}"
-                        ) from exc
-                    raise
+                except GetTimeoutError as exc:
+                    raise WeightSyncError(
+                        f"push of version {version} hung on bucket {index} for more than"
+                        f" weight_sync.timeout_s={self.cfg.timeout_s}"
+                    ) from exc
             self.last_version = version
             stats = PushStats(
                 version=version,
