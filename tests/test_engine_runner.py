@@ -140,6 +140,30 @@ def test_a_cache_cut_short_by_memory_is_kept_for_later_calls(
     assert scheduler.cache is cache
 
 
+def test_the_memory_the_engine_asks_a_colocated_trainer_for_admits_every_row(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memory_wanted`` (what a colocated trainer frees before a rollout, TorchTrainer.make_room) is the free
+    memory at which the cache admits all the slots the last call wanted; any less admits fewer."""
+    runner = NativeEngine(
+        str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="runner", max_batch_size=256
+    )
+    assert runner.memory_wanted() is None  # no call yet
+    runner.generate(_requests(stop=STOP))  # 10 rows: 16 slots wanted
+    scheduler = runner._scheduler
+    wanted_bytes = runner.memory_wanted()
+    assert scheduler._last_ask is not None and wanted_bytes is not None
+    slots, length = scheduler._last_ask
+    assert slots == 16
+    # _slots_that_fit's rule, as on a GPU with that much free memory:
+    monkeypatch.setattr(scheduler.runner, "device", torch.device("cuda"))
+    free = [wanted_bytes]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10 * free[0]))
+    assert scheduler._slots_that_fit(length, slots) == slots
+    free[0] = wanted_bytes - scheduler._slot_bytes(length)
+    assert scheduler._slots_that_fit(length, slots) < slots
+
+
 def test_fp8_runner_log_probs_equal_the_fp8_trainer_forward(model_dir: Path) -> None:
     # FP8: the runner's fused GEMMs sum in another order than the eager path's, which can flip the e4m3
     # rounding of one activation element at a near-tie (test_engine_native.py: single log-probs move by up

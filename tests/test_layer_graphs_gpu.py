@@ -183,6 +183,35 @@ def test_replaced_grads_and_a_second_forward_are_refused(tmp_path: Path) -> None
         trainer.train_step(batches[:1], SftLossFn(), units)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_graphs_dropped_to_make_room_free_their_memory_and_train_on(tmp_path: Path, fp8: bool) -> None:
+    """``make_room`` (before a colocated rollout) keeps the graphs while the free memory suffices; else it drops
+    them, their pool returns to the driver, and the next step captures its shapes again and trains as a twin
+    that kept its graphs."""
+    model = init_model(tmp_path / "model", preset="tiny")
+    kept, dropping = _trainer(model, fp8, graphs=True), _trainer(model, fp8, graphs=True)
+    batches = _two_shapes(tmp_path, kept)
+    units = sum(num_target_tokens(b) for b in batches)
+    for trainer in (kept, dropping):
+        trainer.train_step(batches, SftLossFn(), units)
+    graphs = dropping.layer_graphs
+    assert graphs is not None and graphs.num_shapes == 2
+    assert not dropping.make_room(0) and graphs.num_shapes == 2  # enough free memory: nothing dropped
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    assert dropping.make_room(2**62)  # more than any GPU has
+    assert graphs.num_shapes == 0 and torch.cuda.memory_reserved() < before
+    for _ in range(2):
+        a = kept.train_step(batches, SftLossFn(), units)
+        b = dropping.train_step(batches, SftLossFn(), units)
+        assert not b.skipped and b.loss == pytest.approx(a.loss, rel=1e-4, abs=1e-5)
+    assert graphs.num_shapes == 2 and graphs.captures == 4  # each shape captured again, once
+    for (name, p), q in zip(kept.model.named_parameters(), dropping.model.parameters(), strict=True):
+        err = float((p - q).detach().norm() / p.detach().norm().clamp_min(1e-12))
+        assert err < 1e-4, name
+
+
 def test_auto_turns_the_graphs_on_for_both_precisions_on_one_gpu(tmp_path: Path) -> None:
     model = init_model(tmp_path / "model", preset="tiny")
 

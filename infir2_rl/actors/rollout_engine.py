@@ -160,6 +160,12 @@ class RolloutEngine:
     def resume_memory(self) -> None:
         self.backend.resume_memory()
 
+    def memory_wanted(self) -> int | None:
+        """Free GPU bytes the last rollout's KV cache wanted (native engines on a GPU); None where the engine
+        does not say (SGLang sizes its cache from its own mem_fraction_static at launch)."""
+        wanted = getattr(self.backend, "memory_wanted", None)
+        return wanted() if wanted is not None else None
+
     def graph_capture_s(self) -> float | None:
         """Decode-graph capture seconds since the last call; None for a backend that does not capture."""
         capture = getattr(self.backend, "graph_capture_s", None)

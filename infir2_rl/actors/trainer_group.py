@@ -205,6 +205,10 @@ class TrainerGroup:
         """Each rank's (peak, reserved) GiB since the last call (``TrainerWorker.memory``)."""
         return self._all("memory")
 
+    def make_room(self, wanted_bytes: int) -> list[bool]:
+        """Each rank's ``TrainerWorker.make_room``: True where it dropped its layer graphs."""
+        return self._all("make_room", wanted_bytes)
+
     def forward_logprobs(self, batch: TokenBatch, temperature: float = 1.0, fp8: bool = True) -> Tensor:
         """Per-token log-probs of the whole batch, B x L float32, 0 at position 0 and on padding.
 

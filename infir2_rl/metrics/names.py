@@ -41,6 +41,9 @@ MEMORY_TRAIN_PEAK_GB = "memory/train_peak_gb"
 MEMORY_TRAIN_RESERVED_GB = "memory/train_reserved_gb"
 MEMORY_SYNC_PEAK_GB = "memory/sync_peak_gb"
 MEMORY_SYNC_RESERVED_GB = "memory/sync_reserved_gb"
+# Colocated on GPUs: 1 when, after this step's push, a trainer rank dropped its layer graphs so that the engine's
+# KV cache for the next rollout fits (``TorchTrainer.make_room``; the next step captures them again), else 0.
+MEMORY_TRAINER_GRAPHS_DROPPED = "memory/trainer_graphs_dropped"
 
 # Rollout batch: rewards, lengths (tokens), fraction cut at the max length, sampling speed.
 ROLLOUT_REWARD_MEAN = "rollout/reward_mean"

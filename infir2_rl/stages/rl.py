@@ -168,6 +168,9 @@ def rl_step(
     with timer("weight_sync"):
         push = actors.sync.push_from(actors.trainer, cfg.rollout_fp8, version=step)
     memory |= actors.memory(names.MEMORY_SYNC_PEAK_GB, names.MEMORY_SYNC_RESERVED_GB)
+    if actors.colocated_gpu:
+        with timer("make_room"):  # for the next rollout's KV cache
+            memory |= actors.make_room_for_rollout()
     metrics = {
         **batch.metrics,
         **train_metrics(stats, 0, stats.step_time_s),

@@ -89,6 +89,19 @@ class RlActors:
         if self.colocated_gpu:
             call_all([Call(e, "resume_memory") for e in self.engines])
 
+    def make_room_for_rollout(self) -> dict[str, float]:
+        """Colocated on GPUs, before a rollout: each trainer rank returns its cached GPU blocks and, where the
+        engines' KV cache (as large as their last one wanted) would still not fit, drops its layer graphs
+        (``TorchTrainer.make_room``). Nothing before the first rollout, apart, or with engines that do not say
+        what they want (SGLang)."""
+        if not self.colocated_gpu:
+            return {}
+        wanted = [w for w in call_all([Call(e, "memory_wanted") for e in self.engines]) if w is not None]
+        if not wanted:
+            return {}
+        dropped = self.trainer.make_room(max(wanted))
+        return {names.MEMORY_TRAINER_GRAPHS_DROPPED: float(any(dropped))}
+
     def memory(self, peak_key: str, reserved_key: str, engines: bool = False) -> dict[str, float]:
         """The trainer ranks' (or the engines') peak since the last call and reserved memory, largest process,
         under the given metric keys; their peak counters restart (names.MEMORY_*)."""

@@ -372,6 +372,11 @@ class NativeEngine:
         return since
 
     # ---- status and memory ----------------------------------------------------------------------
+    def memory_wanted(self) -> int | None:
+        """Free GPU bytes the last rollout's KV cache wanted (``Scheduler.memory_wanted``): what a colocated
+        trainer makes room for before the next one. None on the CPU decode path or before the first call."""
+        return self._scheduler.memory_wanted() if self._scheduler is not None else None
+
     def health(self) -> EngineHealth:
         return EngineHealth(
             ok=True,

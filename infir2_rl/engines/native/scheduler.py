@@ -57,6 +57,8 @@ class Scheduler:
         # size), at most max_slots, fewer when their KV cache would not fit in free GPU memory (``_ensure``).
         self.num_slots = num_slots
         self._slots_capped = False  # the current allocation got fewer slots than it wanted (memory)
+        # (slots wanted, cache length) of the last allocation asked for: what ``memory_wanted`` reports.
+        self._last_ask: tuple[int, int] | None = None
         self.pad_token_id, self.sync_every, self.max_prefill_tokens = (
             pad_token_id,
             sync_every,
@@ -101,6 +103,7 @@ class Scheduler:
         self.release()
         length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
         length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
+        self._last_ask = (wanted, length)
         self.num_slots = self._slots_that_fit(length, wanted)
         self._slots_capped = self.num_slots < wanted
         self.cache = self.runner.new_cache(self.num_slots, length)
@@ -139,8 +142,7 @@ class Scheduler:
         if self.runner.device.type != "cuda":
             return wanted
         free, _ = torch.cuda.mem_get_info(self.runner.device)
-        r = self.runner
-        per_slot = 2 * r.num_layers * r.num_kv_heads * length * r.head_dim * torch.finfo(r.dtype).bits // 8
+        per_slot = self._slot_bytes(length)
         fit = int(KV_MEMORY_FRACTION * free) // per_slot - 1  # minus the scratch slot
         if fit < 1:
             raise RuntimeError(
@@ -155,6 +157,20 @@ class Scheduler:
                 KV_MEMORY_FRACTION * free / 2**30, fit, wanted,
             )  # fmt: skip
         return min(fit, wanted)
+
+    def _slot_bytes(self, length: int) -> int:
+        """KV-cache bytes of one slot of ``length`` positions (K and V of every layer)."""
+        r = self.runner
+        return 2 * r.num_layers * r.num_kv_heads * length * r.head_dim * torch.finfo(r.dtype).bits // 8
+
+    def memory_wanted(self) -> int | None:
+        """Free GPU bytes the last call's KV cache wanted (its slots and the scratch slot, over
+        KV_MEMORY_FRACTION, as ``_slots_that_fit`` admits them): a colocated trainer makes that much room before
+        the next rollout when it can (``TorchTrainer.make_room``). None before the first call."""
+        if self._last_ask is None:
+            return None
+        slots, length = self._last_ask
+        return int((slots + 1) * self._slot_bytes(length) / KV_MEMORY_FRACTION) + 1
 
     def release(self, colocated: bool = False) -> None:
         """Drop the KV cache, decode state and decode graphs (weights stay where they are). ``colocated``

@@ -282,6 +282,18 @@ class LayerGraphs:
     def num_shapes(self) -> int:
         return len(self._shapes)
 
+    def release(self) -> None:
+        """Drop every captured graph, its memory pool and the buffers between layers, so that the caller's
+        ``torch.cuda.empty_cache()`` returns them to the driver (a colocated engine's KV cache needs the room:
+        ``TorchTrainer.make_room``). Later micro-batches capture their shapes again, in a new pool, without the
+        all-layer warm-ups (those set-ups are per process). Only between micro-batches (no forward pending)."""
+        self._shapes.clear()
+        self._boundary_sets = {False: [], True: []}
+        self._active = None
+        self._refused.clear()  # a kind refused for memory may fit now
+        self._largest_training = 0  # the new pool grows by the first shape's working memory again
+        self._pool = torch.cuda.graph_pool_handle()
+
     # ------------------------------------------------------------------ dispatch
     def _call(
         self,

@@ -597,6 +597,29 @@ class TorchTrainer:
             norm = norm.full_tensor()
         return norm.float()
 
+    def make_room(self, wanted_bytes: int) -> bool:
+        """Colocated with a rollout engine: before a rollout, return this process's cached GPU blocks, and when
+        the GPU's free memory is still below ``wanted_bytes`` (what the engine's KV cache wants,
+        ``NativeEngine.memory_wanted``), drop the layer graphs too (their pool and buffers; the next step
+        captures its shapes again). Without that, at 16K responses on an 80 GB GPU the graphs' ~29 GiB left
+        the engine 32 of its 64 rows at a time (docs/performance.md, session 48). True when the graphs went."""
+        if self.device.type != "cuda":
+            return False
+        torch.cuda.empty_cache()
+        graphs = self.layer_graphs
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if free >= wanted_bytes or graphs is None or graphs.num_shapes == 0:
+            return False
+        graphs.release()
+        torch.cuda.empty_cache()
+        after = torch.cuda.mem_get_info(self.device)[0]
+        log.info(
+            "trainer: layer graphs dropped before the rollout (free GPU memory %.1f -> %.1f GiB; the engine's KV "
+            "cache wants %.1f): the next step captures its shapes again",
+            free / 2**30, after / 2**30, wanted_bytes / 2**30,
+        )  # fmt: skip
+        return True
+
     def _metric_names(self, local: dict[str, float]) -> list[str]:
         """Loss metric names over all ranks (a rank without micro-batches has none), in one order."""
         if self.world_size == 1:
