@@ -32,7 +32,13 @@ H100_80GB_TOTAL_MIB = 81_559  # nvidia-smi's memory.total of an NVIDIA H100 80GB
 def smi_mib(device: int) -> tuple[int, int]:
     """(total, used) MiB of GPU ``device`` by nvidia-smi."""
     out = subprocess.run(
-        ["nvidia-smi", "-i", str(device), "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits"],
+        [
+            "nvidia-smi",
+            "-i",
+            str(device),
+            "--query-gpu=memory.total,memory.used",
+            "--format=csv,noheader,nounits",
+        ],
         check=True,
         capture_output=True,
         text=True,
