@@ -90,9 +90,9 @@ class RlActors:
             call_all([Call(e, "resume_memory") for e in self.engines])
 
     def make_room_for_rollout(self) -> dict[str, float]:
-        """Colocated on GPUs, before a rollout: each trainer rank returns its cached GPU blocks and, where the
-        engines' KV cache (as large as their last one wanted) would still not fit, drops its layer graphs
-        (``TorchTrainer.make_room``). Nothing before the first rollout, apart, or with engines that do not say
+        """Colocated on GPUs, before a rollout: where the engines' KV cache (as large as their last one wanted)
+        would not fit in the free memory, each trainer rank returns its cached GPU blocks, then drops its layer
+        graphs (``TorchTrainer.make_room``). Nothing before the first rollout, apart, or with engines that do not say
         what they want (SGLang)."""
         if not self.colocated_gpu:
             return {}

@@ -598,12 +598,13 @@ class TorchTrainer:
         return norm.float()
 
     def make_room(self, wanted_bytes: int) -> bool:
-        """Colocated with a rollout engine: before a rollout, return this process's cached GPU blocks, and when
-        the GPU's free memory is still below ``wanted_bytes`` (what the engine's KV cache wants,
-        ``NativeEngine.memory_wanted``), drop the layer graphs too (their pool and buffers; the next step
-        captures its shapes again). Without that, at 16K responses on an 80 GB GPU the graphs' ~29 GiB left
-        the engine 32 of its 64 rows at a time (docs/performance.md, session 48). True when the graphs went."""
-        if self.device.type != "cuda":
+        """Colocated with a rollout engine, before a rollout: while the GPU's free memory is below
+        ``wanted_bytes`` (what the engine's KV cache wants, ``NativeEngine.memory_wanted``), return this process's
+        cached blocks, then drop the layer graphs (their pool and buffers; the next step captures its shapes
+        again). A GPU with room is left as it is. Without this, at 16K responses on an 80 GB GPU the trainer kept
+        ~57 GiB through the rollout and the engine decoded 32 of its 64 rows at a time (docs/performance.md,
+        session 48). True when the graphs went."""
+        if self.device.type != "cuda" or torch.cuda.mem_get_info(self.device)[0] >= wanted_bytes:
             return False
         torch.cuda.empty_cache()
         graphs = self.layer_graphs
