@@ -18,6 +18,8 @@
 # and the second stage's 16K at T = 1.1 (~130-140 s a step; session 47): the same with rollout.max_response_len=16384
 # rollout.temperature=1.1 trainer.max_tokens_per_gpu=18432 (a row of 16,448 tokens pads to the 18,432 bucket).
 # A second table gives each step's response lengths, rollout tokens/s and train/rollout mismatch.
+# An 80 GB GPU's memory on an H200: start bench/gpu_ballast.py first (its docstring; session 48 ran the 16K
+# command so).
 #
 # LIMIT_S (default: none) cuts the run after that many seconds; the steps logged so far are still printed. Budget
 # for the stage's final checkpoint after the last step (22-30 s at 1.5B on an H200): a cut there loses no step but
