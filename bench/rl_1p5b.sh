@@ -77,10 +77,11 @@ for r in rows:
 # What the step did: response lengths (random weights rarely stop), the rollout's tokens/s, the mismatch.
 # Then whether the trainer dropped its layer graphs after the push so that the next rollout's KV cache fits
 # (memory/trainer_graphs_dropped; stages/rl_setup.make_room_for_rollout) and that phase's seconds.
-print("step | response mean | response max | rollout tokens/s | K3 | mean |dlogp| | graphs dropped for the next rollout | make_room s")
+# rollout/kv_slots_short: KV-cache slots the rollout's rows wanted and the engine did not get for memory (they took turns).
+print("step | response mean | response max | rollout tokens/s | KV slots short | K3 | mean |dlogp| | graphs dropped for the next rollout | make_room s")
 fields = (("rollout/response_len_mean", ".0f"), ("rollout/response_len_max", ".0f"), ("rollout/tokens_per_s", ".0f"),
-          ("mismatch/k3", ".3g"), ("mismatch/abs_logp_diff_mean", ".3g"), ("memory/trainer_graphs_dropped", ".0f"),
-          ("time/make_room_s", ".3f"))
+          ("rollout/kv_slots_short", ".0f"), ("mismatch/k3", ".3g"), ("mismatch/abs_logp_diff_mean", ".3g"),
+          ("memory/trainer_graphs_dropped", ".0f"), ("time/make_room_s", ".3f"))
 for r in rows:
     print(f"{r['step']:4d} | " + " | ".join(format(r[k], f) if k in r else "-" for k, f in fields))
 for p in phases:

@@ -108,8 +108,10 @@ def test_the_kv_cache_holds_the_calls_rows_not_max_batch_size(model_dir: Path) -
     eager = NativeEngine(str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path="eager")
     scheduler = runner._scheduler
     requests = _requests(stop=STOP)  # 3 + 2 + 3 + 2 = 10 rows
+    assert runner.kv_slots_short() is None  # no call yet
     _assert_same(eager.generate(requests), runner.generate(requests))
     assert scheduler.cache is not None and (scheduler.num_slots, scheduler.cache.num_slots) == (16, 16)
+    assert runner.kv_slots_short() == 0  # every row decoded at once
     more = requests + [
         GenerateRequest(f"x{i}", list(range(7, 12)), n=4, params=requests[0].params, seed=10 + i)
         for i in range(3)
@@ -136,8 +138,9 @@ def test_a_cache_cut_short_by_memory_is_kept_for_later_calls(
     _assert_same(expected, runner.generate(requests))
     cache = scheduler.cache
     assert cache is not None and cache.num_slots == 3
+    assert runner.kv_slots_short() == 16 - 3  # the RL step's rollout/kv_slots_short
     _assert_same(expected, runner.generate(requests))
-    assert scheduler.cache is cache
+    assert scheduler.cache is cache and runner.kv_slots_short() == 13
 
 
 def test_the_memory_the_engine_asks_a_colocated_trainer_for_admits_every_row(

@@ -1,6 +1,7 @@
 """Before a colocated rollout the RL stage asks the engines what their KV cache wants and has the trainer make
 room (``RlActors.make_room_for_rollout``): only colocated on GPUs, with the largest engine's ask, and the step's
-metric says whether a rank dropped its layer graphs. Local fakes stand in for the Ray actors."""
+metric says whether a rank dropped its layer graphs. After a rollout, ``rollout/kv_slots_short`` says whether an
+engine's rows took turns for memory. Local fakes stand in for the Ray actors."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from infir2_rl.stages.rl_setup import RlActors
 
 
 class FakeEngine:
-    def __init__(self, wanted: int | None) -> None:
-        self.wanted = wanted
+    def __init__(self, wanted: int | None, short: int | None = None) -> None:
+        self.wanted, self.short = wanted, short
 
     def memory_wanted(self) -> int | None:
         return self.wanted
+
+    def kv_slots_short(self) -> int | None:
+        return self.short
 
 
 class FakeTrainer:
@@ -50,3 +54,10 @@ def test_nothing_is_asked_before_the_first_rollout_or_of_engines_that_do_not_say
     trainer = FakeTrainer([True])
     assert _actors(trainer, [FakeEngine(None)], colocated=True).make_room_for_rollout() == {}
     assert trainer.asked == []
+
+
+def test_the_step_reports_the_largest_kv_slot_shortfall_of_the_engines_that_say() -> None:
+    engines = [FakeEngine(None, short=0), FakeEngine(None, short=32), FakeEngine(None)]
+    got = _actors(FakeTrainer([]), engines, colocated=True).kv_slots_short()
+    assert got == {names.ROLLOUT_KV_SLOTS_SHORT: 32.0}
+    assert _actors(FakeTrainer([]), [FakeEngine(None)], colocated=False).kv_slots_short() == {}

@@ -166,6 +166,12 @@ class RolloutEngine:
         wanted = getattr(self.backend, "memory_wanted", None)
         return wanted() if wanted is not None else None
 
+    def kv_slots_short(self) -> int | None:
+        """KV-cache slots the last rollout wanted and did not get for memory (native engines); None where the
+        engine does not say."""
+        short = getattr(self.backend, "kv_slots_short", None)
+        return short() if short is not None else None
+
     def graph_capture_s(self) -> float | None:
         """Decode-graph capture seconds since the last call; None for a backend that does not capture."""
         capture = getattr(self.backend, "graph_capture_s", None)

@@ -51,6 +51,9 @@ ROLLOUT_REWARD_STD = "rollout/reward_std"
 ROLLOUT_RESPONSE_LEN_MEAN = "rollout/response_len_mean"
 ROLLOUT_TRUNCATED_FRAC = "rollout/truncated_frac"
 ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
+# KV-cache slots the rollout's rows wanted and an engine did not get for memory (largest engine; native engines):
+# those rows took turns instead of decoding at once, and the rollout ran longer. 0 when every row fit.
+ROLLOUT_KV_SLOTS_SHORT = "rollout/kv_slots_short"
 # Longest response, fraction of samples aborted, reward over every sampled group (before dynamic sampling),
 # groups kept / dropped (no reward spread) / filled (kept anyway to complete the batch) / left over, sampling
 # rounds, and the seconds spent generating and scoring.

@@ -134,6 +134,7 @@ def rl_step(
     (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
     memory = actors.memory(names.MEMORY_ROLLOUT_PEAK_GB, names.MEMORY_ROLLOUT_RESERVED_GB, engines=True)
     capture = actors.graph_capture_s()  # the rollout's decode-graph captures (GPU engines)
+    capture |= actors.kv_slots_short()  # and whether its rows all fit in the KV cache at once
     actors.trainer.memory()  # restarts the ranks' peak counters: the scoring phase starts here
     actors.engines_sleep()
     temperature, size, rows = cfg.rollout.temperature, cfg.global_batch_size, tokens.num_sequences

@@ -113,6 +113,12 @@ class RlActors:
             return {}
         return {peak_key: max(p for p, _ in values), reserved_key: max(r for _, r in values)}
 
+    def kv_slots_short(self) -> dict[str, float]:
+        """KV-cache slots the rollout wanted and did not get for memory, largest engine (``names.
+        ROLLOUT_KV_SLOTS_SHORT``); nothing when no engine says (CPU decode path, SGLang)."""
+        values = [v for v in call_all([Call(e, "kv_slots_short") for e in self.engines]) if v is not None]
+        return {names.ROLLOUT_KV_SLOTS_SHORT: float(max(values))} if values else {}
+
     def graph_capture_s(self) -> dict[str, float]:
         """The engines' decode-graph capture seconds since the last call (largest engine); nothing when no
         engine captures graphs (CPU, SGLang)."""

@@ -377,6 +377,11 @@ class NativeEngine:
         trainer makes room for before the next one. None on the CPU decode path or before the first call."""
         return self._scheduler.memory_wanted() if self._scheduler is not None else None
 
+    def kv_slots_short(self) -> int | None:
+        """KV-cache slots the last rollout wanted and did not get for memory (``Scheduler.slots_short``; its
+        rows took turns); None on the CPU decode path or before the first call."""
+        return self._scheduler.slots_short() if self._scheduler is not None else None
+
     def health(self) -> EngineHealth:
         return EngineHealth(
             ok=True,

@@ -57,7 +57,7 @@ class Scheduler:
         # size), at most max_slots, fewer when their KV cache would not fit in free GPU memory (``_ensure``).
         self.num_slots = num_slots
         self._slots_capped = False  # the current allocation got fewer slots than it wanted (memory)
-        # (slots wanted, cache length) of the last allocation asked for: what ``memory_wanted`` reports.
+        # (slots wanted, cache length) of the last call: what ``memory_wanted`` and ``slots_short`` report.
         self._last_ask: tuple[int, int] | None = None
         self.pad_token_id, self.sync_every, self.max_prefill_tokens = (
             pad_token_id,
@@ -91,6 +91,9 @@ class Scheduler:
         max_batch_size=256 slots took 80% of the free memory (99 GiB on an H200) for the same work. A later
         call with more rows grows it, unless the current one was already cut short by memory."""
         wanted = self._slots_wanted(rows)
+        length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
+        length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
+        self._last_ask = (wanted, length)
         if (
             self.cache is not None
             and self.state is not None
@@ -101,9 +104,6 @@ class Scheduler:
         ):
             return
         self.release()
-        length = -(-max_len // _LEN_QUANTUM) * _LEN_QUANTUM
-        length = min(length, self.runner.max_positions) if max_len <= self.runner.max_positions else max_len
-        self._last_ask = (wanted, length)
         self.num_slots = self._slots_that_fit(length, wanted)
         self._slots_capped = self.num_slots < wanted
         self.cache = self.runner.new_cache(self.num_slots, length)
@@ -171,6 +171,13 @@ class Scheduler:
             return None
         slots, length = self._last_ask
         return int((slots + 1) * self._slot_bytes(length) / KV_MEMORY_FRACTION) + 1
+
+    def slots_short(self) -> int | None:
+        """Slots the last call wanted and the cache did not hold (memory): its rows beyond the cache's slots took
+        turns instead of decoding at once. 0 when all fit; None before the first call."""
+        if self._last_ask is None:
+            return None
+        return max(0, self._last_ask[0] - self.num_slots)
 
     def release(self, colocated: bool = False) -> None:
         """Drop the KV cache, decode state and decode graphs (weights stay where they are). ``colocated``
