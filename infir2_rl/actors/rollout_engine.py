@@ -160,22 +160,24 @@ class RolloutEngine:
     def resume_memory(self) -> None:
         self.backend.resume_memory()
 
+    def _if_backend_says(self, method: str) -> Any:
+        """The backend's answer to ``method`` (no arguments), None for a backend without it."""
+        answer = getattr(self.backend, method, None)
+        return answer() if answer is not None else None
+
     def memory_wanted(self) -> int | None:
         """Free GPU bytes the last rollout's KV cache wanted (native engines on a GPU); None where the engine
         does not say (SGLang sizes its cache from its own mem_fraction_static at launch)."""
-        wanted = getattr(self.backend, "memory_wanted", None)
-        return wanted() if wanted is not None else None
+        return self._if_backend_says("memory_wanted")  # type: ignore[no-any-return]
 
     def kv_slots_short(self) -> int | None:
         """KV-cache slots the last rollout wanted and did not get for memory (native engines); None where the
         engine does not say."""
-        short = getattr(self.backend, "kv_slots_short", None)
-        return short() if short is not None else None
+        return self._if_backend_says("kv_slots_short")  # type: ignore[no-any-return]
 
     def graph_capture_s(self) -> float | None:
         """Decode-graph capture seconds since the last call; None for a backend that does not capture."""
-        capture = getattr(self.backend, "graph_capture_s", None)
-        return capture() if capture is not None else None
+        return self._if_backend_says("graph_capture_s")  # type: ignore[no-any-return]
 
     def memory(self) -> tuple[float, float] | None:
         """(peak, reserved) GiB of this process since the last call (``metrics.logger.memory_gb``), None when

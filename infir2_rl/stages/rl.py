@@ -133,8 +133,8 @@ def rl_step(
     advantages = grpo_advantages(batch.rewards_tensor(), batch.group_size, cfg.algorithm.normalize_std)
     (tokens,) = to_token_batches(batch, advantages, actors.pad_id, micro_batch_size=batch.num_samples)
     memory = actors.memory(names.MEMORY_ROLLOUT_PEAK_GB, names.MEMORY_ROLLOUT_RESERVED_GB, engines=True)
-    capture = actors.graph_capture_s()  # the rollout's decode-graph captures (GPU engines)
-    capture |= actors.kv_slots_short()  # and whether its rows all fit in the KV cache at once
+    # The rollout's decode-graph captures and whether its rows all fit in the KV cache at once (GPU engines).
+    engine_stats = actors.graph_capture_s() | actors.kv_slots_short()
     actors.trainer.memory()  # restarts the ranks' peak counters: the scoring phase starts here
     actors.engines_sleep()
     temperature, size, rows = cfg.rollout.temperature, cfg.global_batch_size, tokens.num_sequences
@@ -177,7 +177,7 @@ def rl_step(
         **train_metrics(stats, 0, stats.step_time_s),
         **mismatch,
         **memory,
-        **capture,
+        **engine_stats,
         names.TRAIN_UPDATES_PER_ROLLOUT: float(len(all_stats)),
         names.WEIGHT_SYNC_PUSH_S: push.seconds,
         names.WEIGHT_SYNC_CHECK_S: push.check_seconds,

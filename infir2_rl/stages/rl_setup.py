@@ -89,6 +89,10 @@ class RlActors:
         if self.colocated_gpu:
             call_all([Call(e, "resume_memory") for e in self.engines])
 
+    def _engines_say(self, method: str) -> list[Any]:
+        """Every engine's answer to ``method`` (no arguments), leaving out the None of engines that do not say."""
+        return [v for v in call_all([Call(e, method) for e in self.engines]) if v is not None]
+
     def make_room_for_rollout(self) -> dict[str, float]:
         """Colocated on GPUs, before a rollout: where the engines' KV cache (as large as their last one wanted)
         would not fit in the free memory, each trainer rank returns its cached GPU blocks, then drops its layer
@@ -96,7 +100,7 @@ class RlActors:
         what they want (SGLang)."""
         if not self.colocated_gpu:
             return {}
-        wanted = [w for w in call_all([Call(e, "memory_wanted") for e in self.engines]) if w is not None]
+        wanted = self._engines_say("memory_wanted")
         if not wanted:
             return {}
         dropped = self.trainer.make_room(max(wanted))
@@ -106,7 +110,7 @@ class RlActors:
         """The trainer ranks' (or the engines') peak since the last call and reserved memory, largest process,
         under the given metric keys; their peak counters restart (names.MEMORY_*)."""
         if engines:
-            values = [v for v in call_all([Call(e, "memory") for e in self.engines]) if v is not None]
+            values = self._engines_say("memory")
         else:
             values = self.trainer.memory()
         if not values:
@@ -116,13 +120,13 @@ class RlActors:
     def kv_slots_short(self) -> dict[str, float]:
         """KV-cache slots the rollout wanted and did not get for memory, largest engine (``names.
         ROLLOUT_KV_SLOTS_SHORT``); nothing when no engine says (CPU decode path, SGLang)."""
-        values = [v for v in call_all([Call(e, "kv_slots_short") for e in self.engines]) if v is not None]
+        values = self._engines_say("kv_slots_short")
         return {names.ROLLOUT_KV_SLOTS_SHORT: float(max(values))} if values else {}
 
     def graph_capture_s(self) -> dict[str, float]:
         """The engines' decode-graph capture seconds since the last call (largest engine); nothing when no
         engine captures graphs (CPU, SGLang)."""
-        values = [v for v in call_all([Call(e, "graph_capture_s") for e in self.engines]) if v is not None]
+        values = self._engines_say("graph_capture_s")
         return {names.ROLLOUT_GRAPH_CAPTURE_S: max(values)} if values else {}
 
     def checkpointable(self) -> _RlCheckpointWriter:
