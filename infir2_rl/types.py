@@ -216,6 +216,11 @@ class TrainerBackend(Protocol):
 
     def load(self, directory: Path) -> None: ...
 
+    def make_room(self, wanted_bytes: int) -> bool:
+        """Before a colocated rollout: free GPU memory until ``wanted_bytes`` are free, as far as this backend
+        can without losing state; True when it dropped its CUDA graphs (the next step captures them again)."""
+        ...
+
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -97,3 +97,22 @@ def test_twenty_sft_steps_track_the_torch_backend_and_resume_exactly(assets: tup
     resumed.load(tmp_path / "ck")
     got = resumed.train_step([batches[2]], SftLossFn(), num_target_tokens(batches[2]))
     assert got.loss == pytest.approx(expected.loss, rel=1e-4) and got.lr == expected.lr
+
+
+def test_make_room_returns_the_cached_blocks_only_when_memory_is_short(assets: tuple) -> None:
+    """Before a colocated rollout the megatron backend returns its allocator's cached blocks where the GPU's free
+    memory is below what the engine wants, and keeps them where it is not; it has no graphs, so it says False.
+    Training goes on after."""
+    model, batches = assets
+    trainer = make("megatron", model, fp8=True)
+    trainer.train_step(micro_batches(batches[0], 8), SftLossFn(), num_target_tokens(batches[0]))
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device=trainer.device)  # 256 MiB cached once freed
+    del scratch
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached >= 256 << 20
+    assert trainer.make_room(0) is False  # room enough: the cache stays
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() == cached
+    assert trainer.make_room(2**62) is False  # more than any GPU has: the cache goes
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 256 << 20
+    stats = trainer.train_step(micro_batches(batches[1], 8), SftLossFn(), num_target_tokens(batches[1]))
+    assert math.isfinite(stats.loss)

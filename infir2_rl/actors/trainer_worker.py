@@ -185,10 +185,9 @@ class TrainerWorker:
         return memory_gb(reset_peak=True)
 
     def make_room(self, wanted_bytes: int) -> bool:
-        """Before a colocated rollout: free what this rank can for the engine's KV cache
-        (``TorchTrainer.make_room``; False for a backend without it: the megatron one keeps no layer graphs)."""
-        make_room = getattr(self.backend, "make_room", None)
-        return bool(make_room(wanted_bytes)) if make_room is not None else False
+        """Before a colocated rollout: free what this rank can for the engine's KV cache; True when it dropped
+        its layer graphs (``TorchTrainer.make_room``; ``MegatronTrainer.make_room`` only returns cached blocks)."""
+        return bool(self.backend.make_room(wanted_bytes))
 
     def forward_logprobs(
         self, batches: Sequence[TokenBatch], temperature: float, fp8: bool = True

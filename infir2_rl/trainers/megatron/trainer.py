@@ -483,6 +483,16 @@ class MegatronTrainer:
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()
 
+    def make_room(self, wanted_bytes: int) -> bool:
+        """Colocated with a rollout engine, before a rollout: where the GPU's free memory is below ``wanted_bytes``
+        (what the engine's KV cache wants, ``NativeEngine.memory_wanted``), return this process's cached blocks
+        to the driver. Weights, masters and optimizer states stay (this backend has no layer graphs to drop, and
+        offloads nothing), so it may still be short: the step's ``rollout/kv_slots_short`` says so. False: no
+        graphs dropped (the torch backend's ``TorchTrainer.make_room`` answers True when its graphs went)."""
+        if self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < wanted_bytes:
+            torch.cuda.empty_cache()
+        return False
+
 
 def _is_te_linear_weight(name: str) -> bool:
     """A te-spec decoder linear's weight (megatron name), whose FP8 bytes the export takes from TE."""
