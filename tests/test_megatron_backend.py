@@ -90,6 +90,48 @@ def test_logprobs_and_fp8_export_equal_the_torch_backend(assets: tuple, fp8: boo
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_scores_without_logits_equal_the_full_logits_path_and_gradients(assets: tuple, fp8: bool) -> None:
+    """Without TP the trainer scores from the final hidden states in token chunks (no B x L x V logits): the
+    log-probs, entropies and every parameter's gradient equal those of the full logits it used before, which
+    it still uses under TP. Fails if the shared embedding's gradient is mishandled (checked)."""
+    from infir2_rl.algo.logprobs import scores_from_logits
+
+    model, batches = assets
+    mega = make("megatron", model, fp8)
+    assert isinstance(mega, MegatronTrainer) and mega.tp == 1
+    batch = batches[0]
+    select = batch.loss_mask > 0
+    weights = torch.linspace(0.5, 1.5, batch.input_ids.numel()).view(batch.input_ids.shape)
+    keep = (select & batch.attention_mask.bool()).float()
+    keep[:, 0] = 0.0
+    results = []
+    for chunked in (True, False):
+        mega.model.zero_grad(set_to_none=True)
+        if chunked:
+            scores = mega._scores(batch, select, temperature=0.7, need_entropy=True)
+            logp, entropy = scores.logprobs_BL, scores.entropy_BL
+        else:
+            full = scores_from_logits(mega._logits(batch), batch.input_ids, 0.7, need_entropy=True)
+            logp, entropy = full.logprobs_BL * keep, full.entropy_BL * keep  # type: ignore[operator]
+        assert entropy is not None
+        ((logp + 0.1 * entropy) * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in mega.model.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), entropy.detach(), grads))
+    (logp_c, ent_c, grads_c), (logp_f, ent_f, grads_f) = results
+    assert bool((logp_c != 0).any()) and torch.equal(logp_c == 0, logp_f == 0)
+    torch.testing.assert_close(logp_c, logp_f, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent_c, ent_f, rtol=0, atol=2e-5)
+    assert set(grads_c) == set(grads_f) and len(grads_c) > 0
+    for name, g in grads_f.items():
+        if fp8:
+            # The FP8 backward quantizes its gradients to e4m3, which turns the FP32 sums' other order into whole
+            # e4m3 steps in some elements (the first layer's grads 4e-4 of their largest element, measured).
+            assert float((grads_c[name] - g).norm()) <= 2e-3 * float(g.norm()), name
+        else:  # FP32 sums in another order: ~1e-7 of the largest element, measured
+            torch.testing.assert_close(grads_c[name], g, rtol=0, atol=1e-5 * float(g.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_the_first_rl_update_needs_no_scoring_pass(assets: tuple, fp8: bool) -> None:
     """As for the torch backend (tests/on_policy.py): old log-probs from the update's own forward."""
     model, batches = assets

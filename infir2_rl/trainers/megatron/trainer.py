@@ -35,6 +35,7 @@ from torch.nn.utils import clip_grads_with_norm_
 from infir2_rl.algo.logprobs import scores_from_logits
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
+from infir2_rl.trainers import token_scores_fused
 from infir2_rl.trainers.engine_export import for_engines
 from infir2_rl.trainers.megatron import checkpoint as ckpt
 from infir2_rl.trainers.megatron import hf_mapping as hfm
@@ -43,6 +44,7 @@ from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
 from infir2_rl.trainers.microbatch import MetricMeans, merge_on_host
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
+from infir2_rl.trainers.token_scores import chunked_token_scores
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
@@ -302,14 +304,17 @@ class MegatronTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def _logits(self, batch: TokenBatch) -> Tensor:
+    def _model_inputs(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
         mask = batch.attention_mask
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise ValueError(
                 "the megatron backend takes right-padded batches only (a row has padding before a token)"
             )
         ids = batch.input_ids
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+    def _logits(self, batch: TokenBatch) -> Tensor:
+        ids, positions = self._model_inputs(batch)
         with self.autocast():
             logits = gather_vocab(self.model(ids, positions, None), self.tp_group)
         return logits[..., : self.arch.vocab_size].float()
@@ -317,14 +322,52 @@ class MegatronTrainer:
     def _scores(
         self, batch: TokenBatch, select_BL: Tensor, temperature: float = 1.0, need_entropy: bool = False
     ) -> TokenScores:
-        """`TokenScores` from the full logits (gathered over TP), zero outside ``select_BL`` and at t = 0."""
-        scores = scores_from_logits(
-            self._logits(batch), batch.input_ids, temperature, need_entropy=need_entropy
+        """`TokenScores`, zero outside ``select_BL`` and at t = 0. Without tensor parallelism from the final
+        hidden states and the output layer's weight in token chunks (``token_scores.chunked_token_scores``,
+        the torch backend's path: no B x L x V logits, which held ~half of this backend's memory at the GPU RL
+        config); with it from the full logits gathered over TP (the output layer is vocab-parallel)."""
+        keep_BL = select_BL.bool() & batch.attention_mask.bool()
+        keep_BL[:, 0] = False
+        if self.tp > 1:
+            scores = scores_from_logits(
+                self._logits(batch), batch.input_ids, temperature, need_entropy=need_entropy
+            )
+            keep = keep_BL.float()
+            entropy = scores.entropy_BL * keep if scores.entropy_BL is not None else None
+            return TokenScores(logprobs_BL=scores.logprobs_BL * keep, entropy_BL=entropy)
+        ids, positions = self._model_inputs(batch)
+        rows = keep_BL.reshape(-1).nonzero().squeeze(1) - 1  # position t - 1 scores token t
+        head = self.module.output_layer
+        k = 2 if need_entropy else 1
+
+        def scores_not_logits(
+            hidden_SBH: Tensor, weight: Tensor | None = None, **_: Any
+        ) -> tuple[Tensor, None]:
+            # GPTModel calls its output layer with the final hidden states [s, b, h] (and the embedding as
+            # ``weight`` when they are shared), then returns what it gives, transposed to [b, s, ...].
+            w = head.weight if weight is None else weight  # at TP = 1 the vocabulary is not padded
+            logp, entropy = chunked_token_scores(
+                hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1]).index_select(0, rows),
+                w,
+                ids.reshape(-1).index_select(0, rows + 1),
+                temperature=temperature,
+                need_entropy=need_entropy,
+                compute_dtype=self.compute_dtype,
+                fused=token_scores_fused.available(self.device),
+            )
+            values = logp[:, None] if entropy is None else torch.stack((logp, entropy), dim=1)
+            out = values.new_zeros(ids.numel(), k).index_copy(0, rows + 1, values)
+            return out.view(*ids.shape, k).transpose(0, 1), None
+
+        head.forward = scores_not_logits  # an instance attribute shadows the method, for this call only
+        try:
+            with self.autocast():
+                scores_BLK = self.model(ids, positions, None)
+        finally:
+            del head.forward
+        return TokenScores(
+            logprobs_BL=scores_BLK[..., 0], entropy_BL=scores_BLK[..., 1] if need_entropy else None
         )
-        keep = (select_BL.bool() & batch.attention_mask.bool()).float()
-        keep[:, 0] = 0.0
-        entropy = scores.entropy_BL * keep if scores.entropy_BL is not None else None
-        return TokenScores(logprobs_BL=scores.logprobs_BL * keep, entropy_BL=entropy)
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
         return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
