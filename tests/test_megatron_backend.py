@@ -92,8 +92,8 @@ def test_logprobs_and_fp8_export_equal_the_torch_backend(assets: tuple, fp8: boo
 @pytest.mark.parametrize("fp8", [False, True])
 def test_scores_without_logits_equal_the_full_logits_path_and_gradients(assets: tuple, fp8: bool) -> None:
     """Without TP the trainer scores from the final hidden states in token chunks (no B x L x V logits): the
-    log-probs, entropies and every parameter's gradient equal those of the full logits it used before, which
-    it still uses under TP. Fails if the shared embedding's gradient is mishandled (checked)."""
+    log-probs, entropies and every parameter's gradient equal those of the full logits it used before. Fails if
+    the shared embedding's gradient is mishandled (checked). (Under TP: tests/test_megatron_vocab_parallel_scores.py.)"""
     from infir2_rl.algo.logprobs import scores_from_logits
 
     model, batches = assets
@@ -111,7 +111,10 @@ def test_scores_without_logits_equal_the_full_logits_path_and_gradients(assets: 
             scores = mega._scores(batch, select, temperature=0.7, need_entropy=True)
             logp, entropy = scores.logprobs_BL, scores.entropy_BL
         else:
-            full = scores_from_logits(mega._logits(batch), batch.input_ids, 0.7, need_entropy=True)
+            ids = batch.input_ids
+            with mega.autocast():  # at TP = 1 the model's output is the full logits
+                logits = mega.model(ids, torch.arange(ids.shape[1]).expand_as(ids), None).float()
+            full = scores_from_logits(logits, ids, 0.7, need_entropy=True)
             logp, entropy = full.logprobs_BL * keep, full.entropy_BL * keep  # type: ignore[operator]
         assert entropy is not None
         ((logp + 0.1 * entropy) * weights).sum().backward()

@@ -248,33 +248,3 @@ class SdpaAttention(nn.Module):
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """All-gather along the last dim over a TP group (any device: megatron's own gather allocates on CUDA).
-
-    Backward keeps this rank's slice: every TP rank computes the same loss from the gathered tensor, so
-    each one's gradient of the full tensor is the same, and its slice is the gradient of its shard.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        import torch.distributed as dist
-
-        ctx.rank, ctx.width = dist.get_rank(group), x.shape[-1]
-        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, x.contiguous(), group=group)
-        return torch.cat(pieces, dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(), None
-
-
-def gather_vocab(logits: Tensor, group: Any) -> Tensor:
-    """Full-vocabulary logits from this rank's vocab shard (identity without TP)."""
-    if group is None or group.size() == 1:
-        return logits
-    out = _GatherLastDim.apply(logits, group)
-    assert isinstance(out, Tensor)
-    return out

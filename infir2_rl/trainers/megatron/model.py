@@ -214,8 +214,8 @@ def layer_spec(spec: str, fp8: bool, pow2_scales: bool) -> Any:
 def build_gpt_model(
     arch: Arch, *, spec: str, fp8: bool, pow2_scales: bool, tp: int, cp: int = 1, recompute: bool = False
 ) -> Any:
-    """GPTModel returning this TP rank's vocab shard of the logits ``[b, s, padded_vocab / tp]``
-    (`layers.gather_vocab` makes them whole)."""
+    """GPTModel returning this TP rank's vocab shard of the logits ``[b, s, padded_vocab / tp]`` (the trainer
+    swaps its output layer for a scorer, ``MegatronTrainer._scores``, so these logits are never made)."""
     from megatron.core.models.gpt import GPTModel
 
     shims.install()

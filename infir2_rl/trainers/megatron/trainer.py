@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils import clip_grads_with_norm_
 
-from infir2_rl.algo.logprobs import scores_from_logits
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers import token_scores_fused
@@ -40,8 +39,9 @@ from infir2_rl.trainers.engine_export import for_engines
 from infir2_rl.trainers.megatron import checkpoint as ckpt
 from infir2_rl.trainers.megatron import hf_mapping as hfm
 from infir2_rl.trainers.megatron import te
-from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, gather_vocab, part_rows
+from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, part_rows
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
+from infir2_rl.trainers.megatron.vocab_parallel_scores import vocab_parallel_token_scores
 from infir2_rl.trainers.microbatch import MetricMeans, merge_on_host
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler
 from infir2_rl.trainers.token_scores import chunked_token_scores
@@ -313,28 +313,16 @@ class MegatronTrainer:
         ids = batch.input_ids
         return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
-    def _logits(self, batch: TokenBatch) -> Tensor:
-        ids, positions = self._model_inputs(batch)
-        with self.autocast():
-            logits = gather_vocab(self.model(ids, positions, None), self.tp_group)
-        return logits[..., : self.arch.vocab_size].float()
-
     def _scores(
         self, batch: TokenBatch, select_BL: Tensor, temperature: float = 1.0, need_entropy: bool = False
     ) -> TokenScores:
-        """`TokenScores`, zero outside ``select_BL`` and at t = 0. Without tensor parallelism from the final
-        hidden states and the output layer's weight in token chunks (``token_scores.chunked_token_scores``,
-        the torch backend's path: no B x L x V logits, which held ~half of this backend's memory at the GPU RL
-        config); with it from the full logits gathered over TP (the output layer is vocab-parallel)."""
+        """`TokenScores`, zero outside ``select_BL`` and at t = 0, from the final hidden states and the output
+        layer's weight in token chunks: no B x L x V logits, which held ~half of this backend's memory at the GPU
+        RL config (docs/performance.md, "Megatron backend", session 49). Without TP the torch backend's scorer
+        (``token_scores.chunked_token_scores``, its Triton passes on CUDA); under TP, where each rank holds a
+        vocabulary shard of the weight, ``vocab_parallel_scores``."""
         keep_BL = select_BL.bool() & batch.attention_mask.bool()
         keep_BL[:, 0] = False
-        if self.tp > 1:
-            scores = scores_from_logits(
-                self._logits(batch), batch.input_ids, temperature, need_entropy=need_entropy
-            )
-            keep = keep_BL.float()
-            entropy = scores.entropy_BL * keep if scores.entropy_BL is not None else None
-            return TokenScores(logprobs_BL=scores.logprobs_BL * keep, entropy_BL=entropy)
         ids, positions = self._model_inputs(batch)
         rows = keep_BL.reshape(-1).nonzero().squeeze(1) - 1  # position t - 1 scores token t
         head = self.module.output_layer
@@ -345,16 +333,20 @@ class MegatronTrainer:
         ) -> tuple[Tensor, None]:
             # GPTModel calls its output layer with the final hidden states [s, b, h] (and the embedding as
             # ``weight`` when they are shared), then returns what it gives, transposed to [b, s, ...].
-            w = head.weight if weight is None else weight  # at TP = 1 the vocabulary is not padded
-            logp, entropy = chunked_token_scores(
-                hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1]).index_select(0, rows),
-                w,
-                ids.reshape(-1).index_select(0, rows + 1),
-                temperature=temperature,
-                need_entropy=need_entropy,
-                compute_dtype=self.compute_dtype,
-                fused=token_scores_fused.available(self.device),
-            )
+            w = head.weight if weight is None else weight  # this rank's vocabulary rows
+            hidden = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1]).index_select(0, rows)
+            targets = ids.reshape(-1).index_select(0, rows + 1)
+            if self.tp == 1:  # the vocabulary is padded to a multiple of TP: not at all here
+                logp, entropy = chunked_token_scores(
+                    hidden, w, targets, temperature=temperature, need_entropy=need_entropy,
+                    compute_dtype=self.compute_dtype, fused=token_scores_fused.available(self.device),
+                )  # fmt: skip
+            else:
+                logp, entropy = vocab_parallel_token_scores(
+                    hidden, w, targets, vocab_start=self.tp_rank * w.shape[0], vocab_size=self.arch.vocab_size,
+                    group=self.tp_group, temperature=temperature, need_entropy=need_entropy,
+                    compute_dtype=self.compute_dtype,
+                )  # fmt: skip
             values = logp[:, None] if entropy is None else torch.stack((logp, entropy), dim=1)
             out = values.new_zeros(ids.numel(), k).index_copy(0, rows + 1, values)
             return out.view(*ids.shape, k).transpose(0, 1), None
