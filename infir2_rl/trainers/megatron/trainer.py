@@ -334,7 +334,9 @@ class MegatronTrainer:
             # GPTModel calls its output layer with the final hidden states [s, b, h] (and the embedding as
             # ``weight`` when they are shared), then returns what it gives, transposed to [b, s, ...].
             w = head.weight if weight is None else weight  # this rank's vocabulary rows
-            hidden = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1]).index_select(0, rows)
+            seq, batch_rows, width = hidden_SBH.shape
+            # The scored rows, numbered in [b, s] order, picked from [s, b] order without a transposed copy.
+            hidden = hidden_SBH.reshape(-1, width).index_select(0, (rows % seq) * batch_rows + rows // seq)
             targets = ids.reshape(-1).index_select(0, rows + 1)
             if self.tp == 1:  # the vocabulary is padded to a multiple of TP: not at all here
                 logp, entropy = chunked_token_scores(
