@@ -3,6 +3,7 @@ weights (log-probs in FP32 and FP8, the FP8 export bytes, 20 SFT steps), exact s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,23 @@ def test_twenty_sft_steps_track_the_torch_backend(assets: tuple) -> None:
     # (2026-11-25) the relative gap rose to 2.6e-3 at step 10 and fell back to 3e-5 by step 11 (2e-3 held on
     # the CI machines before).
     assert losses["megatron"] == pytest.approx(losses["torch"], rel=5e-3)
+
+
+def test_non_finite_gradient_skips_the_update_and_the_schedule(assets: tuple) -> None:
+    """As the torch backend's (tests/test_trainer_backend.py): a NaN loss leaves weights, AdamW and the lr
+    schedule untouched; the next finite step trains. The skip goes through ``optim.step_unless_nonfinite``."""
+    from test_trainer_backend import NanLoss
+
+    model, batches = assets
+    trainer = make("megatron", model, fp8=False)
+    assert isinstance(trainer, MegatronTrainer)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    stats = trainer.train_step([batches[0]], NanLoss(), total_units=1)
+    assert stats.skipped and math.isnan(stats.grad_norm) and trainer.num_skipped == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert trainer.scheduler.last_epoch == 0 and not trainer.optimizer.state
+    stats = trainer.train_step([batches[0]], SftLossFn(), num_target_tokens(batches[0]))
+    assert not stats.skipped and trainer.scheduler.last_epoch == 1 and trainer.optimizer.state
 
 
 def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:

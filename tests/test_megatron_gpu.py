@@ -116,3 +116,21 @@ def test_make_room_returns_the_cached_blocks_only_when_memory_is_short(assets: t
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 256 << 20
     stats = trainer.train_step(micro_batches(batches[1], 8), SftLossFn(), num_target_tokens(batches[1]))
     assert math.isfinite(stats.loss)
+
+
+def test_non_finite_gradient_skips_the_fused_update_and_the_schedule(assets: tuple) -> None:
+    """On CUDA AdamW is fused and the skip is decided on the device (``optim.step_unless_nonfinite``): a NaN
+    loss leaves weights and the schedule untouched, and the next finite step trains."""
+    from test_trainer_backend import NanLoss
+
+    model, batches = assets
+    trainer = make("megatron", model, fp8=True)
+    assert isinstance(trainer, MegatronTrainer) and trainer.optimizer.defaults.get("fused")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    stats = trainer.train_step(micro_batches(batches[0], 8), NanLoss(), total_units=1)
+    assert stats.skipped and math.isnan(stats.grad_norm) and trainer.num_skipped == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert trainer.scheduler.last_epoch == 0
+    stats = trainer.train_step(micro_batches(batches[1], 8), SftLossFn(), num_target_tokens(batches[1]))
+    assert not stats.skipped and math.isfinite(stats.loss) and trainer.scheduler.last_epoch == 1
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.utils import clip_grads_with_norm_
 
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
@@ -43,7 +42,7 @@ from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, part_ro
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
 from infir2_rl.trainers.megatron.vocab_parallel_scores import vocab_parallel_token_scores
 from infir2_rl.trainers.microbatch import MetricMeans, merge_on_host
-from infir2_rl.trainers.optim import build_optimizer, build_scheduler
+from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.token_scores import chunked_token_scores
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
@@ -424,7 +423,9 @@ class MegatronTrainer:
         )
 
     def _update(self, lr: float) -> tuple[float, bool]:
-        """Reduce gradients over data-parallel ranks, then step unless the global norm is not finite."""
+        """Reduce gradients over data-parallel ranks, then step unless the global norm is not finite (on CUDA,
+        with fused AdamW, decided on the device: the host waits once, after the update is queued, as in the torch
+        backend; ``optim.step_unless_nonfinite``)."""
         clip = self.optimizer_cfg.grad_clip
         if self.te is not None:
             return self.te.update(clip, lr)
@@ -435,11 +436,7 @@ class MegatronTrainer:
             for p in self.params:
                 dist.all_reduce(p.grad, group=self.dp_group)  # type: ignore[arg-type]
         grad_norm = self._grad_norm()
-        skipped = not bool(torch.isfinite(grad_norm).item())
-        if not skipped:
-            if clip > 0:
-                clip_grads_with_norm_(self.params, clip, grad_norm)
-            self.optimizer.step()
+        skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, clip)
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm.item()), skipped
 
