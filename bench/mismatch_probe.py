@@ -133,7 +133,7 @@ def build(args: argparse.Namespace, path: str) -> tuple[Any, Any]:
 
 
 def trainer_taps(trainer: Any, ids: torch.Tensor, temperature: float) -> Taps:
-    from infir2_rl.trainers.token_scores import _chunk_z
+    from infir2_rl.trainers.token_scores import chunk_z
     from infir2_rl.types import TokenBatch
 
     taps = Taps()
@@ -144,7 +144,7 @@ def trainer_taps(trainer: Any, ids: torch.Tensor, temperature: float) -> Taps:
     dtype = trainer.compute_dtype
     with torch.no_grad():
         for pos, h in taps.values["final_norm"].items():
-            z = _chunk_z(h.to(head.device, dtype), head.to(dtype), 1.0)  # the scorer's GEMM, untempered
+            z = chunk_z(h.to(head.device, dtype), head.to(dtype), 1.0)  # the scorer's GEMM, untempered
             taps.add("logits", z[:, None], start=pos)
     for pos in range(ids.shape[1] - 1):  # the log-prob of token pos + 1, made at position pos
         taps.add("logprob", logprobs_BL[:, pos + 1, None, None], start=pos)

@@ -41,7 +41,7 @@ from infir2_rl.trainers import token_scores_fused
 DEFAULT_CHUNK_TOKENS = 2048
 
 
-def _chunk_z(h_c: Tensor, w_c: Tensor, temperature: float) -> Tensor:
+def chunk_z(h_c: Tensor, w_c: Tensor, temperature: float) -> Tensor:
     """FP32 tempered logits of one chunk; the GEMM runs in the operands' (compute) dtype."""
     z = (h_c @ w_c.t()).float()
     if temperature != 1.0:
@@ -57,7 +57,7 @@ ChunkScores = Callable[[Tensor, Tensor, Tensor, float, bool], tuple[Tensor, Tens
 def _plain_chunk(
     h_c: Tensor, w: Tensor, targets_C: Tensor, temperature: float, need_z: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    z = _chunk_z(h_c, w, temperature)
+    z = chunk_z(h_c, w, temperature)
     lse_c = torch.logsumexp(z, dim=-1)
     return z.gather(1, targets_C[:, None]).squeeze(1) - lse_c, lse_c, z
 
@@ -163,6 +163,23 @@ class _ChunkedScores(torch.autograd.Function):
         return dh, dw_out, None, None, None, None, None, None, None
 
 
+def check_score_inputs(
+    hidden_NH: Tensor, weight_VH: Tensor, targets_N: Tensor, temperature: float, chunk_tokens: int
+) -> None:
+    """One ValueError naming what is wrong with a chunked scorer's inputs (this module's and the megatron
+    backend's vocab-parallel one); ``weight_VH`` may be a vocabulary shard."""
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden_NH.shape)} and weight {tuple(weight_VH.shape)}: expected (N, H) and (V, H)."
+        )
+    if targets_N.shape != hidden_NH.shape[:1]:
+        raise ValueError(f"targets has shape {tuple(targets_N.shape)}: expected ({hidden_NH.shape[0]},).")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (use the rollout's sampling temperature).")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1.")
+
+
 def chunked_token_scores(
     hidden_NH: Tensor,
     weight_VH: Tensor,
@@ -185,16 +202,7 @@ def chunked_token_scores(
     backward, is one Triton pass over its logits in the compute dtype (``token_scores_fused``) instead of
     torch ops over FP32 copies; the same numbers up to exp's last bits and the sums' order.
     """
-    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
-        raise ValueError(
-            f"hidden {tuple(hidden_NH.shape)} and weight {tuple(weight_VH.shape)}: expected (N, H) and (V, H)."
-        )
-    if targets_N.shape != hidden_NH.shape[:1]:
-        raise ValueError(f"targets has shape {tuple(targets_N.shape)}: expected ({hidden_NH.shape[0]},).")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (use the rollout's sampling temperature).")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens={chunk_tokens}: must be >= 1.")
+    check_score_inputs(hidden_NH, weight_VH, targets_N, temperature, chunk_tokens)
     if fused and (chunk_scores is not _plain_chunk or not token_scores_fused.available(hidden_NH.device)):
         raise ValueError(
             f"fused token scores need a CUDA device with Triton and the plain chunk scorer (device "

@@ -29,13 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from infir2_rl.trainers.token_scores import DEFAULT_CHUNK_TOKENS
+from infir2_rl.trainers.token_scores import DEFAULT_CHUNK_TOKENS, check_score_inputs, chunk_z
 
 
 def _shard_z(h_c: Tensor, w: Tensor, temperature: float, padded: Tensor | None) -> Tensor:
-    z = (h_c @ w.t()).float()
-    if temperature != 1.0:
-        z.div_(temperature)
+    """``token_scores.chunk_z`` of this rank's shard, its padded vocabulary rows at -inf."""
+    z = chunk_z(h_c, w, temperature)
     if padded is not None:
         z.masked_fill_(padded, float("-inf"))
     return z
@@ -146,15 +145,7 @@ def vocab_parallel_token_scores(
     this rank holds rows ``[vocab_start, vocab_start + V_r)`` of W and every rank of ``group`` the same hidden
     states and targets; rows at or past ``vocab_size`` are padding. Differentiable w.r.t. the hidden states (their
     gradient summed over the group) and this rank's weight shard; collective: every rank must call it."""
-    if hidden_NH.dim() != 2 or weight_shard_VH.dim() != 2 or hidden_NH.shape[1] != weight_shard_VH.shape[1]:
-        raise ValueError(
-            f"hidden {tuple(hidden_NH.shape)} and weight shard {tuple(weight_shard_VH.shape)}: expected (N, H) "
-            "and (V_r, H)"
-        )
-    if targets_N.shape != hidden_NH.shape[:1]:
-        raise ValueError(f"targets has shape {tuple(targets_N.shape)}: expected ({hidden_NH.shape[0]},)")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (use the rollout's sampling temperature)")
+    check_score_inputs(hidden_NH, weight_shard_VH, targets_N, temperature, chunk_tokens)
     logp, entropy = _VocabParallelScores.apply(
         hidden_NH, weight_shard_VH, targets_N.long(), int(vocab_start), int(vocab_size), group, float(temperature),
         need_entropy, compute_dtype or hidden_NH.dtype, chunk_tokens,
