@@ -20,14 +20,15 @@ and saved once (BF16 safetensors) under /tmp/infir2_bench, since the trainer loa
 ``--sync-sites`` runs one more step per mode under torch's sync debug mode and lists each place the host waited
 for the device (``.item()``, ``nonzero``, ...), counted: each wait drains the GPU's queue, which then idles
 while the host launches the next work (docs/performance.md, "The GPU waiting for the host").
-``--cuda-graphs both`` (torch backend, GPU) adds BF16 and FP8 with ``trainer.cuda_graphs`` (the decoder layers'
+``--cuda-graphs both`` (GPU; either backend) adds BF16 and FP8 with ``trainer.cuda_graphs`` (the decoder layers'
 forward and backward replayed from CUDA graphs; the capture happens in the first warm-up step), so the
 table has four rows and the ratio is FP8 over the fastest BF16 (the trainer's own default, ``auto``, is the
 graphs on one GPU). After the training steps each mode times ``--score-steps`` no-gradient scoring forwards of
 the same batch (``forward_logprobs``: an RL step's old log-probs; from forward-only graphs with graphs on). ``--tiny`` runs the tiny preset on CPU (FP8
 emulated) to check the script. ``--backend megatron`` times
 ``MegatronTrainer`` (megatron-core GPTModel, local spec: the project's FP8 linears, SDPA attention, TP=1)
-on the same model, batch and loss. ``--fused-kernels both`` runs every mode twice, with ``trainer.fused_kernels``
+on the same model, batch and loss (with ``--cuda-graphs on/both``, megatron's layers replayed from graphs:
+trainers/megatron/graphs.py). ``--fused-kernels both`` runs every mode twice, with ``trainer.fused_kernels``
 off and on (RMSNorm and SwiGLU as one Triton kernel each way; ``auto``, the default, is on for CUDA), so the
 fused and unfused steps are measured in one process; ``off`` runs torch's modules only.
 """
@@ -286,7 +287,7 @@ def run_mode(
     if args.backend == "megatron":
         trainer = MegatronTrainer(
             ModelConfig(path=str(path)),
-            TrainerConfig(backend="megatron", megatron_spec="local"),
+            TrainerConfig(backend="megatron", megatron_spec="local", cuda_graphs=graphs),
             optim,
             total_steps=args.warmup + args.steps + 1,
             device=device,
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cuda-graphs",
         choices=("off", "on", "both"),
         default="off",
-        help="torch backend on a GPU: trainer.cuda_graphs off, on, or both (four modes in one process)",
+        help="on a GPU: trainer.cuda_graphs off, on, or both (four modes in one process)",
     )
     parser.add_argument(
         "--fused-kernels",
@@ -481,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fused_kernels == "both" and (args.tiny or args.backend != "torch"):
         parser.error("--fused-kernels both needs the torch backend on a GPU (not --tiny)")
-    if args.cuda_graphs != "off" and (args.tiny or args.backend != "torch"):
-        parser.error("--cuda-graphs on/both needs the torch backend on a GPU (not --tiny)")
+    if args.cuda_graphs != "off" and args.tiny:
+        parser.error("--cuda-graphs on/both needs a GPU (not --tiny)")
     if args.tiny:
         args.batch, args.seq, args.warmup, args.steps = 2, 64, 1, 3
         device = torch.device("cpu")

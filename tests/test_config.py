@@ -350,12 +350,17 @@ def test_context_parallelism_is_refused_when_the_config_loads() -> None:
 
 
 def test_cuda_graphs_refuses_what_a_captured_graph_cannot_hold() -> None:
-    """trainer.cuda_graphs: one line at load for megatron, several workers, checkpointing; packed
+    """trainer.cuda_graphs: one line at load for megatron with TP or te, several workers, checkpointing; packed
     micro-batches and true_on_policy are graphed (their varlen offsets are a static buffer: layer_graphs.py)."""
     from infir2_rl.config.stage import RlStageConfig, SftStageConfig
 
-    with pytest.raises(ValueError, match="cuda_graphs=true is the torch backend's"):
-        SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "backend": "megatron"}})
+    mega = {"cuda_graphs": True, "backend": "megatron"}
+    assert (
+        SftStageConfig.model_validate({"trainer": mega}).trainer.cuda_graphs is True
+    )  # the local spec, TP 1
+    for refused in ({"tensor_parallel_size": 2, "num_workers": 2}, {"megatron_spec": "te"}):
+        with pytest.raises(ValueError, match="cuda_graphs=true with trainer.backend=megatron needs"):
+            SftStageConfig.model_validate({"trainer": mega | refused})
     packed = SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "pack_sequences": True}})
     assert packed.trainer.cuda_graphs is True and packed.trainer.pack_sequences
     with pytest.raises(ValueError, match="cuda_graphs=true needs one trainer worker without FSDP"):

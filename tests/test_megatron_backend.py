@@ -177,6 +177,54 @@ def test_non_finite_gradient_skips_the_update_and_the_schedule(assets: tuple) ->
     assert not stats.skipped and trainer.scheduler.last_epoch == 1 and trainer.optimizer.state
 
 
+def test_kept_fp8_weights_are_views_of_one_buffer_rewritten_in_place(assets: tuple, tmp_path: Path) -> None:
+    """layers.ParallelLinear keeps its FP8 weight in buffers for the module's life (a CUDA graph reads them):
+    q, k and v are views of the whole weight's buffer (no second copy of the stack), each on its own HF grid; a
+    write that bumps no version (as fused AdamW's) leaves them stale until ``invalidate_fp8_cache``, after which
+    the same buffers hold the new quantization, and a train step leaves them fresh."""
+    from infir2_rl.fp8.quant import quantize_weight_blockwise
+
+    _, batches = assets
+    # 128-aligned projections (2 heads of 128, MLP 512): q|k|v and gate|up each run as one GEMM.
+    model = init_model(
+        tmp_path / "aligned", preset="tiny", num_hidden_layers=1, hidden_size=256, num_attention_heads=2,
+        num_key_value_heads=2, intermediate_size=512,
+    )  # fmt: skip
+    trainer = make("megatron", model, fp8=True)
+    assert isinstance(trainer, MegatronTrainer)
+    linear = next(m for m in trainer.fp8_linears if m.role == "qkv")
+    assert not linear.identity_order  # megatron interleaves q, k, v per KV group
+
+    def expected() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        w = linear.weight.detach()
+        return [
+            quantize_weight_blockwise(w.index_select(0, rows), pow2_scales=linear.pow2_scales)
+            for rows in linear.parts
+        ]
+
+    def matches(parts: list) -> bool:
+        return all(
+            torch.equal(p.w_fp8.float(), q.float()) and torch.equal(p.scale_inv, s)
+            for p, (q, s) in zip(parts, expected(), strict=True)
+        )
+
+    parts, whole = linear.fp8_parts()
+    assert whole is not None and len(parts) == 3 and matches(parts)
+    storage = whole.w_fp8.untyped_storage().data_ptr()
+    assert all(p.w_fp8.untyped_storage().data_ptr() == storage for p in parts)
+    assert sum(p.w_fp8.shape[0] for p in parts) == whole.w_fp8.shape[0]
+    version = linear.weight._version
+    linear.weight.data.mul_(1.5)  # no version bump, like a fused optimizer's write
+    assert linear.weight._version == version
+    assert not matches(linear.fp8_parts()[0])  # stale: nothing told it
+    trainer.invalidate_fp8_cache()
+    again, whole_again = linear.fp8_parts()
+    assert matches(again) and whole_again is whole
+    assert [p.w_fp8.data_ptr() for p in again] == [p.w_fp8.data_ptr() for p in parts]
+    trainer.train_step([batches[0]], SftLossFn(), num_target_tokens(batches[0]))
+    assert matches(linear.fp8_parts()[0])
+
+
 def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:
     model, batches = assets
 

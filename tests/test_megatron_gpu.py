@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from infir2_rl.models.factory import init_model  # noqa: E402
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch  # noqa: E402
 from infir2_rl.trainers.megatron.layers import ParallelLinear  # noqa: E402
 from infir2_rl.trainers.megatron.trainer import MegatronTrainer  # noqa: E402
-from infir2_rl.trainers.microbatch import micro_batches  # noqa: E402
+from infir2_rl.trainers.microbatch import bucket_length, micro_batches, pad_length  # noqa: E402
 from infir2_rl.trainers.torch.trainer import TorchTrainer  # noqa: E402
 from infir2_rl.types import TokenBatch  # noqa: E402
 
@@ -45,8 +46,12 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[TokenBa
     return model, [to_token_batch(examples[i : i + 16], tok.pad_token_id) for i in range(0, 320, 16)]
 
 
-def make(backend: str, model: Path, fp8: bool) -> TorchTrainer | MegatronTrainer:
-    args = (ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(warmup_ratio=0.0, lr=2e-3))
+def make(backend: str, model: Path, fp8: bool, cuda_graphs: bool | str = "auto") -> Any:
+    args = (
+        ModelConfig(path=str(model)),
+        TrainerConfig(cuda_graphs=cuda_graphs),  # type: ignore[arg-type]
+        OptimizerConfig(warmup_ratio=0.0, lr=2e-3),
+    )
     if backend == "megatron":
         return MegatronTrainer(*args, total_steps=20, fp8=fp8)
     return TorchTrainer(*args, total_steps=20, fp8=fp8)
@@ -99,23 +104,75 @@ def test_twenty_sft_steps_track_the_torch_backend_and_resume_exactly(assets: tup
     assert got.loss == pytest.approx(expected.loss, rel=1e-4) and got.lr == expected.lr
 
 
-def test_make_room_returns_the_cached_blocks_only_when_memory_is_short(assets: tuple) -> None:
+def test_make_room_returns_the_cached_blocks_then_drops_the_graphs(assets: tuple) -> None:
     """Before a colocated rollout the megatron backend returns its allocator's cached blocks where the GPU's free
-    memory is below what the engine wants, and keeps them where it is not; it has no graphs, so it says False.
-    Training goes on after."""
+    memory is below what the engine wants, then drops its layer graphs (True), and keeps both where it is not;
+    eager (cuda_graphs=false) it has no graphs and says False. Training goes on after, capturing again."""
     model, batches = assets
-    trainer = make("megatron", model, fp8=True)
-    trainer.train_step(micro_batches(batches[0], 8), SftLossFn(), num_target_tokens(batches[0]))
-    scratch = torch.empty(256 << 20, dtype=torch.uint8, device=trainer.device)  # 256 MiB cached once freed
-    del scratch
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    assert cached >= 256 << 20
-    assert trainer.make_room(0) is False  # room enough: the cache stays
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() == cached
-    assert trainer.make_room(2**62) is False  # more than any GPU has: the cache goes
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 256 << 20
-    stats = trainer.train_step(micro_batches(batches[1], 8), SftLossFn(), num_target_tokens(batches[1]))
-    assert math.isfinite(stats.loss)
+    for graphs in (True, False):
+        trainer = make("megatron", model, fp8=True, cuda_graphs=graphs)
+        trainer.train_step(micro_batches(batches[0], 8), SftLossFn(), num_target_tokens(batches[0]))
+        assert (trainer.layer_graphs is not None) == graphs
+        scratch = torch.empty(
+            256 << 20, dtype=torch.uint8, device=trainer.device
+        )  # 256 MiB cached once freed
+        del scratch
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        assert cached >= 256 << 20
+        assert trainer.make_room(0) is False  # room enough: the cache (and the graphs) stay
+        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() == cached
+        if graphs:
+            assert trainer.layer_graphs is not None and trainer.layer_graphs.num_shapes == 1
+        assert trainer.make_room(2**62) is graphs  # more than any GPU has: the cache goes, then the graphs
+        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 256 << 20
+        stats = trainer.train_step(micro_batches(batches[1], 8), SftLossFn(), num_target_tokens(batches[1]))
+        assert math.isfinite(stats.loss)
+        if graphs:
+            assert trainer.layer_graphs is not None and trainer.layer_graphs.num_shapes == 1
+        del trainer
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_graphed_layers_train_and_score_as_the_eager_layers(assets: tuple, fp8: bool) -> None:
+    """trainer.cuda_graphs on the megatron backend (trainers/megatron/graphs.py): megatron's TransformerLayers
+    replayed from CUDA graphs train and score as the eager ones, over micro-batches of two shapes and four
+    optimizer steps, scoring with FP8 on and off between them; both shapes run from graphs in every step."""
+    model, batches = assets
+    eager = make("megatron", model, fp8=fp8, cuda_graphs=False)
+    graphed = make("megatron", model, fp8=fp8, cuda_graphs=True)
+    assert eager.layer_graphs is None and graphed.layer_graphs is not None
+    # Two shapes, padded to their buckets here so the eager trainer sees what the graphed one pads them to
+    # (FP8's wgrad tiles run along the flattened tokens: another padding quantizes other tiles).
+    mbs = [micro_batches(batches[0], 8)[0], micro_batches(batches[1], 4)[0]]  # 8 and 4 rows
+    mbs = [pad_length(b, bucket_length(b.input_ids.shape[1])) for b in mbs]
+    assert len({tuple(b.input_ids.shape) for b in mbs}) == 2
+    units = sum(num_target_tokens(b) for b in mbs)
+    losses: dict[str, list[float]] = {"eager": [], "graphs": []}
+    for step in range(4):
+        for fp8_scoring in (True, False):
+            ref = eager.forward_logprobs(mbs, fp8=fp8_scoring)
+            got = graphed.forward_logprobs(mbs, fp8=fp8_scoring)
+            for a, b in zip(ref, got, strict=True):
+                assert a.shape == b.shape
+                if step == 0:
+                    assert torch.equal(a, b)  # same weights, same kernels
+                else:
+                    assert float((a - b).abs().max()) < 1e-3
+        for name, trainer in (("eager", eager), ("graphs", graphed)):
+            stats = trainer.train_step(mbs, SftLossFn(), units)
+            assert not stats.skipped
+            losses[name].append(stats.loss)
+    graphs = graphed.layer_graphs
+    assert graphs.num_shapes == graphs.captures == 2 + (4 if fp8 else 2)  # training; scoring FP8 on and off
+    assert graphs.replays == 4 * 2 + 4 * 2 * 2
+    # The updates move the loss far more than graphs and eager differ: stale kept FP8 weights would show.
+    assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2
+    for a, b in zip(losses["eager"], losses["graphs"], strict=True):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
+    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
+        err = float((p - q).detach().norm() / p.detach().norm().clamp_min(1e-12))
+        assert err < 1e-4, name
 
 
 def test_non_finite_gradient_skips_the_fused_update_and_the_schedule(assets: tuple) -> None:

@@ -166,9 +166,9 @@ class TrainerWorker:
         return list(getattr(self.backend, "dropout", []))
 
     def pads_to_buckets(self) -> bool:
-        """Whether this rank pads each padded micro-batch to its length bucket (torch trainer with layer graphs;
-        ``TorchTrainer.pads_to_buckets``)."""
-        return bool(getattr(self.backend, "pads_to_buckets", False))  # megatron: no graphs
+        """Whether this rank pads each padded micro-batch to its length bucket (a trainer with layer graphs:
+        ``TorchTrainer.pads_to_buckets``, ``MegatronTrainer.pads_to_buckets``)."""
+        return bool(getattr(self.backend, "pads_to_buckets", False))
 
     def train_step(
         self, batches: Sequence[TokenBatch], loss_fn: LossFn, total_units: int, keep_logprobs: bool = False

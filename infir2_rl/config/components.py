@@ -151,9 +151,9 @@ class TrainerConfig(_Config):
     # FLOP), padded elsewhere (CPU: the block-diagonal mask costs more than the padding it saves); true:
     # packed everywhere (the mask on CPU); false: padded.
     pack_sequences: bool | Literal["auto"] = "auto"
-    # Torch backend on a CUDA GPU per rank, without FSDP (one worker, or trainer.data_parallel replicas): replay
-    # each decoder layer's forward and backward from CUDA graphs when training, and its forward when scoring or
-    # evaluating (trainers/torch/layer_graphs.py), one capture per
+    # On a CUDA GPU per rank, without FSDP (one worker, or trainer.data_parallel replicas; megatron: the local
+    # spec at TP = 1, trainers/megatron/graphs.py): replay each decoder layer's forward and backward from CUDA
+    # graphs when training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
     # micro-batch shape (at most 64 training and 64 forward-only; others run eagerly); micro-batches, and
     # packed rows, are right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling,
     # at most 12.5% padding) so that few shapes occur, and run largest first. Takes the host out of the step
@@ -212,10 +212,14 @@ class TrainerConfig(_Config):
                 "trainer.pack_sequences=true is implemented by the torch backend only; set it to false with"
                 " trainer.backend=megatron"
             )
-        if self.cuda_graphs is True and self.backend != "torch":
+        if (
+            self.cuda_graphs is True
+            and self.backend == "megatron"
+            and (self.tensor_parallel_size > 1 or self.megatron_spec == "te")
+        ):
             raise ValueError(
-                "trainer.cuda_graphs=true is the torch backend's (trainers/torch/layer_graphs.py): leave it at"
-                " auto or false with trainer.backend=megatron"
+                "trainer.cuda_graphs=true with trainer.backend=megatron needs tensor_parallel_size=1 and the local"
+                " spec (trainers/megatron/graphs.py): leave it at auto, or set it to false"
             )
         if self.param_dtype == "bfloat16" and self.backend != "torch":
             raise ValueError(

@@ -16,6 +16,14 @@ has a multiple of 128 rows, the parts' grids tile the concatenated weight exactl
 [q; k; v] (outputs permuted back to megatron's order); otherwise one GEMM per part. Both give the same
 numbers. Under TP every part's local rows (and a row-parallel layer's local columns) must be a multiple
 of 128 so the shards' grids are slices of the full grid (config/parallel_rules.py checks it).
+
+The FP8 weight lives in buffers kept for the module's life (``fp8_parts``): when one GEMM runs, one buffer
+with each part's rows a view of it (no second copy of the stack). They are rewritten in place, without a
+version bump, when the weight changes (its version or storage) or the trainer says so
+(``invalidate_fp8_cache``: a fused optimizer updates weights without bumping their versions). So a CUDA
+graph captured over the layer reads them as they are at each replay (``trainers/megatron/graphs.py``);
+the trainer refreshes stale ones before each graphed micro-batch (``refresh_fp8``), and a capture that
+finds them stale is an error, not a quantization recorded into the graph.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infir2_rl.fp8 import gemm, quant_triton
-from infir2_rl.fp8.ops import Fp8Weight, fp8_linear, fp8_linear_forward
+from infir2_rl.fp8.ops import Fp8Weight, forget_dequantized, fp8_linear, fp8_linear_forward
 from infir2_rl.fp8.quant import quantize_weight_blockwise
 
 COLUMN_ROLES = ("qkv", "fc1")
@@ -35,27 +43,6 @@ ROW_ROLES = ("proj", "fc2")
 # HF projection names of each role's parts, in HF order.
 HF_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "fc1": ("gate_proj", "up_proj"), "proj": ("o_proj",)}
 HF_PARTS["fc2"] = ("down_proj",)
-
-
-def quantize_for_training(w: Tensor, pow2_scales: bool) -> Fp8Weight:
-    """The quantization ``Fp8Linear`` uses. No W^T: the cache below keeps every layer's FP8 weight for the
-    whole step, and a kept transpose would add a byte per weight (1.2 GiB at 1.5B) for what one byte-moving
-    kernel makes in backward (``fp8.ops``, docs/performance.md "W^T at backward"), as the torch backend does."""
-    if gemm.fast_path_ok(w, w.shape[0], w.shape[1]):
-        return Fp8Weight(*quant_triton.quantize_weight(w, pow2_scales))
-    return Fp8Weight(*quantize_weight_blockwise(w, pow2_scales=pow2_scales))
-
-
-def _concat(parts: list[Fp8Weight]) -> Fp8Weight:
-    """Parts stacked along N; valid when each part but the last has a multiple of 128 rows."""
-    w_t = [p.w_fp8_t for p in parts if p.w_fp8_t is not None]
-    s_t = [p.scale_inv_t for p in parts if p.scale_inv_t is not None]
-    return Fp8Weight(
-        torch.cat([p.w_fp8 for p in parts]),
-        torch.cat([p.scale_inv for p in parts]),
-        torch.cat(w_t, dim=1) if len(w_t) == len(parts) else None,
-        torch.cat(s_t, dim=1) if len(s_t) == len(parts) else None,
-    )
 
 
 def part_rows(role: str, config: Any, out_local: int) -> list[Tensor]:
@@ -132,39 +119,96 @@ class ParallelLinear(nn.Module):
         self._inverse: Tensor
         self.register_buffer("_order", order, persistent=False)
         self.register_buffer("_inverse", torch.argsort(order), persistent=False)
+        # The parts' rows as buffers too: they move with the module, so no forward copies indices from the host
+        # (a copy a CUDA graph capture cannot record).
+        for j, rows in enumerate(self.parts):
+            self.register_buffer(f"_part{j}", rows, persistent=False)
         self.single_gemm = all(len(p) % 128 == 0 for p in self.parts[:-1])
         # False runs the dense path on the master weight (see `fp8.linear.fp8_disabled`'s counterpart).
         self.fp8_enabled = True
-        self._cache: tuple[tuple[object, ...], list[Fp8Weight], Fp8Weight | None] | None = None
+        # The kept FP8 weight (module docstring): each part's, and the whole one when one GEMM runs; the weight
+        # stamp they were made from (None: stale).
+        self._kept: tuple[list[Fp8Weight], Fp8Weight | None] | None = None
+        self._kept_key: tuple[object, ...] | None = None
 
     # ------------------------------------------------------------------ FP8 weight
-    def _key(self) -> tuple[object, ...]:
+    def part_rows_here(self) -> list[Tensor]:
+        """Each HF part's local row indices, on the module's device."""
+        return [getattr(self, f"_part{j}") for j in range(len(self.parts))]
+
+    def _stamp(self) -> tuple[object, ...]:
         w = self.weight
-        return (w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
+        return (w._version, w.data_ptr())
 
     def invalidate_fp8_cache(self) -> None:
-        self._cache = None
+        """The weight changed without a version bump (a fused optimizer, an in-place load): requantize."""
+        self._kept_key = None
+
+    def _allocate_kept(self) -> tuple[list[Fp8Weight], Fp8Weight | None]:
+        w = self.weight
+        k, kb = w.shape[1], -(-w.shape[1] // 128)
+        sizes = [len(rows) for rows in self.parts]
+
+        def buffers(n: int) -> Fp8Weight:
+            return Fp8Weight(
+                torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device),
+                torch.empty(-(-n // 128), kb, dtype=torch.float32, device=w.device),
+            )
+
+        if len(sizes) == 1 or not self.single_gemm:
+            return [buffers(n) for n in sizes], None
+        # Every part but the last fills whole 128-row blocks: each part's grid is a slice of the whole one.
+        whole, parts, row = buffers(sum(sizes)), [], 0
+        for n in sizes:
+            parts.append(
+                Fp8Weight(whole.w_fp8[row : row + n], whole.scale_inv[row // 128 : -(-(row + n) // 128)])
+            )
+            row += n
+        return parts, whole
 
     @torch.no_grad()
+    def refresh_fp8(self) -> bool:
+        """Quantize each HF part of the weight into the kept buffers if they are stale; returns whether it did.
+        Written without a version bump (a Triton kernel, or a copy through ``.data``), as ``Fp8Linear`` does:
+        readers that cache by version are told directly (``ops.forget_dequantized``)."""
+        stamp = self._stamp()
+        if self._kept is not None and self._kept_key == stamp:
+            return False
+        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "ParallelLinear: a CUDA graph capture found the kept FP8 weight stale (refresh_fp8 before "
+                "capturing: the graph reads the buffers, it does not quantize)"
+            )
+        if self._kept is None:
+            self._kept = self._allocate_kept()
+        parts, whole = self._kept
+        w = self.weight.detach()
+        for rows, kept in zip(self.part_rows_here(), parts, strict=True):
+            part = w if len(parts) == 1 and self.identity_order else w.index_select(0, rows)
+            if gemm.fast_path_ok(part, part.shape[0], part.shape[1]):
+                quant_triton.quantize_weight(part, self.pow2_scales, out=(kept.w_fp8, kept.scale_inv))
+            else:
+                w_fp8, scale_inv = quantize_weight_blockwise(part, pow2_scales=self.pow2_scales)
+                kept.w_fp8.data.copy_(w_fp8)
+                kept.scale_inv.data.copy_(scale_inv)
+        for kept in [*parts, *([whole] if whole is not None else [])]:
+            forget_dequantized(kept.w_fp8)
+        self._kept_key = stamp
+        return True
+
     def fp8_parts(self) -> tuple[list[Fp8Weight], Fp8Weight | None]:
-        """Each HF part's quantization (cached per weight version), and their stack when one GEMM can run."""
-        key = self._key()
-        if self._cache is None or self._cache[0] != key:
-            w = self.weight.detach()
-            parts = [
-                quantize_for_training(w.index_select(0, rows.to(w.device)), self.pow2_scales)
-                for rows in self.parts
-            ]
-            self._cache = (key, parts, _concat(parts) if self.single_gemm and len(parts) > 1 else None)
-        return self._cache[1], (self._cache[2] if len(self._cache[1]) > 1 else self._cache[1][0])
+        """Each HF part's FP8 weight (the kept buffers, refreshed if stale), and the one the forward's GEMM reads:
+        the whole weight when one GEMM runs or there is one part, else None (one GEMM per part)."""
+        self.refresh_fp8()
+        assert self._kept is not None
+        parts, whole = self._kept
+        return parts, (whole if whole is not None else parts[0] if len(parts) == 1 else None)
 
     # ------------------------------------------------------------------ forward
     def _rows(self, t: Tensor | None, rows: Tensor) -> Tensor | None:
         if t is None:
             return None
-        return (
-            t if rows.numel() == t.shape[0] and self.identity_order else t.index_select(0, rows.to(t.device))
-        )
+        return t if rows.numel() == t.shape[0] and self.identity_order else t.index_select(0, rows)
 
     def _fp8_matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
         parts, stacked = self.fp8_parts()
@@ -174,10 +218,9 @@ class ParallelLinear(nn.Module):
         if stacked is not None:
             pieces = [(self._order, stacked)]
         else:
-            pieces = list(zip(self.parts, parts))
+            pieces = list(zip(self.part_rows_here(), parts))
         outs = []
         for rows, fp8w in pieces:
-            rows = rows.to(self.weight.device)
             b = self._rows(bias, rows)
             if needs_grad:
                 w = self._rows(self.weight, rows)

@@ -36,15 +36,17 @@ from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers import token_scores_fused
 from infir2_rl.trainers.engine_export import for_engines
 from infir2_rl.trainers.megatron import checkpoint as ckpt
+from infir2_rl.trainers.megatron import graphs as megatron_graphs
 from infir2_rl.trainers.megatron import hf_mapping as hfm
 from infir2_rl.trainers.megatron import te
 from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, part_rows
 from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
 from infir2_rl.trainers.megatron.vocab_parallel_scores import vocab_parallel_token_scores
-from infir2_rl.trainers.microbatch import MetricMeans, merge_on_host
+from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, merge_on_host, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.token_scores import chunked_token_scores
 from infir2_rl.trainers.torch import distributed as D
+from infir2_rl.trainers.torch.layer_graphs import LayerGraphs, drop_for_room
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
 
@@ -123,6 +125,9 @@ class MegatronTrainer:
             tp=self.tp,
             recompute=model_cfg.gradient_checkpointing,
         )
+        # The local spec's decoder linears (none with te), and those that compute in FP8.
+        self.linears = [m for m in self.model.modules() if isinstance(m, ParallelLinear)]
+        self.fp8_linears = [m for m in self.linears if m.fp8]
         self.te: te.TeRuntime | None = None
         self.optimizer: Any
         self.scheduler: Any
@@ -147,20 +152,37 @@ class MegatronTrainer:
             self.scheduler = build_scheduler(self.optimizer, optimizer_cfg, total_steps)
         self.step = 0
         self.num_skipped = 0
+        # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (graphs.py).
+        self.layer_graphs: LayerGraphs | None = None
+        blockers = [
+            name
+            for name, present in {
+                f"device {self.device}": self.device.type != "cuda",
+                "the te spec": self.spec == "te",
+                f"tensor_parallel_size={self.tp}": self.tp > 1,
+                "gradient checkpointing": model_cfg.gradient_checkpointing,
+            }.items()
+            if present
+        ]
+        if trainer_cfg.cuda_graphs is True and blockers:
+            raise ValueError(
+                "trainer.cuda_graphs=true with trainer.backend=megatron needs a CUDA device, the local spec, "
+                f"tensor_parallel_size=1 and no gradient checkpointing; here: {', '.join(blockers)}"
+            )
+        if trainer_cfg.cuda_graphs is True or (trainer_cfg.cuda_graphs == "auto" and not blockers):
+            self.layer_graphs = megatron_graphs.install(
+                self.module.decoder, check_memory=trainer_cfg.cuda_graphs == "auto", refresh=self._refresh_fp8
+            )
         log.info(
-            "megatron trainer rank %d: spec=%s fp8=%s tp=%d dp=%d",
-            self.rank,
-            self.spec,
-            self.fp8,
-            self.tp,
-            self.dp_size,
-        )
-        if self.fp8 and self.spec == "local" and self.device.type == "cuda" and self.rank == 0:
+            "megatron trainer rank %d: spec=%s fp8=%s tp=%d dp=%d, decoder layers %s",
+            self.rank, self.spec, self.fp8, self.tp, self.dp_size,
+            "replayed from CUDA graphs" if self.layer_graphs is not None else f"eager ({', '.join(blockers) or 'cuda_graphs=false'})",
+        )  # fmt: skip
+        if self.fp8 and self.spec == "local" and self.layer_graphs is None and self.device.type == "cuda":
             log.warning(
-                "megatron backend, local spec, FP8 on a GPU: its FP8 linears run eagerly (no CUDA graphs) and "
-                "are host-bound, measured slower than BF16 at the 1.5B shape, where the torch backend's FP8 runs "
-                "from layer graphs (docs/performance.md, 'Megatron backend'). For speed use "
-                "trainer.backend=torch, or the te spec where Transformer Engine is installed."
+                "megatron backend, local spec, FP8 on a GPU without CUDA graphs: its FP8 linears run eagerly and "
+                "are host-bound, measured slower than BF16 at the 1.5B shape (docs/performance.md, 'Megatron "
+                "backend'); trainer.cuda_graphs=auto replays them from graphs where it can (one GPU, TP = 1)."
             )
 
     # ------------------------------------------------------------------ weights in and out
@@ -277,9 +299,13 @@ class MegatronTrainer:
         yield from for_engines(state.items(), self.compute_dtype, self.arch.tied_embeddings)
 
     def invalidate_fp8_cache(self) -> None:
-        for m in self.model.modules():
-            if isinstance(m, ParallelLinear):
-                m.invalidate_fp8_cache()
+        for m in self.linears:  # (a BF16 trainer's export quantizes too)
+            m.invalidate_fp8_cache()
+
+    def _refresh_fp8(self) -> None:
+        """Quantize the stale kept FP8 weights (the graphs read them as they are: layers.ParallelLinear)."""
+        for m in self.fp8_linears:
+            m.refresh_fp8()
 
     @contextlib.contextmanager
     def _fp8_off(self) -> Iterator[None]:
@@ -301,7 +327,32 @@ class MegatronTrainer:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.compute_dtype == torch.float32 or self.te is not None:  # te: BF16 parameters, TE's own FP8
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        # The CUDA graphs cannot hold autocast's cache of weight casts (a cast made in a capture would be graph
+        # memory that later eager code reads); each forward then casts what it uses, as the cache would once.
+        return torch.autocast(
+            device_type=self.device.type, dtype=self.compute_dtype, cache_enabled=self.layer_graphs is None
+        )
+
+    @property
+    def pads_to_buckets(self) -> bool:
+        """Whether micro-batches run right-padded to their length bucket (under the layer graphs, so that few
+        shapes occur: ``microbatch.bucket_length``); the trainer group then counts the bucket against the token
+        budget."""
+        return self.layer_graphs is not None
+
+    def _bucketed(self, batch: TokenBatch) -> TokenBatch:
+        if not self.pads_to_buckets:
+            return batch
+        return pad_length(batch, bucket_length(batch.input_ids.shape[1]))
+
+    def _graph_order(self, batches: list[TokenBatch]) -> list[int]:
+        """Largest (padded) micro-batch first under the layer graphs: the first capture sizes their shared memory
+        pool and smaller shapes' captures fit in it (``TorchTrainer._graph_order``); else as given."""
+        order = list(range(len(batches)))
+        if self.layer_graphs is None:
+            return order
+        sizes = [b.input_ids.shape[0] * bucket_length(b.input_ids.shape[1]) for b in batches]
+        return sorted(order, key=lambda i: -sizes[i])
 
     def _model_inputs(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
         mask = batch.attention_mask
@@ -375,7 +426,6 @@ class MegatronTrainer:
             )
         start = time.perf_counter()
         self.model.train()
-        self.invalidate_fp8_cache()
         if self.te is not None:
             self.te.zero_grad()
         # The loss sum stays on the device and the token count comes from the host's counts (TokenBatch.to):
@@ -383,11 +433,16 @@ class MegatronTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         metrics = MetricMeans()
         num_tokens = num_sequences = 0
-        kept: list[Tensor] = []  # keep_logprobs: the micro-batches' log-probs (dropout is 0: model.py)
-        for batch in (b.to(self.device) for b in batches):
+        items = [b.to(self.device) for b in batches]
+        # keep_logprobs: the micro-batches' log-probs in the order given (dropout is 0: model.py)
+        kept: list[Tensor | None] = [None] * len(items)
+        for i in self._graph_order(items):
+            batch = items[i]
+            length = batch.input_ids.shape[1]
+            batch = self._bucketed(batch)
             scores = self._loss_scores(batch, loss_fn)
             if keep_logprobs:
-                kept.append(scores.logprobs_BL.detach())
+                kept[i] = scores.logprobs_BL[:, :length].detach()
             out = loss_fn(scores, batch)
             weight = out.num_units / total_units
             (out.loss * weight).backward()
@@ -437,7 +492,8 @@ class MegatronTrainer:
                 dist.all_reduce(p.grad, group=self.dp_group)  # type: ignore[arg-type]
         grad_norm = self._grad_norm()
         skipped = step_unless_nonfinite(self.optimizer, self.params, grad_norm, clip)
-        self.optimizer.zero_grad(set_to_none=True)
+        # The backward graphs add into the .grad tensors they were captured with: zero those in place.
+        self.optimizer.zero_grad(set_to_none=self.layer_graphs is None)
         return float(grad_norm.item()), skipped
 
     def _grad_norm(self) -> Tensor:
@@ -475,21 +531,22 @@ class MegatronTrainer:
         self, batches: Sequence[TokenBatch], temperature: float = 1.0, fp8: bool = True
     ) -> list[Tensor]:
         self.model.eval()
-        self.invalidate_fp8_cache()
         out: list[Tensor] = []
         with contextlib.nullcontext() if fp8 else self._fp8_off():
             for batch in (b.to(self.device) for b in batches):
-                out.append(self._scores(batch, batch.attention_mask > 0, temperature).logprobs_BL.cpu())
+                length = batch.input_ids.shape[1]
+                batch = self._bucketed(batch)
+                scores = self._scores(batch, batch.attention_mask > 0, temperature)
+                out.append(scores.logprobs_BL[:, :length].cpu())
         self.model.train()
         return out
 
     @torch.no_grad()
     def evaluate_loss(self, batches: Sequence[TokenBatch], loss_fn: LossFn) -> tuple[float, int]:
         self.model.eval()
-        self.invalidate_fp8_cache()
         total: Tensor | float = 0.0  # on the device until the end, as the torch trainer's
         units = 0
-        for batch in (b.to(self.device) for b in batches):
+        for batch in (self._bucketed(b.to(self.device)) for b in batches):
             out = loss_fn(self._loss_scores(batch, loss_fn), batch)
             total = total + out.loss.detach().double() * out.num_units
             units += out.num_units
@@ -519,13 +576,11 @@ class MegatronTrainer:
 
     def make_room(self, wanted_bytes: int) -> bool:
         """Colocated with a rollout engine, before a rollout: where the GPU's free memory is below ``wanted_bytes``
-        (what the engine's KV cache wants, ``NativeEngine.memory_wanted``), return this process's cached blocks
-        to the driver. Weights, masters and optimizer states stay (this backend has no layer graphs to drop, and
-        offloads nothing), so it may still be short: the step's ``rollout/kv_slots_short`` says so. False: no
-        graphs dropped (the torch backend's ``TorchTrainer.make_room`` answers True when its graphs went)."""
-        if self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < wanted_bytes:
-            torch.cuda.empty_cache()
-        return False
+        (what the engine's KV cache wants, ``NativeEngine.memory_wanted``), return this process's cached blocks,
+        then drop the layer graphs if still short (``layer_graphs.drop_for_room``, as the torch backend does).
+        Weights, masters and optimizer states stay (nothing is offloaded), so it may still be short: the step's
+        ``rollout/kv_slots_short`` says so. True when the graphs went."""
+        return drop_for_room(self.device, wanted_bytes, self.layer_graphs)
 
 
 def _is_te_linear_weight(name: str) -> bool:

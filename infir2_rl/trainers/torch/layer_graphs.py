@@ -59,11 +59,13 @@ that way while each shape kept its own buffers between layers). Capture needs th
 cache_enabled=False)``): a cached cast made during a capture would be graph memory that later eager code
 reads.
 
-Layers are found as ``model.model.layers`` (transformers' Qwen2/Llama layout) and patched per instance
-(``layer.forward``), so parameter names, state dicts and checkpoints are unchanged. Given ``forwards``, one
-function per layer with a decoder layer's signature, the graphs capture those instead and nothing is
-patched: the caller runs layer i as ``LayerGraphs.call(i, ...)`` (the ``true_on_policy`` walk, whose layers
-are functions of the modules, not their forwards: trainers/torch/invariant_scoring.py).
+Layers are found as ``model.model.layers`` (transformers' Qwen2/Llama layout), or given as ``layers``, and
+patched per instance (``layer.forward``), so parameter names, state dicts and checkpoints are unchanged. Given
+``forwards``, one function per layer with a decoder layer's signature, the graphs capture those instead and
+nothing is patched: the caller runs layer i as ``LayerGraphs.call(i, ...)`` (the ``true_on_policy`` walk,
+whose layers are functions of the modules, not their forwards: trainers/torch/invariant_scoring.py; megatron's
+TransformerLayers behind HF's signature: trainers/megatron/graphs.py). ``refresh``, where given, runs before
+each micro-batch's replays beside ``refresh_kept_fp8`` (the megatron linears' kept FP8 weights).
 """
 
 from __future__ import annotations
@@ -101,6 +103,30 @@ def _varlen(kwargs: dict[str, Any]) -> tuple[Tensor, int] | None:
     if kwargs["cu_seq_lens_k"] is not cu or kwargs["max_length_k"] != max_len or not isinstance(cu, Tensor):
         return None
     return cu, int(max_len)
+
+
+def drop_for_room(device: torch.device, wanted_bytes: int, graphs: LayerGraphs | None) -> bool:
+    """A trainer's ``make_room`` (``TrainerBackend``): colocated with a rollout engine, before a rollout, while the
+    GPU's free memory is below ``wanted_bytes`` (what the engine's KV cache wants, ``NativeEngine.memory_wanted``),
+    return this process's cached blocks, then drop the layer graphs (their pool and buffers; the next step
+    captures its shapes again). A GPU with room is left as it is. Without this, at 16K responses on an 80 GB GPU
+    the torch trainer kept ~57 GiB through the rollout and the engine decoded 32 of its 64 rows at a time
+    (docs/performance.md, session 48). True when the graphs went."""
+    if device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= wanted_bytes:
+        return False
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    if free >= wanted_bytes or graphs is None or graphs.num_shapes == 0:
+        return False
+    graphs.release()
+    torch.cuda.empty_cache()
+    after = torch.cuda.mem_get_info(device)[0]
+    log.info(
+        "trainer: layer graphs dropped before the rollout (free GPU memory %.1f -> %.1f GiB; the engine's KV "
+        "cache wants %.1f): the next step captures its shapes again",
+        free / 2**30, after / 2**30, wanted_bytes / 2**30,
+    )  # fmt: skip
+    return True
 
 
 class GradsReplaced(RuntimeError):
@@ -222,10 +248,13 @@ class LayerGraphs:
         max_forward_only_shapes: int = 64,
         check_memory: bool = False,
         forwards: list[Callable[..., Tensor]] | None = None,
+        layers: list[nn.Module] | None = None,
+        refresh: Callable[[], object] | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise ValueError("trainer.cuda_graphs needs a CUDA device")
-        self.layers = list(decoder_layers(model))
+        self.layers = list(decoder_layers(model)) if layers is None else list(layers)
+        self._refresh = refresh
         # Shapes captured at most, per kind. Training: 64, since a padded RL-shaped batch meets ~47 shapes, and
         # micro-batches past the cap run eagerly, where FP8 is host-bound (docs/performance.md, session 29:
         # with 16, padded FP8 ran at 0.74-0.84x BF16's tokens/s; with all 47 graphed, 1.02-1.03x). Each shape
@@ -407,6 +436,8 @@ class LayerGraphs:
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
         refresh_kept_fp8(self._fp8)  # the graphs read kept FP8 weights as they are (module docstring)
+        if self._refresh is not None:
+            self._refresh()
         if not graphs.forward_only:  # the backward graphs add into the .grad tensors of their capture
             self._check_grads(graphs)
         graphs.cos.copy_(position_embeddings[0])

@@ -72,7 +72,7 @@ from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch import fused_layers, varlen_attention
 from infir2_rl.trainers.torch.export_listing import UNLISTABLE, ExportListing, ExportRecorder
-from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
+from infir2_rl.trainers.torch.layer_graphs import LayerGraphs, drop_for_room
 from infir2_rl.trainers.torch.master_weights import MasterWeights
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
@@ -598,28 +598,9 @@ class TorchTrainer:
         return norm.float()
 
     def make_room(self, wanted_bytes: int) -> bool:
-        """Colocated with a rollout engine, before a rollout: while the GPU's free memory is below
-        ``wanted_bytes`` (what the engine's KV cache wants, ``NativeEngine.memory_wanted``), return this process's
-        cached blocks, then drop the layer graphs (their pool and buffers; the next step captures its shapes
-        again). A GPU with room is left as it is. Without this, at 16K responses on an 80 GB GPU the trainer kept
-        ~57 GiB through the rollout and the engine decoded 32 of its 64 rows at a time (docs/performance.md,
-        session 48). True when the graphs went."""
-        if self.device.type != "cuda" or torch.cuda.mem_get_info(self.device)[0] >= wanted_bytes:
-            return False
-        torch.cuda.empty_cache()
-        graphs = self.layer_graphs
-        free = torch.cuda.mem_get_info(self.device)[0]
-        if free >= wanted_bytes or graphs is None or graphs.num_shapes == 0:
-            return False
-        graphs.release()
-        torch.cuda.empty_cache()
-        after = torch.cuda.mem_get_info(self.device)[0]
-        log.info(
-            "trainer: layer graphs dropped before the rollout (free GPU memory %.1f -> %.1f GiB; the engine's KV "
-            "cache wants %.1f): the next step captures its shapes again",
-            free / 2**30, after / 2**30, wanted_bytes / 2**30,
-        )  # fmt: skip
-        return True
+        """Before a colocated rollout short of memory: cached blocks back, then the layer graphs dropped
+        (``layer_graphs.drop_for_room``). True when the graphs went."""
+        return drop_for_room(self.device, wanted_bytes, self.layer_graphs)
 
     def _metric_names(self, local: dict[str, float]) -> list[str]:
         """Loss metric names over all ranks (a rank without micro-batches has none), in one order."""
