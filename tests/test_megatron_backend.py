@@ -177,52 +177,67 @@ def test_non_finite_gradient_skips_the_update_and_the_schedule(assets: tuple) ->
     assert not stats.skipped and trainer.scheduler.last_epoch == 1 and trainer.optimizer.state
 
 
-def test_kept_fp8_weights_are_views_of_one_buffer_rewritten_in_place(assets: tuple, tmp_path: Path) -> None:
-    """layers.ParallelLinear keeps its FP8 weight in buffers for the module's life (a CUDA graph reads them):
-    q, k and v are views of the whole weight's buffer (no second copy of the stack), each on its own HF grid; a
-    write that bumps no version (as fused AdamW's) leaves them stale until ``invalidate_fp8_cache``, after which
-    the same buffers hold the new quantization, and a train step leaves them fresh."""
+# The three FP8 layouts of megatron's q|k|v (layers.ParallelLinear), by the model's head shape.
+QKV_LAYOUTS = {
+    # head_dim 128: megatron's per-group order permutes whole 128-row blocks; quantized as it is
+    "direct": dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=512),
+    # head_dim 64, q and k 128-row multiples: one GEMM on the HF-ordered stack, outputs permuted back
+    "stacked": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+    # the tiny preset: one GEMM per HF part
+    "per_part": {},
+}
+
+
+@pytest.mark.parametrize("layout", list(QKV_LAYOUTS))
+def test_kept_fp8_weights_are_each_hf_parts_grid_rewritten_in_place(
+    assets: tuple, tmp_path: Path, layout: str
+) -> None:
+    """layers.ParallelLinear keeps its FP8 weight in buffers for the module's life (a CUDA graph reads them). In
+    every layout each HF part (q, k, v) gets the bytes and scales of its own 128x128 grid, which weight sync
+    sends; log-probs equal the torch backend's. A write that bumps no version (as fused AdamW's) leaves the
+    buffers stale until ``invalidate_fp8_cache``, after which the same buffers hold the new quantization, and
+    a train step leaves them fresh. "stacked": the parts are views of one buffer (no second copy)."""
     from infir2_rl.fp8.quant import quantize_weight_blockwise
 
     _, batches = assets
-    # 128-aligned projections (2 heads of 128, MLP 512): q|k|v and gate|up each run as one GEMM.
-    model = init_model(
-        tmp_path / "aligned", preset="tiny", num_hidden_layers=1, hidden_size=256, num_attention_heads=2,
-        num_key_value_heads=2, intermediate_size=512,
-    )  # fmt: skip
+    model = init_model(tmp_path / layout, preset="tiny", num_hidden_layers=1, **QKV_LAYOUTS[layout])
     trainer = make("megatron", model, fp8=True)
     assert isinstance(trainer, MegatronTrainer)
     linear = next(m for m in trainer.fp8_linears if m.role == "qkv")
     assert not linear.identity_order  # megatron interleaves q, k, v per KV group
-
-    def expected() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        w = linear.weight.detach()
-        return [
-            quantize_weight_blockwise(w.index_select(0, rows), pow2_scales=linear.pow2_scales)
-            for rows in linear.parts
-        ]
+    assert (linear.direct, linear.single_gemm) == {
+        "direct": (True, True), "stacked": (False, True), "per_part": (False, False)
+    }[layout]  # fmt: skip
 
     def matches(parts: list) -> bool:
+        w = linear.weight.detach()
+        expected = [
+            quantize_weight_blockwise(w.index_select(0, rows), pow2_scales=False) for rows in linear.parts
+        ]
         return all(
             torch.equal(p.w_fp8.float(), q.float()) and torch.equal(p.scale_inv, s)
-            for p, (q, s) in zip(parts, expected(), strict=True)
+            for p, (q, s) in zip(parts, expected, strict=True)
         )
 
-    parts, whole = linear.fp8_parts()
-    assert whole is not None and len(parts) == 3 and matches(parts)
-    storage = whole.w_fp8.untyped_storage().data_ptr()
-    assert all(p.w_fp8.untyped_storage().data_ptr() == storage for p in parts)
-    assert sum(p.w_fp8.shape[0] for p in parts) == whole.w_fp8.shape[0]
+    parts = linear.fp8_parts()
+    assert len(parts) == 3 and matches(parts)
+    kept, whole = linear._kept  # type: ignore[misc]
+    if layout == "stacked":
+        assert whole is not None and all(
+            p.w_fp8.untyped_storage().data_ptr() == whole.w_fp8.untyped_storage().data_ptr() for p in kept
+        )
+    pointers = [k.w_fp8.data_ptr() for k in kept]
+    ref = make("torch", model, fp8=True).forward_logprobs(batches[:1])[0]
+    assert float((trainer.forward_logprobs(batches[:1])[0] - ref).abs().max()) < 2e-5
     version = linear.weight._version
     linear.weight.data.mul_(1.5)  # no version bump, like a fused optimizer's write
     assert linear.weight._version == version
-    assert not matches(linear.fp8_parts()[0])  # stale: nothing told it
+    assert not matches(linear.fp8_parts())  # stale: nothing told it
     trainer.invalidate_fp8_cache()
-    again, whole_again = linear.fp8_parts()
-    assert matches(again) and whole_again is whole
-    assert [p.w_fp8.data_ptr() for p in again] == [p.w_fp8.data_ptr() for p in parts]
+    assert matches(linear.fp8_parts())
+    assert [k.w_fp8.data_ptr() for k in linear._kept[0]] == pointers  # type: ignore[index]
     trainer.train_step([batches[0]], SftLossFn(), num_target_tokens(batches[0]))
-    assert matches(linear.fp8_parts()[0])
+    assert matches(linear.fp8_parts())
 
 
 def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:

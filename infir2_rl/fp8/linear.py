@@ -231,23 +231,10 @@ class Fp8Linear(nn.Linear):
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        # Under autocast the output has the autocast dtype, as nn.Linear's would: an FP32 input (the residual
-        # stream after RMSNorm) otherwise gives FP32 q/k/v/gate/up outputs, and every activation downstream
-        # (SiLU, the gate*up product) is then kept for backward in FP32, twice the bytes of the BF16 model.
-        device_type = x.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
-        if autocast and x.dtype != out_dtype:
-            # Quantize the values a dense linear under autocast would multiply, x rounded to the autocast
-            # dtype: they are what a BF16 rollout engine holds at this point, while the FP32 values round to
-            # other e4m3 codes in ~2% of elements and to another scale in nearly every tile (docs/mismatch.md,
-            # source 1). The input gradient is rounded to that dtype too, as a dense autocast linear's is.
-            # The rounding happens inside the quantizer (no BF16 copy per linear); q, k and v (gate and up)
-            # share one quantization of their common input (ops._quantize_input_fast), and each gradient
-            # comes back BF16-rounded in FP32, so they add in FP32 as under autocast.
-            round_to: torch.dtype | None = out_dtype
-        else:
-            round_to = None
+        # The autocast dtype out, x rounded to it before quantization (``ops.autocast_output``); q, k and v (gate
+        # and up) share one quantization of their common input (ops._quantize_input_fast), and each gradient
+        # comes back BF16-rounded in FP32, so they add in FP32 as under autocast.
+        out_dtype, round_to = ops.autocast_output(x)
         pow2 = self.pow2_scales
         if not needs_grad:  # inference (e.g. old log-probs): the W8A8 path, no tensors kept for backward
             return fp8_linear_forward(x, w_fp8, scale_inv, bias, pow2, out_dtype=out_dtype, round_to=round_to)

@@ -251,6 +251,22 @@ def _emulated_mm(a_deq: torch.Tensor, b_deq: torch.Tensor) -> torch.Tensor:
         return a_deq @ b_deq.t()
 
 
+def autocast_output(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype | None]:
+    """(output dtype, ``round_to``) of an FP8 linear of ``x``. Under autocast the output has the autocast dtype, as
+    nn.Linear's would: an FP32 input (the residual stream after RMSNorm) otherwise gives FP32 q/k/v/gate/up
+    outputs, and every activation downstream (SiLU, the gate*up product) is then computed and kept for backward
+    in FP32, twice the bytes of the BF16 model. And the values quantized are those a dense linear under autocast
+    would multiply, x rounded to the autocast dtype (``round_to``): they are what a BF16 rollout engine holds at
+    this point, while the FP32 values round to other e4m3 codes in ~2% of elements and to another scale in
+    nearly every tile (docs/mismatch.md, source 1). The rounding happens inside the quantizer (no BF16 copy);
+    the input gradient is rounded to that dtype too, as a dense autocast linear's is."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x.dtype, None
+    out_dtype = torch.get_autocast_dtype(device_type)
+    return out_dtype, (out_dtype if x.dtype != out_dtype else None)
+
+
 def fp8_linear_forward(
     x: torch.Tensor,
     w_fp8: torch.Tensor,

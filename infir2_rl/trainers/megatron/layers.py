@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infir2_rl.fp8 import gemm, quant_triton
-from infir2_rl.fp8.ops import Fp8Weight, forget_dequantized, fp8_linear, fp8_linear_forward
+from infir2_rl.fp8.ops import (
+    WGRAD_INTO,
+    Fp8Weight,
+    autocast_output,
+    forget_dequantized,
+    fp8_linear,
+    fp8_linear_forward,
+)
 from infir2_rl.fp8.quant import quantize_weight_blockwise
 
 COLUMN_ROLES = ("qkv", "fc1")
@@ -43,6 +50,25 @@ ROW_ROLES = ("proj", "fc2")
 # HF projection names of each role's parts, in HF order.
 HF_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "fc1": ("gate_proj", "up_proj"), "proj": ("o_proj",)}
 HF_PARTS["fc2"] = ("down_proj",)
+
+
+def _whole_blocks(parts: list[Tensor]) -> bool:
+    """Whether every part's rows (HF order) are runs of whole, aligned 128-row blocks of the weight."""
+    for rows in parts:
+        if len(rows) % 128:
+            return False
+        blocks = rows.view(-1, 128)
+        if bool((blocks[:, 0] % 128).any()) or not torch.equal(
+            blocks - blocks[:, :1], torch.arange(128).expand_as(blocks)
+        ):
+            return False
+    return True
+
+
+def _grad_of(weight: Tensor) -> Tensor | None:
+    """``ops.WGRAD_INTO`` of a direct linear's weight: its ``.grad`` (None before the first backward allocates it;
+    with CUDA graphs it stays allocated), which the FP8 wgrad GEMM adds into."""
+    return weight.grad
 
 
 def part_rows(role: str, config: Any, out_local: int) -> list[Tensor]:
@@ -124,6 +150,13 @@ class ParallelLinear(nn.Module):
         for j, rows in enumerate(self.parts):
             self.register_buffer(f"_part{j}", rows, persistent=False)
         self.single_gemm = all(len(p) % 128 == 0 for p in self.parts[:-1])
+        # Each HF part's rows are runs of whole 128-row blocks of this weight (q, k, v with a head_dim of 128,
+        # as in Qwen2.5: megatron's per-group order permutes whole blocks): the weight's own 128x128 grid is then
+        # every part's grid with block rows permuted, so it is quantized and multiplied as it is, with no
+        # permutation of rows or outputs, and its GPU wgrad can add into ``.grad`` inside the GEMM.
+        self.direct = (len(self.parts) == 1 and self.identity_order) or _whole_blocks(self.parts)
+        if self.direct:
+            setattr(self.weight, WGRAD_INTO, _grad_of)
         # False runs the dense path on the master weight (see `fp8.linear.fp8_disabled`'s counterpart).
         self.fp8_enabled = True
         # The kept FP8 weight (module docstring): each part's, and the whole one when one GEMM runs; the weight
@@ -145,9 +178,10 @@ class ParallelLinear(nn.Module):
         self._kept_key = None
 
     def _allocate_kept(self) -> tuple[list[Fp8Weight], Fp8Weight | None]:
+        """(the buffers ``refresh_fp8`` quantizes into, one per HF part or the one whole weight when ``direct``;
+        the whole weight's buffers when one GEMM runs, else None)."""
         w = self.weight
         k, kb = w.shape[1], -(-w.shape[1] // 128)
-        sizes = [len(rows) for rows in self.parts]
 
         def buffers(n: int) -> Fp8Weight:
             return Fp8Weight(
@@ -155,9 +189,13 @@ class ParallelLinear(nn.Module):
                 torch.empty(-(-n // 128), kb, dtype=torch.float32, device=w.device),
             )
 
-        if len(sizes) == 1 or not self.single_gemm:
+        if self.direct:
+            whole = buffers(w.shape[0])
+            return [whole], whole
+        sizes = [len(rows) for rows in self.parts]
+        if not self.single_gemm:
             return [buffers(n) for n in sizes], None
-        # Every part but the last fills whole 128-row blocks: each part's grid is a slice of the whole one.
+        # Every part but the last fills whole 128-row blocks: each part's grid is a slice of the stack's.
         whole, parts, row = buffers(sum(sizes)), [], 0
         for n in sizes:
             parts.append(
@@ -168,9 +206,10 @@ class ParallelLinear(nn.Module):
 
     @torch.no_grad()
     def refresh_fp8(self) -> bool:
-        """Quantize each HF part of the weight into the kept buffers if they are stale; returns whether it did.
-        Written without a version bump (a Triton kernel, or a copy through ``.data``), as ``Fp8Linear`` does:
-        readers that cache by version are told directly (``ops.forget_dequantized``)."""
+        """Quantize the weight into the kept buffers if they are stale (each HF part on its own grid, or the
+        weight as it is when ``direct``); returns whether it did. Written without a version bump (a Triton
+        kernel, or a copy through ``.data``), as ``Fp8Linear`` does: readers that cache by version are told
+        directly (``ops.forget_dequantized``)."""
         stamp = self._stamp()
         if self._kept is not None and self._kept_key == stamp:
             return False
@@ -181,28 +220,37 @@ class ParallelLinear(nn.Module):
             )
         if self._kept is None:
             self._kept = self._allocate_kept()
-        parts, whole = self._kept
+        buffers, whole = self._kept
         w = self.weight.detach()
-        for rows, kept in zip(self.part_rows_here(), parts, strict=True):
-            part = w if len(parts) == 1 and self.identity_order else w.index_select(0, rows)
-            if gemm.fast_path_ok(part, part.shape[0], part.shape[1]):
-                quant_triton.quantize_weight(part, self.pow2_scales, out=(kept.w_fp8, kept.scale_inv))
+        sources = [w] if self.direct else [w.index_select(0, rows) for rows in self.part_rows_here()]
+        for src, kept in zip(sources, buffers, strict=True):
+            if gemm.fast_path_ok(src, src.shape[0], src.shape[1]):
+                quant_triton.quantize_weight(src, self.pow2_scales, out=(kept.w_fp8, kept.scale_inv))
             else:
-                w_fp8, scale_inv = quantize_weight_blockwise(part, pow2_scales=self.pow2_scales)
+                w_fp8, scale_inv = quantize_weight_blockwise(src, pow2_scales=self.pow2_scales)
                 kept.w_fp8.data.copy_(w_fp8)
                 kept.scale_inv.data.copy_(scale_inv)
-        for kept in [*parts, *([whole] if whole is not None else [])]:
+        for kept in [*buffers, *([whole] if whole is not None else [])]:
             forget_dequantized(kept.w_fp8)
         self._kept_key = stamp
         return True
 
-    def fp8_parts(self) -> tuple[list[Fp8Weight], Fp8Weight | None]:
-        """Each HF part's FP8 weight (the kept buffers, refreshed if stale), and the one the forward's GEMM reads:
-        the whole weight when one GEMM runs or there is one part, else None (one GEMM per part)."""
+    def _kept_fresh(self) -> tuple[list[Fp8Weight], Fp8Weight | None]:
         self.refresh_fp8()
         assert self._kept is not None
-        parts, whole = self._kept
-        return parts, (whole if whole is not None else parts[0] if len(parts) == 1 else None)
+        return self._kept
+
+    def fp8_parts(self) -> list[Fp8Weight]:
+        """Each HF part's FP8 weight on its own grid, as weight sync sends it: the kept buffers, or when
+        ``direct`` with several parts, each part's rows and block rows taken from the whole (copies)."""
+        buffers, whole = self._kept_fresh()
+        if not self.direct or len(self.parts) == 1:
+            return buffers
+        assert whole is not None
+        return [
+            Fp8Weight(whole.w_fp8.index_select(0, rows), whole.scale_inv.index_select(0, rows[::128] // 128))
+            for rows in self.part_rows_here()
+        ]
 
     # ------------------------------------------------------------------ forward
     def _rows(self, t: Tensor | None, rows: Tensor) -> Tensor | None:
@@ -211,23 +259,32 @@ class ParallelLinear(nn.Module):
         return t if rows.numel() == t.shape[0] and self.identity_order else t.index_select(0, rows)
 
     def _fp8_matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        parts, stacked = self.fp8_parts()
+        buffers, whole = self._kept_fresh()
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or self.weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        if stacked is not None:
-            pieces = [(self._order, stacked)]
-        else:
-            pieces = list(zip(self.part_rows_here(), parts))
+        out_dtype, round_to = autocast_output(x)
+        if self.direct:  # the weight and its output in megatron's order: nothing to permute
+            assert whole is not None
+            if needs_grad:
+                return fp8_linear(x, self.weight, bias, whole, self.pow2_scales, out_dtype, round_to)
+            return fp8_linear_forward(
+                x, whole.w_fp8, whole.scale_inv, bias, self.pow2_scales, out_dtype, round_to
+            )
+        pieces = [(self._order, whole)] if whole is not None else list(zip(self.part_rows_here(), buffers))
         outs = []
         for rows, fp8w in pieces:
             b = self._rows(bias, rows)
             if needs_grad:
                 w = self._rows(self.weight, rows)
                 assert w is not None
-                outs.append(fp8_linear(x, w, b, fp8w, self.pow2_scales))
+                outs.append(fp8_linear(x, w, b, fp8w, self.pow2_scales, out_dtype, round_to))
             else:
-                outs.append(fp8_linear_forward(x, fp8w.w_fp8, fp8w.scale_inv, b, self.pow2_scales))
+                outs.append(
+                    fp8_linear_forward(
+                        x, fp8w.w_fp8, fp8w.scale_inv, b, self.pow2_scales, out_dtype, round_to
+                    )
+                )
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.identity_order else y.index_select(-1, self._inverse)
 

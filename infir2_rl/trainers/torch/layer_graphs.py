@@ -637,16 +637,15 @@ class LayerGraphs:
 
         # Warm-up on a side stream: Triton compiles, cuBLAS(Lt) handles and workspaces, and the FP8
         # self-check happen here, not inside a capture. Gradients go to autograd.grad's outputs, never to
-        # .grad; but a GEMM that adds a weight gradient into its FP32 master's gradient (FP8: fp8/ops.py
-        # WGRAD_INTO; BF16: master_weights.MainGradLinear) writes ``main_grad`` even here, so those (which
-        # may hold this step's earlier micro-batches) are put back after the warm-up.
+        # .grad; but a GEMM that adds a weight gradient into its FP32 target (FP8: fp8/ops.py WGRAD_INTO, into
+        # a master's ``main_grad`` or, on the megatron backend, ``.grad``; BF16: master_weights.MainGradLinear)
+        # writes it even here, so the targets (which may hold this step's earlier micro-batches) are put back
+        # after the warm-up.
         side = warmup_stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in warm:
-                targets = [
-                    t for t in (getattr(p, "main_grad", None) for p in self._params[i]) if t is not None
-                ]
+                targets = [t for t in (grad_target(p) for p in self._params[i]) if t is not None]
                 kept = [t.clone() for t in targets]
                 for _ in range(WARMUP_ITERS):
                     x = torch.randn_like(hidden).requires_grad_()
