@@ -64,7 +64,7 @@ def test_logprobs_equal_the_torch_backend_in_bf16(assets: tuple, fp8: bool) -> N
     assert mega.device.type == "cuda" and mega.compute_dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in mega.params)
     if fp8:
-        linear = next(m for m in mega.model.modules() if isinstance(m, ParallelLinear))
+        linear = next(m for m in mega.model.modules() if isinstance(m, ParallelLinear) and m.role == "qkv")
         # q|k|v as one GEMM on the weight as it is (head_dim 128: megatron's order permutes whole blocks)
         assert linear.role == "qkv" and linear.direct and not linear.identity_order
         assert all(p.w_fp8_t is None for p in linear.fp8_parts())  # no W^T kept: backward makes it

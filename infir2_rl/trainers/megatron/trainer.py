@@ -313,13 +313,12 @@ class MegatronTrainer:
                 "forward_logprobs(fp8=False) with the te spec: TE's parameters are FP8 and there is no dense"
                 " forward on the masters (metrics.dense_trainer_mismatch is refused at start for this reason)"
             )
-        linears = [m for m in self.model.modules() if isinstance(m, ParallelLinear)]
-        for m in linears:
+        for m in self.fp8_linears:  # (a BF16 trainer's linears are dense already: its graphs' key stays)
             m.fp8_enabled = False
         try:
             yield
         finally:
-            for m in linears:
+            for m in self.fp8_linears:
                 m.fp8_enabled = True
 
     # ------------------------------------------------------------------ forward helpers

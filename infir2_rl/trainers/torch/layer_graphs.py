@@ -22,8 +22,8 @@ length bucket, ``trainers/microbatch.bucket_length``, so that few shapes occur):
   and every replay checks their identity (``GradsReplaced`` otherwise, never a silent write to freed memory).
 * FP8: an ``Fp8Linear`` with a kept FP8 weight (the trainer's FP32 masters give each one: master_weights.py)
   is read from those buffers by the graph, which the flat AdamW rewrites as it steps the masters; each
-  micro-batch's first replay quantizes any that are stale first (``fp8.linear.refresh_kept_fp8``: after a
-  checkpoint load, or with another optimizer). Without kept buffers ``Fp8Linear`` skips its weight cache
+  capture and each micro-batch's first replay quantize any that are stale first (``fp8.linear.refresh_kept_fp8``:
+  after a checkpoint load, or with another optimizer; the megatron backend's linears through ``refresh``). Without kept buffers ``Fp8Linear`` skips its weight cache
   while a capture runs, so the weight quantization is part of the forward graph and each replay quantizes
   the current master weights.
 * All shapes share one memory pool. That is safe here because one micro-batch replays every layer's forward
@@ -435,9 +435,7 @@ class LayerGraphs:
         kwargs: dict[str, Any],
     ) -> None:
         assert position_embeddings is not None and graphs.cos is not None and graphs.sin is not None
-        refresh_kept_fp8(self._fp8)  # the graphs read kept FP8 weights as they are (module docstring)
-        if self._refresh is not None:
-            self._refresh()
+        self._refresh_fp8()  # the graphs read kept FP8 weights as they are (module docstring)
         if not graphs.forward_only:  # the backward graphs add into the .grad tensors of their capture
             self._check_grads(graphs)
         graphs.cos.copy_(position_embeddings[0])
@@ -451,6 +449,11 @@ class LayerGraphs:
         self._active = (graphs, position_embeddings, mask, None if varlen is None else varlen[0])
         self._clock[0] += 1
         self.replays += 1
+
+    def _refresh_fp8(self) -> None:
+        refresh_kept_fp8(self._fp8)
+        if self._refresh is not None:
+            self._refresh()
 
     def _check_grads(self, graphs: _ShapeGraphs) -> None:
         for p, g in zip(self._all_params, graphs.grads, strict=True):
@@ -488,6 +491,9 @@ class LayerGraphs:
             self._refused.add(forward_only)
             return None
         assert position_embeddings is not None
+        # The graphs read kept FP8 weights, so they must be current before the capture: a later shape warms up
+        # layer 0 alone (``_warm_up_layers``), and only an eager forward would have refreshed the others.
+        self._refresh_fp8()
         torch.cuda.synchronize()
         before, started = torch.cuda.memory_reserved(hidden.device), time.perf_counter()
         path = key[0]  # the code path (``_key``)
