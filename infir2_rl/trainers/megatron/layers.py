@@ -8,22 +8,30 @@ forward on ``[s, b, h]`` returning ``(out, bias_or_None)``). Its role comes from
 * ``proj`` and ``fc2`` are row-parallel: weight ``[N, K / tp]``, partial outputs all-reduced, bias after.
 
 Its weight is kept in megatron's layout (``linear_qkv`` rows per KV group as [the group's q heads, k, v];
-``linear_fc1`` = [gate; up]), but FP8 quantization follows the HF projections: the rows of each HF part
-(q_proj, k_proj, v_proj; gate_proj, up_proj) are gathered and quantized on their own 128x128 grid, which
-is the grid the torch backend's ``Fp8Linear`` and the rollout engines use. So the FP8 bytes this trainer
-computes with are the bytes weight sync sends, whatever the head layout. When every part but the last
-has a multiple of 128 rows, the parts' grids tile the concatenated weight exactly, and one GEMM runs on
-[q; k; v] (outputs permuted back to megatron's order); otherwise one GEMM per part. Both give the same
-numbers. Under TP every part's local rows (and a row-parallel layer's local columns) must be a multiple
-of 128 so the shards' grids are slices of the full grid (config/parallel_rules.py checks it).
+``linear_fc1`` = [gate; up]), but FP8 quantization follows the HF projections: each HF part (q_proj, k_proj,
+v_proj; gate_proj, up_proj) is quantized on its own 128x128 grid, which is the grid the torch backend's
+``Fp8Linear`` and the rollout engines use. So the FP8 bytes this trainer computes with are the bytes weight
+sync sends, whatever the head layout. Three layouts, the same numbers:
 
-The FP8 weight lives in buffers kept for the module's life (``fp8_parts``): when one GEMM runs, one buffer
-with each part's rows a view of it (no second copy of the stack). They are rewritten in place, without a
+* ``direct``: every part's rows are runs of whole, aligned 128-row blocks of the weight (q, k, v with a
+  head_dim of 128; gate and up with an MLP size that is a multiple of 128; any single-part linear). The
+  weight's own grid is then each part's grid with block rows permuted: it is quantized and multiplied as it
+  is, nothing is permuted, and on the GPU the wgrad adds into ``.grad`` inside its GEMM (``ops.WGRAD_INTO``).
+* stacked (``single_gemm``): every part but the last has a multiple of 128 rows, so the parts' grids tile
+  their HF-ordered stack; one GEMM runs on [q; k; v] and its outputs are permuted back to megatron's order.
+* otherwise one GEMM per part.
+
+Under TP every part's local rows (and a row-parallel layer's local columns) must be a multiple of 128 so the
+shards' grids are slices of the full grid (config/parallel_rules.py checks it).
+
+The FP8 weight lives in buffers kept for the module's life: the whole weight's (direct), one buffer with each
+part's rows a view of it (stacked: no second copy), or one per part. They are rewritten in place, without a
 version bump, when the weight changes (its version or storage) or the trainer says so
 (``invalidate_fp8_cache``: a fused optimizer updates weights without bumping their versions). So a CUDA
 graph captured over the layer reads them as they are at each replay (``trainers/megatron/graphs.py``);
-the trainer refreshes stale ones before each graphed micro-batch (``refresh_fp8``), and a capture that
-finds them stale is an error, not a quantization recorded into the graph.
+the trainer refreshes stale ones before each capture and graphed micro-batch (``refresh_fp8``), and a capture
+that finds them stale is an error, not a quantization recorded into the graph. ``fp8_parts`` gives each HF
+part's bytes and scales for weight sync.
 """
 
 from __future__ import annotations
