@@ -47,6 +47,7 @@ from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unle
 from infir2_rl.trainers.token_scores import chunked_token_scores
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch.layer_graphs import LayerGraphs, drop_for_room
+from infir2_rl.trainers.torch.scoring import nonzero_counted
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats
 
@@ -362,17 +363,23 @@ class MegatronTrainer:
         return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
     def _scores(
-        self, batch: TokenBatch, select_BL: Tensor, temperature: float = 1.0, need_entropy: bool = False
+        self,
+        batch: TokenBatch,
+        select_BL: Tensor,
+        temperature: float = 1.0,
+        need_entropy: bool = False,
+        num_selected: int | None = None,
     ) -> TokenScores:
         """`TokenScores`, zero outside ``select_BL`` and at t = 0, from the final hidden states and the output
         layer's weight in token chunks: no B x L x V logits, which held ~half of this backend's memory at the GPU
         RL config (docs/performance.md, "Megatron backend", session 49). Without TP the torch backend's scorer
         (``token_scores.chunked_token_scores``, its Triton passes on CUDA); under TP, where each rank holds a
-        vocabulary shard of the weight, ``vocab_parallel_scores``."""
+        vocabulary shard of the weight, ``vocab_parallel_scores``. ``num_selected``: how many positions are scored
+        (``select_BL & attention_mask`` at t >= 1), when the host knows it: then no wait for the device here."""
         keep_BL = select_BL.bool() & batch.attention_mask.bool()
         keep_BL[:, 0] = False
         ids, positions = self._model_inputs(batch)
-        rows = keep_BL.reshape(-1).nonzero().squeeze(1) - 1  # position t - 1 scores token t
+        rows = nonzero_counted(keep_BL.reshape(-1), num_selected) - 1  # position t - 1 scores token t
         head = self.module.output_layer
         k = 2 if need_entropy else 1
 
@@ -412,7 +419,8 @@ class MegatronTrainer:
         )
 
     def _loss_scores(self, batch: TokenBatch, loss_fn: LossFn) -> TokenScores:
-        return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy)
+        num = batch.counts.num_targets if batch.counts is not None else None
+        return self._scores(batch, batch.loss_mask > 0, loss_fn.temperature, loss_fn.needs_entropy, num)
 
     # ------------------------------------------------------------------ TrainerBackend
     def train_step(
@@ -535,7 +543,9 @@ class MegatronTrainer:
             for batch in (b.to(self.device) for b in batches):
                 length = batch.input_ids.shape[1]
                 batch = self._bucketed(batch)
-                scores = self._scores(batch, batch.attention_mask > 0, temperature)
+                counts = batch.counts  # every real token after its row's first
+                num = sum(max(n - 1, 0) for n in counts.lengths) if counts is not None else None
+                scores = self._scores(batch, batch.attention_mask > 0, temperature, num_selected=num)
                 out.append(scores.logprobs_BL[:, :length].cpu())
         self.model.train()
         return out

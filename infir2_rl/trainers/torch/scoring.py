@@ -71,7 +71,7 @@ def _no_mask(model: nn.Module) -> dict[str, None] | None:
     return {"full_attention": None} if getattr(base, "has_sliding_layers", True) is False else None
 
 
-def _nonzero(mask: Tensor, count: int | None) -> Tensor:
+def nonzero_counted(mask: Tensor, count: int | None) -> Tensor:
     """Indices of the set entries of a 1-D mask; with their ``count`` known, without waiting for the device."""
     if count is None:
         return torch.nonzero(mask).squeeze(1)
@@ -118,7 +118,7 @@ def score_tokens(
     if packed:
         # The real tokens' flat indices, found once (one device wait where the count is not given; boolean
         # indexing waited per use).
-        flat = _nonzero(real.reshape(-1), None if lengths is None else sum(lengths))
+        flat = nonzero_counted(real.reshape(-1), None if lengths is None else sum(lengths))
         ids, pos, sel = (
             t.reshape(-1).index_select(0, flat)[None]
             for t in (input_ids_BL, _positions(attention_mask_BL), select)
@@ -157,7 +157,7 @@ def score_tokens(
         # their backward: five per micro-batch) wait for the device to count the mask, and every wait left
         # the GPU idle while the host caught up (docs/performance.md, "The GPU waiting for the host").
         # No row's first position is selected (set above, padded and packed), so rows - 1 stays in its row.
-        rows = _nonzero(sel.reshape(-1), num_selected) - 1
+        rows = nonzero_counted(sel.reshape(-1), num_selected) - 1
         logp, entropy = chunked_token_scores(
             hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows),
             head.weight,
