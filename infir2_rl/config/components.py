@@ -161,8 +161,8 @@ class TrainerConfig(_Config):
     # 3.6x (FP8) the graphed BF16 one; at 8K tokens BF16 gains little); the graphs' memory stays reserved
     # between steps: the largest shape's working memory, two activations per layer for training and three
     # for forward-only graphs, all shared by every shape. Under true_on_policy the graphs replay its
-    # invariant walk's layers (log-probs stay bit-equal to the engine's). Not with FSDP or gradient checkpointing. "auto": on where it applies (a CUDA GPU per
-    # rank, neither of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
+    # invariant walk's layers (log-probs stay bit-equal to the engine's). Not with FSDP or gradient checkpointing (megatron: nor TP > 1 or the te spec). "auto": on where it
+    # applies (a CUDA GPU per rank, none of those), BF16 and FP8, and a new shape after the first is captured only if the free memory
     # looks enough; true: required (an error where it cannot be); false: eager.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # Torch backend: RMSNorm and the SwiGLU MLP activation run as one Triton kernel each way
