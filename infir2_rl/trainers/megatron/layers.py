@@ -226,7 +226,7 @@ class ParallelLinear(nn.Module):
                 "ParallelLinear: a CUDA graph capture found the kept FP8 weight stale (refresh_fp8 before "
                 "capturing: the graph reads the buffers, it does not quantize)"
             )
-        if self._kept is None:
+        if self._kept is None or self._kept[0][0].w_fp8.device != self.weight.device:  # (the module moved)
             self._kept = self._allocate_kept()
         buffers, whole = self._kept
         w = self.weight.detach()
