@@ -178,7 +178,11 @@ class ParallelLinear(nn.Module):
         return [getattr(self, f"_part{j}") for j in range(len(self.parts))]
 
     def _stamp(self) -> tuple[object, ...]:
-        w = self.weight
+        # The weight read from ``_parameters``: ``nn.Module.__getattr__``'s Python fallback is the slow part of a
+        # ``self.weight``, and this runs for every FP8 linear before each graphed micro-batch (as
+        # ``Fp8Linear._kept_stamp``).
+        w = self._parameters["weight"]
+        assert w is not None
         return (w._version, w.data_ptr())
 
     def invalidate_fp8_cache(self) -> None:
@@ -212,15 +216,20 @@ class ParallelLinear(nn.Module):
             row += n
         return parts, whole
 
-    @torch.no_grad()
     def refresh_fp8(self) -> bool:
         """Quantize the weight into the kept buffers if they are stale (each HF part on its own grid, or the
         weight as it is when ``direct``); returns whether it did. Written without a version bump (a Triton
         kernel, or a copy through ``.data``), as ``Fp8Linear`` does: readers that cache by version are told
-        directly (``ops.forget_dequantized``)."""
+        directly (``ops.forget_dequantized``). The freshness test runs outside ``torch.no_grad`` (entering it
+        costs host time on every call; only the quantization needs it)."""
         stamp = self._stamp()
         if self._kept is not None and self._kept_key == stamp:
             return False
+        self._quantize_kept(stamp)
+        return True
+
+    @torch.no_grad()
+    def _quantize_kept(self, stamp: tuple[object, ...]) -> None:
         if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "ParallelLinear: a CUDA graph capture found the kept FP8 weight stale (refresh_fp8 before "
@@ -241,7 +250,6 @@ class ParallelLinear(nn.Module):
         for kept in [*buffers, *([whole] if whole is not None else [])]:
             forget_dequantized(kept.w_fp8)
         self._kept_key = stamp
-        return True
 
     def _kept_fresh(self) -> tuple[list[Fp8Weight], Fp8Weight | None]:
         self.refresh_fp8()
