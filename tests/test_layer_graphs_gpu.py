@@ -7,6 +7,7 @@ Skipped on CPU."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +57,13 @@ def test_graphed_layers_train_as_the_eager_layers(tmp_path: Path, fp8: bool) -> 
     eager, graphed = _trainer(model, fp8, graphs=False), _trainer(model, fp8, graphs=True)
     assert eager.layer_graphs is None and graphed.layer_graphs is not None
     batches = _two_shapes(tmp_path, eager)
+    assert_graphed_trains_as_eager(eager, graphed, batches, fp8)
+
+
+def assert_graphed_trains_as_eager(eager: Any, graphed: Any, batches: list[TokenBatch], fp8: bool) -> None:
+    """Four optimizer steps over ``batches`` (two shapes, padded to their buckets) by a trainer without and one
+    with layer graphs (either backend), scoring with FP8 on and off between them: the same log-probs, losses and
+    weights, and every shape of each kind replayed from graphs in every step."""
     units = sum(num_target_tokens(b) for b in batches)
     losses: dict[str, list[float]] = {"eager": [], "graphs": []}
     for step in range(4):

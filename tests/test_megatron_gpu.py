@@ -142,6 +142,8 @@ def test_graphed_layers_train_and_score_as_the_eager_layers(assets: tuple, fp8: 
     """trainer.cuda_graphs on the megatron backend (trainers/megatron/graphs.py): megatron's TransformerLayers
     replayed from CUDA graphs train and score as the eager ones, over micro-batches of two shapes and four
     optimizer steps, scoring with FP8 on and off between them; both shapes run from graphs in every step."""
+    from test_layer_graphs_gpu import assert_graphed_trains_as_eager
+
     model, batches = assets
     eager = make("megatron", model, fp8=fp8, cuda_graphs=False)
     graphed = make("megatron", model, fp8=fp8, cuda_graphs=True)
@@ -151,32 +153,7 @@ def test_graphed_layers_train_and_score_as_the_eager_layers(assets: tuple, fp8: 
     mbs = [micro_batches(batches[0], 8)[0], micro_batches(batches[1], 4)[0]]  # 8 and 4 rows
     mbs = [pad_length(b, bucket_length(b.input_ids.shape[1])) for b in mbs]
     assert len({tuple(b.input_ids.shape) for b in mbs}) == 2
-    units = sum(num_target_tokens(b) for b in mbs)
-    losses: dict[str, list[float]] = {"eager": [], "graphs": []}
-    for step in range(4):
-        for fp8_scoring in (True, False):
-            ref = eager.forward_logprobs(mbs, fp8=fp8_scoring)
-            got = graphed.forward_logprobs(mbs, fp8=fp8_scoring)
-            for a, b in zip(ref, got, strict=True):
-                assert a.shape == b.shape
-                if step == 0:
-                    assert torch.equal(a, b)  # same weights, same kernels
-                else:
-                    assert float((a - b).abs().max()) < 1e-3
-        for name, trainer in (("eager", eager), ("graphs", graphed)):
-            stats = trainer.train_step(mbs, SftLossFn(), units)
-            assert not stats.skipped
-            losses[name].append(stats.loss)
-    graphs = graphed.layer_graphs
-    assert graphs.num_shapes == graphs.captures == 2 + (4 if fp8 else 2)  # training; scoring FP8 on and off
-    assert graphs.replays == 4 * 2 + 4 * 2 * 2
-    # The updates move the loss far more than graphs and eager differ: stale kept FP8 weights would show.
-    assert abs(losses["eager"][-1] - losses["eager"][0]) > 1e-2
-    for a, b in zip(losses["eager"], losses["graphs"], strict=True):
-        assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
-    for (name, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
-        err = float((p - q).detach().norm() / p.detach().norm().clamp_min(1e-12))
-        assert err < 1e-4, name
+    assert_graphed_trains_as_eager(eager, graphed, mbs, fp8)
 
 
 def test_non_finite_gradient_skips_the_fused_update_and_the_schedule(assets: tuple) -> None:
