@@ -1,7 +1,7 @@
 """Prefill of the native engine, BF16 vs FP8: wall time against device kernel time, and where the host spends it.
 
     python bench/prefill.py [--prompts 2 4 16 64] [--prompt-len 128] [--repeats 5] [--cprofile] [--launch-costs]
-                            [--eager-too] [--trace DIR] [--replays N] [--out PATH]
+                            [--eager-too] [--trace DIR] [--replays N] [--true-on-policy] [--out PATH]
 
 Why: ``bench/rollout.py`` showed the FP8 engine's prefill of 16 prompts x 128 tokens at 33.5 ms against
 BF16's 21.1 ms, while from 64 prompts on FP8 is the faster (H100, docs/performance.md), and the RL-shaped
@@ -20,7 +20,8 @@ where the host's wall goes between ops (chrome://tracing or Perfetto). Prefills 
 ``--eager-too`` also times two more engines with them off, in the same process. ``--replays N`` times N
 bare replays of each engine's prefill graph per prompt count: host microseconds inside ``graph.replay()``
 (the launch), device time between events around it, and wall to a synchronize, to split a graphed prefill's
-wall into the launch, the kernels and the rest of ``generate``.
+wall into the launch, the kernels and the rest of ``generate``. ``--true-on-policy`` builds the engines with
+``true_on_policy`` (prefill by the trainer's batch-invariant walk).
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def main() -> None:
     parser.add_argument("--eager-too", action="store_true", help="also engines without prefill graphs")
     parser.add_argument("--trace", type=Path, default=None, help="Chrome traces of one call per engine")
     parser.add_argument("--replays", type=int, default=0, help="time N bare replays of each prefill graph")
+    parser.add_argument(
+        "--true-on-policy", action="store_true", help="engines with true_on_policy (its walk)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -141,17 +145,25 @@ def main() -> None:
 
     path = model_dir(False)
     dev = torch.device("cuda")
-    engines = {
-        mode: NativeEngine(str(path), fp8=mode == "fp8", device=dev, max_batch_size=max(args.prompts))
-        for mode in ("bf16", "fp8")
-    }
+
+    def engine(fp8: bool) -> Any:
+        return NativeEngine(
+            str(path),
+            fp8=fp8,
+            device=dev,
+            max_batch_size=max(args.prompts),
+            true_on_policy=args.true_on_policy,
+        )
+
+    engines = {mode: engine(mode == "fp8") for mode in ("bf16", "fp8")}
     if args.eager_too:  # the same engines' prefill without graphs (the path before prefill_graphs.py)
         for mode in ("bf16", "fp8"):
-            eager = NativeEngine(str(path), fp8=mode == "fp8", device=dev, max_batch_size=max(args.prompts))
+            eager = engine(mode == "fp8")
             eager._scheduler.prefill_graphs = None
             engines[f"{mode}_eager"] = eager
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | {path.name} | prompt {args.prompt_len}"
+        f"{' | true_on_policy' if args.true_on_policy else ''}"
     )
     rows = []
     for p in args.prompts:

@@ -307,9 +307,36 @@ def test_trainer_log_probs_equal_the_engine_bit_for_bit(
         engine.release_memory()
         engine.resume_memory()
     assert scored > 500
+    assert engine._scheduler.tally["graph_prefills"] > 0  # the prefills of this test replay the walk's graphs
     if graphs:  # both kinds captured and replayed, not run eagerly past them
         kinds = {g.forward_only for g in trainer.layer_graphs._shapes.values()}
         assert kinds == {False, True} and trainer.layer_graphs.replays >= 8
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
+def test_the_graphed_prefill_gives_the_eager_walks_bits(model_dir: Path, fp8: bool) -> None:
+    """A prefill replayed from its bucket's graph (pad prompts, pad positions) writes the same keys and values
+    into the cache and returns the same logits as the eager walk over the unpadded prompts."""
+    from infir2_rl.engines.native.engine import NativeEngine
+
+    engine = NativeEngine(str(model_dir), fp8=fp8, max_batch_size=8, true_on_policy=True)
+    runner, graphs = engine._scheduler.runner, engine._scheduler.prefill_graphs
+    assert graphs is not None and graphs.bucket(3, 40) == (4, 64)
+    dev = runner.device
+    lengths = torch.tensor([5, 17, 40], device=dev)
+    ids = torch.randint(10, 300, (3, 40), generator=torch.Generator().manual_seed(0)).to(dev)
+    ids[0, 5:], ids[1, 17:] = 0, 0
+    slots, prompt_of_row = torch.tensor([0, 1, 2, 3], device=dev), torch.tensor([0, 0, 1, 2], device=dev)
+    eager_cache, graph_cache = runner.new_cache(4, 64), runner.new_cache(4, 64)
+    eager = runner.prefill(ids, lengths, eager_cache, slots, prompt_of_row)
+    for _ in range(2):  # the capture's run, then a replay
+        graphed = graphs.run(ids, lengths, graph_cache, slots, prompt_of_row)
+    assert torch.equal(graphed, eager)
+    for row, prompt in enumerate(prompt_of_row.tolist()):
+        n = int(lengths[prompt])
+        for cache in (eager_cache, graph_cache):
+            assert cache.buffer[:, :, row, :, :n].abs().sum() > 0  # written
+        assert torch.equal(graph_cache.buffer[:, :, row, :, :n], eager_cache.buffer[:, :, row, :, :n])
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])

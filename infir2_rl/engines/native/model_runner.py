@@ -18,7 +18,8 @@ Two entry points, both writing keys and values into a ``KVCache`` by slot:
 Attention goes through ``attention.py`` and every projection through ``linears.py``: one place each.
 
 ``true_on_policy=True``: the trainer's log-probs must equal the engine's bit for bit (models/invariant.py).
-Prefill runs ``invariant.hidden_states``, the walk the trainer scores with. Decode keeps its fused kernels,
+Prefill runs ``invariant.hidden_states``, the walk the trainer scores with (``prefill_forward``, so small
+prefills replay it from the prefill graphs). Decode keeps its fused kernels,
 each of which computes what the walk's op computes bit for bit (add + RMSNorm, rotary, SiLU*up: same
 roundings, per-row sums in one order), and swaps what is not invariant: every GEMM takes the invariant
 shapes (``FusedLinear(invariant=True)``; fused q|k|v and gate|up give the same bits as the walk's separate
@@ -148,8 +149,6 @@ class Qwen2Runner:
         per prompt size). Before, FP8 quantized each GEMM input in a launch of its own and the norms were 7
         torch ops each: a prefill of 2 x 128 tokens took 42 ms in FP8 against 17 in BF16 on an H100, for
         6.1 and 5.5 ms of kernels (bench/prefill.py, docs/performance.md)."""
-        if self.true_on_policy:
-            return self._prefill_invariant(ids_PL, lengths_P, cache, slots, prompt_of_row)
         shape = (ids_PL.shape[0], self.num_kv_heads, ids_PL.shape[1], self.head_dim)
         k_st, v_st = (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
 
@@ -176,7 +175,10 @@ class Qwen2Runner:
 
         The rotary embedding and the K/V stores are the decode step's kernel (``fused_ops.rope_write_kv``,
         with slot = prompt and position = token): torch's rotary was ~14 launches per layer, 1.1 ms of
-        the 3.8 ms of kernels of a 2 x 128-token prefill at 1.5B (H100, docs/performance.md, session 22)."""
+        the 3.8 ms of kernels of a 2 x 128-token prefill at 1.5B (H100, docs/performance.md, session 22).
+        Under ``true_on_policy`` the walk computes it instead (``_prefill_invariant``)."""
+        if self.true_on_policy:
+            return self._prefill_invariant(ids_PL, lengths_P, kv_out, kv_written)
         num_prompts, length = ids_PL.shape
         device = ids_PL.device
         positions = torch.arange(length, device=device).repeat(num_prompts)
@@ -249,9 +251,15 @@ class Qwen2Runner:
         return inv_ops.mm(x, self.lm_head) if invariant_ else F.linear(x, self.lm_head)
 
     def _prefill_invariant(
-        self, ids_PL: Tensor, lengths_P: Tensor, cache: KVCache, slots: Tensor, prompt_of_row: Tensor
+        self,
+        ids_PL: Tensor,
+        lengths_P: Tensor,
+        kv_out: Callable[[int], tuple[Tensor, Tensor]],
+        kv_written: Callable[[int], None] | None,
     ) -> Tensor:
-        """``prefill`` by the trainer's walk: token t of prompt p attends to keys 0..t of its prompt."""
+        """``prefill_forward`` by the trainer's walk: token t of prompt p attends to keys 0..t of its prompt.
+        Layer i's rotated keys and values are copied into ``kv_out(i)`` and attended there (the same bits
+        as over the walk's own tensors: a row's sums do not depend on where its keys are stored)."""
         num_prompts, length = ids_PL.shape
         device = ids_PL.device
         positions = torch.arange(length, device=device).repeat(num_prompts)
@@ -259,9 +267,12 @@ class Qwen2Runner:
         lens = (positions + 1).to(torch.int32)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            k, v = (t.view(num_prompts, length, *t.shape[1:]).transpose(1, 2) for t in (k, v))
-            attention.write_prefill(cache.k[i], cache.v[i], slots, prompt_of_row, k, v)
-            return inv_ops.attention(q, k, v, seq, lens)
+            k_st, v_st = kv_out(i)  # (P, KVH, L, D)
+            for src, dst in ((k, k_st), (v, v_st)):
+                dst.copy_(src.view(num_prompts, length, *src.shape[1:]).transpose(1, 2))
+            if kv_written is not None:
+                kv_written(i)
+            return inv_ops.attention(q, k_st, v_st, seq, lens)
 
         h = invariant.hidden_states(self.model, ids_PL.reshape(-1), positions, attend, self.cos, self.sin)
         last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=device), lengths_P - 1]

@@ -22,8 +22,12 @@ its K/V staging and logits, ~0.66 GB summed, the intermediates share the pool, ~
 pool, so dropping some would return nothing. Each RL step's first prefill has no
 decode steps queued to hide behind, and eagerly it cost the FP8 engine 45 ms of host-bound launches against
 17 ms from the graph (BF16: 20 against 18). ``Scheduler.keep_prefill_graphs = False`` drops them at the first
-colocated release instead, for good (before session 41, the only rule). On CPU and under ``true_on_policy``
-prefill is eager.
+colocated release instead, for good (before session 41, the only rule). On CPU prefill is eager.
+
+Under ``true_on_policy`` the graphs replay the runner's prefill by the trainer's walk (``invariant.py``), whose
+every kernel gives a row the same bits at any number of rows: the pad prompts and pad positions of a bucket
+change no real token's keys, values or logits (GPU test ``test_true_on_policy_gpu.py``). Eagerly that walk
+is host-bound: one launch per op, each FP8 GEMM's input quantized in a launch of its own.
 """
 
 from __future__ import annotations

@@ -67,10 +67,10 @@ class Scheduler:
         self.cache: KVCache | None = None
         self.state: DecodeState | None = None
         self.decoder: GraphDecoder | None = None
-        # Small prefills from CUDA graphs (prefill_graphs.py); off on CPU and under true_on_policy (its own
-        # prefill walk); kept across a colocated release unless keep_prefill_graphs is off (``release``).
+        # Small prefills from CUDA graphs (prefill_graphs.py; under true_on_policy graphs of its walk); off on
+        # CPU; kept across a colocated release unless keep_prefill_graphs is off (``release``).
         self.prefill_graphs: PrefillGraphs | None = (
-            PrefillGraphs(runner, pad_token_id) if use_graphs and not runner.true_on_policy else None
+            PrefillGraphs(runner, pad_token_id) if use_graphs else None
         )
         self.keep_prefill_graphs = True  # across a colocated release (``release``)
         # Decode-graph shapes warmed up by an earlier decoder: a colocated engine's next capture skips the
