@@ -146,7 +146,7 @@ def main() -> None:
     path = model_dir(False)
     dev = torch.device("cuda")
 
-    def engine(fp8: bool) -> Any:
+    def make_engine(fp8: bool) -> Any:
         return NativeEngine(
             str(path),
             fp8=fp8,
@@ -155,10 +155,10 @@ def main() -> None:
             true_on_policy=args.true_on_policy,
         )
 
-    engines = {mode: engine(mode == "fp8") for mode in ("bf16", "fp8")}
+    engines = {mode: make_engine(mode == "fp8") for mode in ("bf16", "fp8")}
     if args.eager_too:  # the same engines' prefill without graphs (the path before prefill_graphs.py)
         for mode in ("bf16", "fp8"):
-            eager = engine(mode == "fp8")
+            eager = make_engine(mode == "fp8")
             eager._scheduler.prefill_graphs = None
             engines[f"{mode}_eager"] = eager
     print(
