@@ -7,7 +7,8 @@ tiles for 132 SMs and takes ~30 us on cuBLASLt, where the engine's split-K Trito
 mode. A split is batch-invariant too if it is fixed by K alone: chunk c chains its K blocks from 0, and the
 chunks' FP32 results are summed in chunk order, then rounded once (``fused_ops._sum_partials``). The engine
 would run the split-K Triton launch; the trainer (thousands of rows) can run either the same launch, or one
-cuBLASLt call per K chunk with FP32 output, summed by torch in the same order.
+cuBLASLt call per K chunk with FP32 output, summed by torch in the same order, or added into one FP32 output
+by cuBLASLt's epilogue (beta = 1, ``cublaslt.mm_1x128_128x128_into``: "acc").
 
 This checks that the three give the same bits at every M (rows of the largest batch as the reference), and
 times them with cold weights inside a CUDA graph (``bench/decode_gemm.py``'s timer) against cuBLASLt on the
@@ -57,6 +58,23 @@ def cublaslt_chunks(
         acc = part if acc is None else acc.add_(part)
     assert acc is not None
     return acc[:m].to(torch.bfloat16)
+
+
+def cublaslt_accumulated(
+    q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor, split: int
+) -> torch.Tensor:
+    """The same sum with the chunks added by cuBLASLt's epilogue (beta = 1) into one FP32 output: no FP32
+    partial per chunk, no separate add (``cublaslt.mm_1x128_128x128_into``); then rounded to BF16."""
+    from infir2_rl.fp8 import cublaslt
+    from infir2_rl.fp8 import gemm as cublas_gemm
+
+    out = torch.empty(q.shape[0], w.shape[0], dtype=torch.float32, device=q.device)
+    for i, (b0, b1) in enumerate(chunks(s.shape[1], split)):
+        grid = cublas_gemm.padded_grid(s[:, b0:b1])
+        cublaslt.mm_1x128_128x128_into(
+            out, q[:, b0 * 128 : b1 * 128], s_t[b0:b1], w[:, b0 * 128 : b1 * 128], grid, i > 0
+        )
+    return out[:m].to(torch.bfloat16)
 
 
 def whole_k(q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -115,12 +133,17 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
         print(
             f"     cuBLASLt chunks at each M       {at(functools.partial(cublaslt_chunks, w=w8, s=s8, split=split))}"
         )
+        print(
+            f"     cuBLASLt beta=1 accumulation    "
+            f"{at(functools.partial(cublaslt_accumulated, w=w8, s=s8, split=split))}"
+        )
         for cfg in small + large:
             print(f"     {cfg!s:33s} {at(functools.partial(triton_split, cfg, w=w8, s=s8))}")
     copies = max(1, COLD_BYTES // (n * k))
     ws = [(w8.clone(), s8.clone()) for _ in range(copies)]
     print(
-        "   us per call (cold weights, CUDA graph): cuBLASLt whole K | per split: cuBLASLt chunks, Triton shapes"
+        "   us per call (cold weights, CUDA graph): cuBLASLt whole K | per split: cuBLASLt chunks summed by torch,"
+        " cuBLASLt chunks accumulated (acc), Triton shapes"
     )
     for m in DECODE_ROWS + TRAIN_ROWS:
         q, st = quant_triton.quantize_rows(x[:m].contiguous())
@@ -133,11 +156,12 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
         )
         for split in args.splits:
             t_lt = cold(functools.partial(cublaslt_chunks, split=split))
+            t_acc = cold(functools.partial(cublaslt_accumulated, split=split))
             ts = [
                 cold(functools.partial(triton_split, GemmConfig(bm, bn, split, wa, sg)))
                 for bm, bn, wa, sg in shapes
             ]
-            line += f" s{split}: {t_lt:7.1f} " + " ".join(f"{t:7.1f}" for t in ts) + " |"
+            line += f" s{split}: {t_lt:7.1f} acc {t_acc:7.1f} " + " ".join(f"{t:7.1f}" for t in ts) + " |"
         print(line + f"  (Triton shapes {shapes})", flush=True)
 
 

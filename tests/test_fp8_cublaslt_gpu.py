@@ -171,3 +171,38 @@ def test_the_forward_gemm_without_workspace_gives_scaled_mms_bits(n: int, k: int
     if not s8.is_contiguous():  # K blocks not a multiple of 4: the grid must come padded, not as the view
         with pytest.raises(ValueError, match="contiguous"):
             cublaslt.mm_1x128_128x128_no_workspace(q_all, s_all, w8, s8, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("n", "k", "chunks"), [(1536, 8960, 2), (1536, 8960, 4), (384, 1024, 2)])
+def test_k_chunks_added_by_the_epilogue_equal_their_fp32_sum(n: int, k: int, chunks: int) -> None:
+    """``mm_1x128_128x128_into`` over column slices of the operands (row stride K), chunk c added into chunks
+    0..c-1 by beta = 1: the FP32 sum of each chunk's own product in chunk order, bit for bit (what
+    models/invariant_ops' split GEMMs rely on); and the split-K Triton launch's partials sum to the same."""
+    from infir2_rl.engines.native import fp8_gemm
+    from infir2_rl.models.invariant_ops import SPLIT_CHUNKS
+
+    _device_index()
+    gen = torch.Generator(device="cuda").manual_seed(n + k + chunks)
+    m = 1000
+    x = (torch.randn(m, k, device="cuda", generator=gen) * 2).bfloat16()
+    w8, s8 = quant_triton.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.05)
+    q, s_t = quant_triton.quantize_rows(x)
+    kb = s8.shape[1]
+    per = -(-kb // chunks)
+    ranges = [(b, min(b + per, kb)) for b in range(0, kb, per)]
+    out = torch.empty(q.shape[0], n, device="cuda")
+    ref: torch.Tensor | None = None
+    for i, (b0, b1) in enumerate(ranges):
+        cols = slice(b0 * 128, b1 * 128)
+        a, w, a_s = q[:, cols], w8[:, cols], s_t[b0:b1].contiguous()
+        part = gemm.mm_1x128_128x128(a.contiguous(), a_s, w.contiguous(), s8[:, b0:b1], torch.float32)
+        ref = part if ref is None else ref + part
+        cublaslt.mm_1x128_128x128_into(out, a, a_s, w, gemm.padded_grid(s8[:, b0:b1]), i > 0)
+        assert torch.equal(out, ref), f"after chunk {i}"
+    assert ref is not None
+    if chunks == SPLIT_CHUNKS:  # the engine's launch splits K alike
+        cfg = fp8_gemm.GemmConfig(64, 32, chunks, 4, 5)
+        y = fp8_gemm.w8a8_fused(q, w8, s8, None, cfg, False, s_t, m, torch.bfloat16)
+        assert torch.equal(y, ref[:m].bfloat16())
+    with pytest.raises(ValueError, match="FP32"):
+        cublaslt.mm_1x128_128x128_into(out.bfloat16(), q, s_t, w8, gemm.padded_grid(s8), False)

@@ -339,6 +339,41 @@ def test_the_graphed_prefill_gives_the_eager_walks_bits(model_dir: Path, fp8: bo
         assert torch.equal(graph_cache.buffer[:, :, row, :, :n], eager_cache.buffer[:, :, row, :, :n])
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_split_k_plan_gives_the_trainers_bits(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> None:
+    """FP8 down_proj planned in K chunks (forced: at this model's K the plan does not time a split): the
+    engine's decode hands the split-K launch's partials to its norm kernel, batches above 512 rows run
+    cuBLASLt per chunk, and every log-prob still equals the engine's."""
+    from collections import Counter
+
+    from infir2_rl.engines.native.engine import NativeEngine
+    from infir2_rl.fp8 import cublaslt
+    from infir2_rl.models import invariant, invariant_ops
+
+    for name in ("_PLAN", "_PLAN_LINES", "_SPLIT", "_NO_WORKSPACE"):  # a fresh plan for this test's shapes
+        monkeypatch.setattr(invariant_ops, name, {})
+    monkeypatch.setattr(invariant_ops, "_IN_FUSED", set())
+    monkeypatch.setattr(invariant_ops, "SPLIT_MIN_K_BLOCKS", 1)
+    monkeypatch.setattr(invariant_ops, "_split_pays", lambda n, k, device, rows=256: True)
+    calls: Counter[str] = Counter()
+    partials, chunk = invariant_ops._split_partials, cublaslt.mm_1x128_128x128_into
+    monkeypatch.setattr(invariant_ops, "_split_partials", lambda *a: calls.update(["triton"]) or partials(*a))
+    monkeypatch.setattr(cublaslt, "mm_1x128_128x128_into", lambda *a: calls.update(["cublaslt"]) or chunk(*a))
+
+    trainer = _trainer(model_dir, True, True, graphs, "bfloat16")
+    lines = invariant.plan_gemms(trainer.model, trainer.device)
+    split = [line for line in lines if "chunks" in line]
+    assert len(split) == 1 and "N 384" in split[0] and "FP8" in split[0], lines  # down_proj (o is q's shape)
+    engine = NativeEngine(str(model_dir), fp8=True, max_batch_size=8, true_on_policy=True)
+    calls.clear()  # the plan's probe ran both forms; count the runs'
+    results, _ = _round(trainer, engine, 1, 1.0, True)
+    for train_lp, engine_lp, mask in results:
+        assert (train_lp - engine_lp)[mask].abs().max().item() == 0.0
+    assert calls["triton"] > 0 and calls["cublaslt"] > 0, calls
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "unified_fp8"])
 def test_head_dim_128_decodes_the_trainers_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fp8: bool

@@ -137,6 +137,8 @@ class _Problem:
         a_mode: int = _SCALE_VEC128_32F,
         d_type: int = _CUDA_R_32F,
         workspace: int = _WORKSPACE_BYTES,
+        lda: int = 0,
+        ldb: int = 0,
     ) -> None:
         lib = _lib()
         self.op = ctypes.c_void_p()
@@ -156,13 +158,16 @@ class _Problem:
                 f"DescSetAttribute {attr}",
             )
         self.set_scales(*scales)  # the heuristic refuses VEC128 scaling without scale pointers (status 7)
-        # Column-major: A is K x m (read transposed), B is K x n, C = D is m x n.
+        # Column-major: A is K x m (read transposed), B is K x n, C = D is m x n. lda / ldb: the operands'
+        # leading dimensions (0: k; larger for a K slice of a wider matrix).
         self.la, self.lb, self.ld = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         _check(
-            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.la), _CUDA_R_8F_E4M3, k, m, k), "LayoutCreate A"
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.la), _CUDA_R_8F_E4M3, k, m, lda or k),
+            "LayoutCreate A",
         )
         _check(
-            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.lb), _CUDA_R_8F_E4M3, k, n, k), "LayoutCreate B"
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.lb), _CUDA_R_8F_E4M3, k, n, ldb or k),
+            "LayoutCreate B",
         )
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.ld), d_type, m, n, m), "LayoutCreate D")
         pref = ctypes.c_void_p()
@@ -221,7 +226,7 @@ def _handle_and_workspace(device: int) -> tuple[ctypes.c_void_p, torch.Tensor]:
 
 
 def _matmul(
-    key: tuple[int, int, int, int, int, bool],
+    key: tuple[int, int, int, int, int, bool, int, int],
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
@@ -230,16 +235,16 @@ def _matmul(
     beta: ctypes.c_float,
 ) -> None:
     """``D = A^T B (* scales) + beta * D`` in cuBLAS's column-major terms, D = ``out``, on torch's current stream.
-    ``key``: (m, n, k, A's scale mode, D's type, with workspace): the problem (descriptors and algorithm) is made
-    once per device and key. B's scales are always 1x128 vectors."""
-    m, n, k, a_mode, d_type, use_workspace = key
+    ``key``: (m, n, k, A's scale mode, D's type, with workspace, lda, ldb): the problem (descriptors and
+    algorithm) is made once per device and key. B's scales are always 1x128 vectors."""
+    m, n, k, a_mode, d_type, use_workspace, lda, ldb = key
     device = out.device.index if out.device.index is not None else torch.cuda.current_device()
     handle, workspace = _handle_and_workspace(device)
     problem = _problems.get((device, *key))
     if problem is None:
         problem = _Problem(
             handle, m, n, k, (a_scale.data_ptr(), b_scale.data_ptr()),
-            a_mode=a_mode, d_type=d_type, workspace=_WORKSPACE_BYTES if use_workspace else 0,
+            a_mode=a_mode, d_type=d_type, workspace=_WORKSPACE_BYTES if use_workspace else 0, lda=lda, ldb=ldb,
         )  # fmt: skip
         _problems[(device, *key)] = problem
     lib = _lib()
@@ -281,7 +286,7 @@ def add_mm_1x128_1x128(
         if not t.is_contiguous():
             raise ValueError(f"add_mm_1x128_1x128: {name} must be contiguous")
     # torch's row-major out (M, N) is cuBLAS's column-major D (N x M): cuBLAS's A is our B, its B our A.
-    key = (n_cols, m_rows, k, _SCALE_VEC128_32F, _CUDA_R_32F, use_workspace)
+    key = (n_cols, m_rows, k, _SCALE_VEC128_32F, _CUDA_R_32F, use_workspace, k, k)
     _matmul(key, b_fp8, b_scale_t, a_fp8, a_scale_t, out, _ONE)
 
 
@@ -304,6 +309,45 @@ def mm_1x128_128x128_no_workspace(
             raise ValueError(f"mm_1x128_128x128_no_workspace: {name} must be contiguous")
     out = torch.empty(m_rows, n_cols, dtype=out_dtype, device=a_fp8.device)
     # As torch's scaled_mm: cuBLAS's A is W (block scales), its B is A (1x128 scales), D (N x M) column-major.
-    key = (n_cols, m_rows, k, _SCALE_BLK128X128_32F, _CUDA_TYPES[out_dtype], False)
+    key = (n_cols, m_rows, k, _SCALE_BLK128X128_32F, _CUDA_TYPES[out_dtype], False, k, k)
     _matmul(key, w_fp8, w_scale_grid, a_fp8, a_scale_t, out, _ZERO)
     return out
+
+
+def mm_1x128_128x128_into(
+    out: torch.Tensor,
+    a_fp8: torch.Tensor,
+    a_scale_t: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_grid: torch.Tensor,
+    accumulate: bool,
+    use_workspace: bool = True,
+) -> None:
+    """``out = (A * sA) @ (W * sW)^T (+ out if accumulate)`` in FP32, in place: the blockwise forward GEMM of
+    ``mm_1x128_128x128_no_workspace``'s operands over one K range of wider matrices. A (M, Kc) and W (N, Kc)
+    may be column slices (row stride >= Kc, the slice starting on a 128-column block); a_scale_t (Kbc, M) and
+    w_scale_grid (Nb, round_up(Kbc, 4)) contiguous; out (M, N) FP32 contiguous. With ``accumulate`` the
+    epilogue rounds acc + out once: K chunks added this way in order give the sum of the chunks' FP32 results
+    in that order (``models/invariant_ops``' split GEMMs)."""
+    m_rows, k = a_fp8.shape
+    n_cols = w_fp8.shape[0]
+    if out.dtype != torch.float32 or tuple(out.shape) != (m_rows, n_cols) or not out.is_contiguous():
+        raise ValueError(f"mm_1x128_128x128_into: out must be FP32 ({m_rows}, {n_cols}) contiguous, got "
+                         f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
+    for name, t in (("a", a_fp8), ("w", w_fp8)):
+        if t.stride(1) != 1 or t.stride(0) < k or t.stride(0) % 16:
+            raise ValueError(f"mm_1x128_128x128_into: {name} must be row-major with a row stride >= K, % 16")
+    for name, t in (("a_scale_t", a_scale_t), ("w_scale_grid", w_scale_grid)):
+        if not t.is_contiguous():
+            raise ValueError(f"mm_1x128_128x128_into: {name} must be contiguous")
+    key = (
+        n_cols,
+        m_rows,
+        k,
+        _SCALE_BLK128X128_32F,
+        _CUDA_R_32F,
+        use_workspace,
+        w_fp8.stride(0),
+        a_fp8.stride(0),
+    )
+    _matmul(key, w_fp8, w_scale_grid, a_fp8, a_scale_t, out, _ONE if accumulate else _ZERO)

@@ -13,7 +13,11 @@ number of rows:
   every M, small batches padded to the rows from which it does (it splits K below them); the Triton kernels
   below for any other shape: no split-K, the bias added in FP32 before the single rounding, the tile shape
   following M only among shapes measured to give the same bits (``MM_TILES``, ``FP8_CONFIGS``; the W8A8
-  kernel is the engine's, ``engines/native/fp8_gemm``).
+  kernel is the engine's, ``engines/native/fp8_gemm``). An FP8 shape with a long K where ``plan`` times it
+  paying (at 1.5B: down_proj, K 8,960) runs as ``SPLIT_CHUNKS`` fixed K chunks, each chained from 0, their
+  FP32 results added in chunk order and rounded once: a split fixed by K alone is batch-invariant too. Decode
+  batches run the engine's split-K Triton launch (whose consumer kernel sums the partials), larger ones
+  cuBLASLt per chunk, each chunk added into one FP32 output by the GEMM's epilogue (``_split_gemm``).
 * ``attention``: one program per (token, KV head); the token's G query heads (padded to 16 rows) walk its
   keys from position 0 in fixed blocks of ``ATTN_BLOCK`` with an online softmax. A decode row and the same
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
@@ -263,6 +267,16 @@ TRITON = 0  # plan value: this shape runs the Triton kernel
 # kernel with workspace needs a memset per call). The probe that follows checks the bits as they then run.
 _NO_WORKSPACE: dict[tuple[int, bool, int, int], bool] = {}
 NO_WORKSPACE_ROWS = 512
+# FP8 shapes (device index, True, N, K) run as SPLIT_CHUNKS chunks of K (``_split_gemm``), where ``plan`` timed
+# the engine's split-K launch (SPLIT_CONFIG) at decode size >= 10% faster than cuBLASLt over the whole K. On
+# an H200 (bench/invariant_split.py, 2026-11-29) down_proj at 1.5B, M = 256: 21.2 against 30.6 us; the
+# trainer pays 123 against 92 us per 4,096 rows for cuBLASLt's chunks (4 chunks: 19.4 / 150 us). Shapes of
+# fused groups (q|k|v, gate|up) are never split: the engine's fused GEMM must give each part's bits.
+_SPLIT: dict[tuple[int, bool, int, int], bool] = {}
+_IN_FUSED: set[tuple[int, bool, int, int]] = set()
+SPLIT_CHUNKS = 2
+SPLIT_MIN_K_BLOCKS = 32  # shorter K: not timed (each chunk's chain is already short)
+SPLIT_CONFIG = fp8_gemm.GemmConfig(64, 32, SPLIT_CHUNKS, 4, 5)  # the decode launch; its partials line up
 # (device index, fp8, N, K) -> the rows cuBLAS runs that GEMM at (smaller batches padded), or TRITON
 _PLAN: dict[tuple[int, bool, int, int], int] = {}
 _PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each probed group's plan, in words
@@ -323,10 +337,64 @@ def _cublaslt(
         q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
         s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], rows - s_t.shape[1])], dim=1)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _SPLIT.get((index, True, *w_fp8.shape), False):
+        return _split_gemm(q, s_t, m, w_fp8, scale_inv, out_dtype)
     if q.shape[0] <= NO_WORKSPACE_ROWS and _NO_WORKSPACE.get((index, True, *w_fp8.shape), False):
         grid = cublas_gemm.padded_grid(scale_inv)
         return cublaslt.mm_1x128_128x128_no_workspace(q, s_t.contiguous(), w_fp8, grid, out_dtype)[:m]
     return cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:m]
+
+
+def split_chunks(kb: int) -> list[tuple[int, int]]:
+    """The K-block ranges of a split GEMM over ``kb`` blocks: the engine's split-K launch's
+    (``fp8_gemm.split_k_launch``), so the partials of both forms line up."""
+    per = -(-kb // min(SPLIT_CHUNKS, kb))
+    return [(b, min(b + per, kb)) for b in range(0, kb, per)]
+
+
+def _split_partials(
+    q: Tensor, s_t: Tensor, m: int, w_fp8: Tensor, scale_inv: Tensor
+) -> fused_ops.SplitPartials:
+    """The engine's split-K Triton launch over the first m rows: the chunks' FP32 results, unsummed."""
+    y = fp8_gemm.w8a8_partials(q, w_fp8, scale_inv, None, SPLIT_CONFIG, False, s_t, m, torch.bfloat16)
+    if not isinstance(y, fused_ops.SplitPartials) or y.part.shape[0] != len(split_chunks(scale_inv.shape[1])):
+        raise RuntimeError(
+            f"the split GEMM (N {w_fp8.shape[0]}, K {w_fp8.shape[1]}) did not split as planned"
+        )
+    return y
+
+
+def _split_gemm(
+    q: Tensor, s_t: Tensor, m: int, w_fp8: Tensor, scale_inv: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """``_cublaslt``'s product as the sum of its K chunks (module docstring), rounded once to out_dtype: up to
+    NO_WORKSPACE_ROWS rows the engine's split-K launch and its sum kernel, above cuBLASLt per chunk, chunk c
+    added by the epilogue (beta = 1) into the FP32 output of chunks 0..c-1 (as the sum kernel adds in order)."""
+    if q.shape[0] <= NO_WORKSPACE_ROWS:
+        parts = _split_partials(q, s_t, m, w_fp8, scale_inv)
+        return fp8_gemm.sum_partials(fused_ops.SplitPartials(parts.part, out_dtype))
+    out = torch.empty(q.shape[0], w_fp8.shape[0], dtype=torch.float32, device=q.device)
+    for i, (b0, b1) in enumerate(split_chunks(scale_inv.shape[1])):
+        cols = slice(b0 * 128, b1 * 128)
+        grid = cublas_gemm.padded_grid(scale_inv[:, b0:b1])
+        cublaslt.mm_1x128_128x128_into(out, q[:, cols], s_t[b0:b1].contiguous(), w_fp8[:, cols], grid, i > 0)
+    return out[:m].to(out_dtype)
+
+
+def _split_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
+    """Whether the split-K launch (SPLIT_CONFIG) runs the FP8 GEMM (N, K) at ``rows`` rows >= 10% faster than
+    cuBLASLt over the whole K (torch's workspace), timed as ``_no_workspace_pays`` times."""
+    if -(-k // 128) < SPLIT_MIN_K_BLOCKS:
+        return False
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    q, s_t = quant_triton.quantize_rows((torch.randn(rows, k, device=device, generator=gen) * 2).bfloat16())
+    w8, s_plain = quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05)
+    copies = [(w8.clone(), s_plain.clone()) for _ in range(cold_copies(w8, s_plain))]
+    whole = time_in_graph(
+        [functools.partial(cublas_gemm.mm_1x128_128x128, q, s_t, w, g, torch.bfloat16) for w, g in copies]
+    )
+    split = time_in_graph([functools.partial(_split_partials, q, s_t, rows, w, g) for w, g in copies])
+    return split < 0.9 * whole
 
 
 def _no_workspace_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
@@ -432,6 +500,12 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
         return lines
     index = device.index if device.index is not None else torch.cuda.current_device()
     probe = torch.empty(0, device=device)
+    for k, parts in groups:  # the parts of fused groups first: their shapes are never split
+        if len(parts) > 1:
+            fused = {(index, fp8, n, k) for n in [*parts, _fused_starts(parts, fp8)[-1]]}
+            if any(_SPLIT.get(key, False) for key in fused):
+                raise RuntimeError(f"invariant GEMM K {k}, N {parts}: a part was planned split before, alone")
+            _IN_FUSED.update(fused)
     for k, parts in groups:
         shapes = [*parts, _fused_starts(parts, fp8)[-1]] if len(parts) > 1 else parts
         keys = [(index, fp8, n, k) for n in shapes]
@@ -443,14 +517,23 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
             rows, why = TRITON, "cuBLASLt's blockwise FP8 does not take this shape or GPU"
         else:
             no_ws: list[str] = []
+            split = False
             if fp8:  # decided once per shape, before any probe runs it
                 for key in keys:
                     if key not in _NO_WORKSPACE:
                         _NO_WORKSPACE[key] = _no_workspace_pays(key[2], k, device)
-                no_ws = [str(key[2]) for key in keys if _NO_WORKSPACE[key]]
+                    if key not in _SPLIT:
+                        _SPLIT[key] = key not in _IN_FUSED and _split_pays(key[2], k, device)
+                no_ws = [str(key[2]) for key in keys if _NO_WORKSPACE[key] and not _SPLIT[key]]
+                split = any(_SPLIT[key] for key in keys)
             rows, why = _probe(k, parts, fp8, device)
             if no_ws:
                 why += f" (N {'|'.join(no_ws)}: cuBLASLt without workspace up to {NO_WORKSPACE_ROWS} rows)"
+            if split:
+                why += (
+                    f" (K in {SPLIT_CHUNKS} chunks: the split-K Triton launch up to {NO_WORKSPACE_ROWS} rows, "
+                    "cuBLASLt per chunk above)"
+                )
         for key in keys:  # a shape in two groups (q and o at 1.5B) takes the stricter plan
             old = _PLAN.get(key, 1)
             _PLAN[key] = TRITON if TRITON in (old, rows) else max(old, rows)
@@ -532,6 +615,21 @@ def fp8_mm_quantized(
         return _add_bias(_cublaslt(q, s_t, rows, w_fp8, scale_inv, planned, out_dtype), bias)
     cfg = FP8_CONFIGS[_size(rows)]
     return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, bias, cfg, pow2, s_t, rows, out_dtype)
+
+
+def fp8_mm_partials(
+    q: Tensor, s_t: Tensor, rows: int, w_fp8: Tensor, scale_inv: Tensor
+) -> fused_ops.SplitPartials | None:
+    """For a consumer kernel that sums split partials itself (the engine's decode step, ``fused_ops``'
+    add+RMSNorm): ``fp8_mm_quantized``'s product (no bias) as its K chunks' FP32 results, unsummed, where
+    the plan splits this shape and runs the split-K launch at this size; else None (call that instead)."""
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    planned = _planned_rows(q, True, w_fp8.shape[0], w_fp8.shape[1])
+    if planned == TRITON or not _SPLIT.get((index, True, *w_fp8.shape), False):
+        return None
+    if q.shape[0] < planned or q.shape[0] > NO_WORKSPACE_ROWS:
+        return None
+    return _split_partials(q, s_t, rows, w_fp8, scale_inv)
 
 
 # ---- attention --------------------------------------------------------------------------------------------
