@@ -22,6 +22,10 @@ per call in the decode graph); without workspace it gives the static-scheduled v
 which chains each tile's K blocks as the other does (the same bits) and ran 20.1 against 22.3 us there, the FP8
 decode step 3.40 against 3.52 ms at batch 256 (H100, docs/performance.md, session 34).
 
+And ``mm_1x128_128x128_into``: that forward GEMM over one K range of its operands (column slices, row stride
+K), its FP32 result written or added (beta = 1) into ``out``: ``models/invariant_ops``' split GEMMs add their K
+chunks this way, in order, the same FP32 sum as adding each chunk's own product (tested bit for bit).
+
 Enum values are cuBLASLt's (cublasLt.h, CUDA 12.9 and 13); ``tests/test_fp8_cublaslt_gpu.py`` checks the
 results against ``F.scaled_mm`` (plus an add for the wgrad), bit for bit.
 """
