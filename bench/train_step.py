@@ -3,6 +3,7 @@
     python bench/train_step.py [--batch 1 --seq 8192] [--steps 10] [--profile] [--out PATH] [--tiny]
                                [--backend torch|megatron] [--cuda-graphs off|on|both]
                                [--fused-kernels auto|off|both] [--saved N]
+                               [--preset qwen2.5-7b-shape --layers N] [--gradient-checkpointing]
 
 What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
 on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
@@ -55,21 +56,25 @@ GOALS = {"step_time": 0.80, "peak_memory": 0.90, "peak_reserved": 0.90}  # issue
 GOALS_NONE = {"scoring_time": 1.0}  # no issue goal: FP8 scoring should at least not be slower
 
 
-def model_dir(tiny: bool, preset: str = "qwen2.5-1.5b-shape") -> Path:
+def model_dir(tiny: bool, preset: str = "qwen2.5-1.5b-shape", layers: int = 0) -> Path:
     """A random model directory (written once, reused by bench/rollout.py and bench/weight_sync.py): ``preset``
-    (the 1.5B shape unless told) with Qwen's vocabulary, or tiny on CPU."""
+    (the 1.5B shape unless told) with Qwen's vocabulary, or tiny on CPU; ``layers`` > 0 keeps that many decoder
+    layers of the preset's shape (a 7B-shaped step on one GPU)."""
     from transformers import Qwen2ForCausalLM
 
     from infir2_rl.models.factory import preset_config
     from infir2_rl.models.tokenizer import build_tokenizer
 
     preset = "tiny" if tiny else preset
-    name = preset if tiny else f"{preset}-v{QWEN_VOCAB}"
+    name = (preset if tiny else f"{preset}-v{QWEN_VOCAB}") + (f"-l{layers}" if layers else "")
     path = Path(tempfile.gettempdir()) / "infir2_bench" / name
     if (path / "config.json").is_file():
         return path
     tokenizer = build_tokenizer()
-    config = preset_config(preset, tokenizer, **({} if tiny else {"vocab_size": QWEN_VOCAB}))
+    overrides: dict[str, Any] = {} if tiny else {"vocab_size": QWEN_VOCAB}
+    if layers:
+        overrides["num_hidden_layers"] = layers
+    config = preset_config(preset, tokenizer, **overrides)
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built directly in its dtype, on the GPU: seconds, not a minute of CPU
@@ -286,7 +291,7 @@ def run_mode(
     trainer: Any
     if args.backend == "megatron":
         trainer = MegatronTrainer(
-            ModelConfig(path=str(path)),
+            ModelConfig(path=str(path), gradient_checkpointing=args.gradient_checkpointing),
             TrainerConfig(backend="megatron", megatron_spec="local", cuda_graphs=graphs),
             optim,
             total_steps=args.warmup + args.steps + 1,
@@ -296,7 +301,7 @@ def run_mode(
         fp8_linears = sum(m.fp8 for m in trainer.model.modules() if isinstance(m, ParallelLinear))
     else:
         trainer = TorchTrainer(
-            ModelConfig(path=str(path)),
+            ModelConfig(path=str(path), gradient_checkpointing=args.gradient_checkpointing),
             TrainerConfig(
                 fsdp_param_dtype=args.fsdp_param_dtype,
                 param_dtype=args.param_dtype,
@@ -439,6 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
+    parser.add_argument(
+        "--preset",
+        choices=("qwen2.5-1.5b-shape", "qwen2.5-7b-shape"),
+        default="qwen2.5-1.5b-shape",
+        help="model shape (Qwen's vocabulary either way)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=0, help="keep this many decoder layers (0: the preset's)"
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="model.gradient_checkpointing (the recipe's configs turn it on; CUDA graphs are off with it)",
+    )
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="trainer backend")
     parser.add_argument(
         "--fsdp-param-dtype",
@@ -484,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fused-kernels both needs the torch backend on a GPU (not --tiny)")
     if args.cuda_graphs != "off" and args.tiny:
         parser.error("--cuda-graphs on/both needs a GPU (not --tiny)")
+    if args.cuda_graphs != "off" and args.gradient_checkpointing:
+        parser.error("--cuda-graphs on/both: the trainers run no layer graphs with gradient checkpointing")
     if args.tiny:
         args.batch, args.seq, args.warmup, args.steps = 2, 64, 1, 3
         device = torch.device("cpu")
@@ -496,10 +517,10 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     start = time.perf_counter()
-    path = model_dir(args.tiny)
+    path = model_dir(args.tiny, args.preset, args.layers)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (float32; FP8 emulated)"
     print(
-        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | param_dtype {args.param_dtype} | pack_sequences {args.pack_sequences} | {path.name} | {args.batch} x {args.seq} tokens | "
+        f"# {name} | torch {torch.__version__} | {args.backend} backend | fsdp_param_dtype {args.fsdp_param_dtype} | param_dtype {args.param_dtype} | pack_sequences {args.pack_sequences} | {path.name}{' | gradient checkpointing' if args.gradient_checkpointing else ''} | {args.batch} x {args.seq} tokens | "
         f"median of {args.steps} steps after {args.warmup} | model ready in {time.perf_counter() - start:.0f} s"
     )
     graph_settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graphs]

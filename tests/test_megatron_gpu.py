@@ -172,3 +172,55 @@ def test_non_finite_gradient_skips_the_fused_update_and_the_schedule(assets: tup
     stats = trainer.train_step(micro_batches(batches[1], 8), SftLossFn(), num_target_tokens(batches[1]))
     assert not stats.skipped and math.isfinite(stats.loss) and trainer.scheduler.last_epoch == 1
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_recomputed_layers_compute_what_the_forward_computed(
+    assets: tuple, fp8: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.gradient_checkpointing (megatron's full recompute, which reruns each layer inside backward): the
+    rerun is under the trainer's autocast as the forward was (attention in BF16, where it ran in FP32 on SDPA's
+    math kernel before: megatron's CheckpointFunction does not restore autocast), and two steps train as
+    without recompute: the same losses, gradient norms and weights up to the backward's own nondeterminism."""
+    from infir2_rl.trainers.megatron.layers import SdpaAttention
+
+    model, batches = assets
+    seen: list[tuple[bool, torch.dtype]] = []  # (grad enabled: the recompute, query dtype) per attention call
+    attend = SdpaAttention.forward
+
+    def spy(self: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((torch.is_grad_enabled(), query.dtype))
+        return attend(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(SdpaAttention, "forward", spy)
+    runs = []
+    for checkpointing in (False, True):
+        trainer = MegatronTrainer(
+            ModelConfig(path=str(model), gradient_checkpointing=checkpointing),
+            TrainerConfig(cuda_graphs=False),
+            OptimizerConfig(warmup_ratio=0.0, lr=2e-3),
+            total_steps=20,
+            fp8=fp8,
+        )
+        seen.clear()
+        stats = [
+            trainer.train_step(micro_batches(b, 8), SftLossFn(), num_target_tokens(b)) for b in batches[:2]
+        ]
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        runs.append((stats, weights, list(seen)))
+        del trainer
+        gc.collect()
+    (plain, plain_w, _), (ckpt, ckpt_w, ckpt_seen) = runs
+    recomputed = [dtype for grad, dtype in ckpt_seen if grad]
+    assert recomputed and all(d == torch.bfloat16 for d in recomputed), set(recomputed)
+    assert plain[0].loss == ckpt[0].loss  # the same forward before any update
+    for a, b in zip(plain, ckpt, strict=True):
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-3) and math.isclose(
+            a.grad_norm, b.grad_norm, rel_tol=2e-2
+        )
+    for (
+        name,
+        w,
+    ) in plain_w.items():  # (Adam's first steps move a weight by ~lr whatever its gradient's size, so
+        # a gradient near 0 whose sign the backward's atomics flip moves it the other way: means, not maxima)
+        assert (ckpt_w[name] - w).abs().mean() < 1e-4, name

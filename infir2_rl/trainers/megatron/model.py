@@ -18,9 +18,11 @@ masters in the distributed optimizer's shards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -230,6 +232,26 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
     )
+
+
+def autocast_in_recompute(
+    decoder: Any, autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> None:
+    """Run each decoder layer's forward under the trainer's ``autocast``, so megatron's full recompute computes
+    what the forward computed. The recompute reruns a layer inside ``backward``, where torch's autocast state
+    is that of the ``.backward()`` call (off: the trainer autocasts its forward only); megatron's
+    ``CheckpointFunction`` restores the RNG states but not autocast (megatron casts its parameters to BF16 and
+    does not autocast), so over our FP32 parameters the recompute ran in FP32: FP32 GEMMs, attention on SDPA's
+    math kernel (28 GiB of scores at 7B x 16,384 tokens: out of memory), FP8 inputs quantized unrounded, and
+    gradients of other numbers than the forward's. In the forward the nested autocast changes nothing.
+    ``torch.utils.checkpoint`` (the torch backend's) restores autocast itself."""
+    for layer in decoder.layers:
+
+        def under_autocast(*args: Any, _forward: Callable[..., Any] = layer.forward, **kwargs: Any) -> Any:
+            with autocast():
+                return _forward(*args, **kwargs)
+
+        layer.forward = under_autocast  # per instance: names and state dicts unchanged
 
 
 def init_parallel_state(tp: int, cp: int, seed: int) -> None:

@@ -40,7 +40,12 @@ from infir2_rl.trainers.megatron import graphs as megatron_graphs
 from infir2_rl.trainers.megatron import hf_mapping as hfm
 from infir2_rl.trainers.megatron import te
 from infir2_rl.trainers.megatron.layers import HF_PARTS, ParallelLinear, part_rows
-from infir2_rl.trainers.megatron.model import build_gpt_model, init_parallel_state, resolve_spec
+from infir2_rl.trainers.megatron.model import (
+    autocast_in_recompute,
+    build_gpt_model,
+    init_parallel_state,
+    resolve_spec,
+)
 from infir2_rl.trainers.megatron.vocab_parallel_scores import vocab_parallel_token_scores
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, merge_on_host, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
@@ -174,6 +179,8 @@ class MegatronTrainer:
             self.layer_graphs = megatron_graphs.install(
                 self.module.decoder, check_memory=trainer_cfg.cuda_graphs == "auto", refresh=self._refresh_fp8
             )
+        if model_cfg.gradient_checkpointing and self.te is None:
+            autocast_in_recompute(self.module.decoder, self.autocast)
         log.info(
             "megatron trainer rank %d: spec=%s fp8=%s tp=%d dp=%d, decoder layers %s",
             self.rank, self.spec, self.fp8, self.tp, self.dp_size,
