@@ -51,7 +51,7 @@ def main() -> int:
 
     from transformers import AutoConfig
 
-    import infir2_rl.trainers.torch.layer_graphs as lg
+    import infir2_rl.trainers.layer_graphs as lg
     from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
     from infir2_rl.trainers.microbatch import micro_batches, row_lengths, shard_rows, take_rows

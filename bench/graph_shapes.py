@@ -3,7 +3,7 @@
     python bench/graph_shapes.py [--batches 50] [--seqs 256] [--budget 8192] [--report 1 10 50] [--cap 64]
 
 ``trainer.cuda_graphs`` captures each decoder layer once per micro-batch shape, at most 64 training and 64
-forward-only shapes (16 forward-only before session 38) (trainers/torch/layer_graphs.py); micro-batches of later shapes run eagerly. A benchmark
+forward-only shapes (16 forward-only before session 38) (trainers/layer_graphs.py); micro-batches of later shapes run eagerly. A benchmark
 that repeats one batch (bench/train_packed.py) meets only that batch's shapes; an RL run meets new lengths
 every step. This counts, for ``--batches`` batches of bench/train_packed.py's length distribution (seeds 0, 1,
 ...), the distinct keys each layout's micro-batches would have, as the trainer builds them:

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("infir2_rl.trainers.torch.layer_graphs").setLevel(logging.INFO)  # each capture's growth
+    logging.getLogger("infir2_rl.trainers.layer_graphs").setLevel(logging.INFO)  # each capture's growth
     if not torch.cuda.is_available():
         print("bench/train_packed.py needs a CUDA GPU.")
         return 1

@@ -17,8 +17,8 @@ from infir2_rl.data.datasets import load_sft_examples
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
+from infir2_rl.trainers.layer_graphs import GradsReplaced
 from infir2_rl.trainers.microbatch import bucket_length, pad_length
-from infir2_rl.trainers.torch.layer_graphs import GradsReplaced
 from infir2_rl.trainers.torch.trainer import TorchTrainer
 from infir2_rl.trainers.torch.varlen_attention import graph_max_len
 from infir2_rl.types import TokenBatch

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infir2_rl.models.factory import init_model
-from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
+from infir2_rl.trainers.layer_graphs import LayerGraphs
 
 GIB = 2**30
 
@@ -190,7 +190,7 @@ def test_layers_of_another_kind_warm_up_their_first_too(
 ) -> None:
     """A sliding-window layer runs other attention kernels than a full-attention one, so a later shape warms up the
     first layer of each kind (``_warm_up_layers``)."""
-    from infir2_rl.trainers.torch.layer_graphs import _warm_up_layers
+    from infir2_rl.trainers.layer_graphs import _warm_up_layers
 
     graphs = _graphs(tmp_path, monkeypatch, check_memory=False)
     layers = graphs.layers

@@ -407,7 +407,7 @@ def test_graphed_walk_trains_as_the_eager_walk(model_dir: Path, fp8: bool) -> No
     is bit-equal) and the same gradients up to the backward's algorithm choices (cuBLAS and SDPA may pick
     others inside a capture)."""
     from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens
-    from infir2_rl.trainers.torch.layer_graphs import grad_target
+    from infir2_rl.trainers.layer_graphs import grad_target
     from infir2_rl.types import TokenBatch
 
     gen = torch.Generator().manual_seed(3)

@@ -153,7 +153,7 @@ class TrainerConfig(_Config):
     pack_sequences: bool | Literal["auto"] = "auto"
     # On a CUDA GPU per rank, without FSDP (one worker, or trainer.data_parallel replicas; megatron: the local
     # spec at TP = 1, trainers/megatron/graphs.py): replay each decoder layer's forward and backward from CUDA
-    # graphs when training, and its forward when scoring or evaluating (trainers/torch/layer_graphs.py), one capture per
+    # graphs when training, and its forward when scoring or evaluating (trainers/layer_graphs.py), one capture per
     # micro-batch shape (at most 64 training and 64 forward-only; others run eagerly); micro-batches, and
     # packed rows, are right-padded to a length bucket (64, 72, 80, ..., 128, 144, ...: eight per doubling,
     # at most 12.5% padding) so that few shapes occur, and run largest first. Takes the host out of the step

@@ -55,7 +55,7 @@ class Fp8Linear(nn.Linear):
     into them in place; an optimizer that writes them itself as it updates the master (the flat AdamW,
     trainers/flat_adamw.py) stamps them with ``mark_fp8_fresh``, and then no forward quantizes at all. A CUDA
     graph captured over the forward reads the buffers, so whoever replays it checks the stamps first
-    (``refresh_fp8``; trainers/torch/layer_graphs.py does, once per micro-batch, through ``refresh_kept_fp8``),
+    (``refresh_fp8``; trainers/layer_graphs.py does, once per micro-batch, through ``refresh_kept_fp8``),
     and a capture that finds them stale refuses.
     """
 
@@ -192,7 +192,7 @@ class Fp8Linear(nn.Linear):
             self.refresh_fp8()
             return kept
         if capturing:
-            # Inside a CUDA graph capture (trainers/torch/layer_graphs.py) the quantization is recorded, so
+            # Inside a CUDA graph capture (trainers/layer_graphs.py) the quantization is recorded, so
             # every replay quantizes the weight as it is then; caching the captured tensors would hand graph
             # memory to later eager code.
             return self._quantize()

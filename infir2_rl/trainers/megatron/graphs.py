@@ -3,7 +3,7 @@
 Why: eager, this backend's FP8 step is host-bound (1.77x its BF16 step at 1.5B x 4,096 on an H200,
 docs/performance.md "Megatron backend"): per layer and micro-batch the host runs megatron's module code, our
 FP8 autograd Functions and cuBLASLt set-ups slower than the GPU runs the kernels. The torch backend's
-``LayerGraphs`` (trainers/torch/layer_graphs.py) takes that host work out for HF layers; this module puts
+``LayerGraphs`` (trainers/layer_graphs.py) takes that host work out for HF layers; this module puts
 megatron's ``TransformerLayer`` behind the same machinery, rather than megatron-core's own
 ``CudaGraphManager``, whose capture rules (RNG tracker, ``create_cudagraphs()`` after an eager pass over every
 shape, an assertion on an unseen one) differ from those the rest of the trainer already follows.
@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from infir2_rl.trainers.torch.layer_graphs import LayerGraphs
+from infir2_rl.trainers.layer_graphs import LayerGraphs
 
 
 def _megatron_forward(

@@ -35,6 +35,7 @@ from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers import token_scores_fused
 from infir2_rl.trainers.engine_export import for_engines
+from infir2_rl.trainers.layer_graphs import LayerGraphs, drop_for_room
 from infir2_rl.trainers.megatron import checkpoint as ckpt
 from infir2_rl.trainers.megatron import graphs as megatron_graphs
 from infir2_rl.trainers.megatron import hf_mapping as hfm
@@ -51,7 +52,6 @@ from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, merge_on_h
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.token_scores import chunked_token_scores
 from infir2_rl.trainers.torch import distributed as D
-from infir2_rl.trainers.torch.layer_graphs import LayerGraphs, drop_for_room
 from infir2_rl.trainers.torch.scoring import nonzero_counted
 from infir2_rl.trainers.torch.trainer import resolve_compute_dtype
 from infir2_rl.types import LossFn, TokenBatch, TokenScores, TrainStats

@@ -31,7 +31,7 @@ those the forward computes with, then those it only quantizes (the FP8 decoder l
   activations, as autograd did (one buffer for the model, allocated with the first gradient, raised the FP8
   step's peak by 2.6 GiB at 1.5B). ``release_grads`` frees them between eager steps (as
   ``zero_grad(set_to_none=True)`` did). The CUDA layer graphs add into these views themselves
-  (layer_graphs.py), so they need them before capture and keep them (``ensure_grads``).
+  (trainers/layer_graphs.py), so they need them before capture and keep them (``ensure_grads``).
 
 ``optimizer_params`` are what the optimizer steps, in the model's parameter order (so that optimizer states
 in checkpoints line up whatever ``param_dtype`` is): each parameter's master, a view of its segment's

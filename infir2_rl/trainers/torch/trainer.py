@@ -28,7 +28,7 @@ entropies when asked) at the positions the loss needs (scoring.py, trainers/toke
 `trainer.cuda_graphs` ("auto", the default: on for a trainer on one CUDA GPU without FSDP or gradient
 checkpointing, BF16 and FP8, true_on_policy too; off elsewhere): the decoder layers' forward and backward of
 training micro-batches, and their forward in scoring and evaluation, are replayed from CUDA graphs
-(layer_graphs.py); micro-batches (packed rows too) are padded to a length bucket and run largest first,
+(trainers/layer_graphs.py); micro-batches (packed rows too) are padded to a length bucket and run largest first,
 gradients are zeroed in place (the graphs add into `.grad`) and autocast keeps no weight-cast cache. An eager
 step on a GPU is host-bound at small micro-batches: at 1.5B x 2,048 tokens eager BF16 took 2.0x and eager FP8
 3.6x the graphed BF16 step (docs/performance.md).
@@ -66,13 +66,13 @@ from infir2_rl.fp8 import grouped
 from infir2_rl.fp8.linear import Fp8Linear, fp8_disabled, mark_kept_inputs, swap_to_fp8_training
 from infir2_rl.metrics.logger import peak_memory_gb
 from infir2_rl.trainers.flat_adamw import FlatAdamW
+from infir2_rl.trainers.layer_graphs import LayerGraphs, drop_for_room
 from infir2_rl.trainers.microbatch import MetricMeans, bucket_length, merge_on_host, pad_length
 from infir2_rl.trainers.optim import build_optimizer, build_scheduler, step_unless_nonfinite
 from infir2_rl.trainers.torch import checkpoint_io as io
 from infir2_rl.trainers.torch import distributed as D
 from infir2_rl.trainers.torch import fused_layers, varlen_attention
 from infir2_rl.trainers.torch.export_listing import UNLISTABLE, ExportListing, ExportRecorder
-from infir2_rl.trainers.torch.layer_graphs import LayerGraphs, drop_for_room
 from infir2_rl.trainers.torch.master_weights import MasterWeights
 from infir2_rl.trainers.torch.reference import load_reference_model
 from infir2_rl.trainers.torch.scoring import score_tokens
@@ -248,7 +248,7 @@ class TorchTrainer:
         self.master_weights: MasterWeights | None = None
         if resolve_param_dtype(trainer_cfg.param_dtype, self.compute_dtype, self.fsdp) == torch.bfloat16:
             self.master_weights = MasterWeights(model)
-        # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (layer_graphs.py).
+        # trainer.cuda_graphs: the decoder layers' forward and backward replayed from CUDA graphs (trainers/layer_graphs.py).
         self.layer_graphs: LayerGraphs | None = None
         blockers = [
             name
@@ -336,7 +336,7 @@ class TorchTrainer:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
-        # The CUDA graphs cannot hold autocast's cache of weight casts (layer_graphs.py); it saves nothing here
+        # The CUDA graphs cannot hold autocast's cache of weight casts (trainers/layer_graphs.py); it saves nothing here
         # anyway, since each weight is cast once per forward.
         return torch.autocast(
             device_type=self.device.type, dtype=self.compute_dtype, cache_enabled=self.layer_graphs is None

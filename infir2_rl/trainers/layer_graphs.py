@@ -4,7 +4,9 @@ Why: on a GPU the torch trainer's step is host-bound, the FP8 one most (docs/per
 add up to 0.70 of an FP8 step, 0.94 of a BF16 one). Per decoder layer and micro-batch the host runs Python autograd
 Functions, sets up cuBLASLt for each scaled_mm and launches dozens of kernels, slower than the GPU runs
 them. Replaying each layer's forward and backward from a CUDA graph takes that host work out; what stays
-eager is the embedding, the final norm, the token scores, the loss and the optimizer.
+eager is the embedding, the final norm, the token scores, the loss and the optimizer. Both trainer backends use
+it: the torch backend over HF decoder layers, the megatron backend over megatron's (``trainers/megatron/graphs.py``
+presents them with HF's signature).
 
 How, for one input shape (captured on its first use, at most ``max_shapes`` training and
 ``max_forward_only_shapes`` forward-only shapes, 64 each; the trainer pads its training micro-batches to a
