@@ -292,3 +292,30 @@ def test_tensor_parallel_sizes_the_model_cannot_shard_are_refused_by_the_stage_c
     assert stage("bf16", 2).trainer.tensor_parallel_size == 2
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not fit .*divisible"):
         stage("bf16", 3)
+
+
+def test_recompute_runs_each_layer_under_the_trainers_autocast() -> None:
+    """megatron's recompute reruns a layer inside ``backward()``, where autocast is off (its CheckpointFunction
+    does not restore it): ``autocast_in_recompute`` makes each layer's forward enter the trainer's autocast
+    itself, so a call from outside any autocast (as the rerun is) computes in the forward's dtype, and a call
+    inside the trainer's autocast is unchanged."""
+    from infir2_rl.trainers.megatron.model import autocast_in_recompute
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return self.linear(hidden_states), None
+
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList([Layer(), Layer()])
+    x = torch.randn(4, 8)
+    assert decoder.layers[0](x)[0].dtype == torch.float32  # plain: FP32 parameters, FP32 out
+    autocast_in_recompute(decoder, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    for layer in decoder.layers:
+        assert layer(hidden_states=x)[0].dtype == torch.bfloat16  # as the rerun calls it: outside autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x)[0].dtype == torch.bfloat16
+    assert set(decoder.state_dict()) == {f"layers.{i}.linear.{p}" for i in (0, 1) for p in ("weight", "bias")}
