@@ -195,3 +195,16 @@ def test_a_one_part_split_adds_the_bias_as_torch_and_partials_sum_from_the_first
     parts[:, 0, 0] = -0.0
     total = SplitPartials(parts, torch.float32).total()
     assert torch.equal(total, parts[0] + parts[1] + parts[2]) and torch.signbit(total[0, 0])
+
+
+def test_the_split_rule_is_a_rule_of_the_shape() -> None:
+    """Trainer and engines plan in separate processes and a split changes the bits, so whether an FP8 GEMM runs
+    in K chunks is a function of its shape alone: 1.5B's down_proj (24 output tiles at 256 rows, 70 K blocks)
+    splits, where it was measured to pay; 7B's down_proj (56 tiles), where it lost, and short K do not."""
+    from infir2_rl.models import invariant_ops
+
+    assert invariant_ops._split_wanted(1536, 8960)  # 1.5B down_proj
+    assert not invariant_ops._split_wanted(3584, 18944)  # 7B down_proj
+    assert not invariant_ops._split_wanted(1536, 1536)  # 1.5B o_proj: 12 K blocks
+    assert invariant_ops.split_chunks(70) == [(0, 35), (35, 70)]
+    assert invariant_ops.split_chunks(71) == [(0, 36), (36, 71)]

@@ -13,8 +13,8 @@ number of rows:
   every M, small batches padded to the rows from which it does (it splits K below them); the Triton kernels
   below for any other shape: no split-K, the bias added in FP32 before the single rounding, the tile shape
   following M only among shapes measured to give the same bits (``MM_TILES``, ``FP8_CONFIGS``; the W8A8
-  kernel is the engine's, ``engines/native/fp8_gemm``). An FP8 shape with a long K where ``plan`` times it
-  paying (at 1.5B: down_proj, K 8,960) runs as ``SPLIT_CHUNKS`` fixed K chunks, each chained from 0, their
+  kernel is the engine's, ``engines/native/fp8_gemm``). An FP8 shape with a long K and few output tiles
+  (``_split_wanted``; at 1.5B: down_proj, K 8,960) runs as ``SPLIT_CHUNKS`` fixed K chunks, each chained from 0, their
   FP32 results added in chunk order and rounded once: a split fixed by K alone is batch-invariant too. Decode
   batches run the engine's split-K Triton launch (whose consumer kernel sums the partials), larger ones
   cuBLASLt per chunk, each chunk added into one FP32 output by the GEMM's epilogue (``_split_gemm``).
@@ -267,15 +267,19 @@ TRITON = 0  # plan value: this shape runs the Triton kernel
 # kernel with workspace needs a memset per call). The probe that follows checks the bits as they then run.
 _NO_WORKSPACE: dict[tuple[int, bool, int, int], bool] = {}
 NO_WORKSPACE_ROWS = 512
-# FP8 shapes (device index, True, N, K) run as SPLIT_CHUNKS chunks of K (``_split_gemm``), where ``plan`` timed
-# the engine's split-K launch (SPLIT_CONFIG) at decode size >= 10% faster than cuBLASLt over the whole K. On
-# an H200 (bench/invariant_split.py, 2026-11-29) down_proj at 1.5B, M = 256: 21.2 against 30.6 us; the
-# trainer pays 123 against 92 us per 4,096 rows for cuBLASLt's chunks (4 chunks: 19.4 / 150 us). Shapes of
-# fused groups (q|k|v, gate|up) are never split: the engine's fused GEMM must give each part's bits.
+# FP8 shapes (device index, True, N, K) run as SPLIT_CHUNKS chunks of K (``_split_gemm``): those ``_split_wanted``
+# names, by a rule of the shape. On an H200 (bench/invariant_split.py, 2026-11-29) the engine's split-K launch
+# (SPLIT_CONFIG) ran down_proj at 1.5B (N 1,536, K 8,960), M = 256, in 21.2 us against cuBLASLt's 30.6 over the
+# whole K, and the trainer pays 123 against 92 us per 4,096 rows for cuBLASLt's chunks (4 chunks: 19.4 / 150
+# us); at 7B (N 3,584, K 18,944) the launch lost, 94.7 against 53.6. Shapes of fused groups (q|k|v, gate|up) are
+# never split: the engine's fused GEMM must give each part's bits.
 _SPLIT: dict[tuple[int, bool, int, int], bool] = {}
 _IN_FUSED: set[tuple[int, bool, int, int]] = set()
 SPLIT_CHUNKS = 2
-SPLIT_MIN_K_BLOCKS = 32  # shorter K: not timed (each chunk's chain is already short)
+SPLIT_MIN_K_BLOCKS = 32  # a shorter chain of K blocks is not split
+SPLIT_MAX_TILES = (
+    32  # split only GEMMs of at most this many 128 x 128 output tiles at 256 rows (1.5B down: 24)
+)
 SPLIT_CONFIG = fp8_gemm.GemmConfig(64, 32, SPLIT_CHUNKS, 4, 5)  # the decode launch; its partials line up
 # (device index, fp8, N, K) -> the rows cuBLAS runs that GEMM at (smaller batches padded), or TRITON
 _PLAN: dict[tuple[int, bool, int, int], int] = {}
@@ -381,20 +385,12 @@ def _split_gemm(
     return out[:m].to(out_dtype)
 
 
-def _split_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
-    """Whether the split-K launch (SPLIT_CONFIG) runs the FP8 GEMM (N, K) at ``rows`` rows >= 10% faster than
-    cuBLASLt over the whole K (torch's workspace), timed as ``_no_workspace_pays`` times."""
-    if -(-k // 128) < SPLIT_MIN_K_BLOCKS:
-        return False
-    gen = torch.Generator(device=device).manual_seed(n + k)
-    q, s_t = quant_triton.quantize_rows((torch.randn(rows, k, device=device, generator=gen) * 2).bfloat16())
-    w8, s_plain = quant_triton.quantize_weight(torch.randn(n, k, device=device, generator=gen) * 0.05)
-    copies = [(w8.clone(), s_plain.clone()) for _ in range(cold_copies(w8, s_plain))]
-    whole = time_in_graph(
-        [functools.partial(cublas_gemm.mm_1x128_128x128, q, s_t, w, g, torch.bfloat16) for w, g in copies]
-    )
-    split = time_in_graph([functools.partial(_split_partials, q, s_t, rows, w, g) for w, g in copies])
-    return split < 0.9 * whole
+def _split_wanted(n: int, k: int) -> bool:
+    """Whether the FP8 GEMM (N, K) runs in SPLIT_CHUNKS K chunks: a long chain of K blocks over too few output
+    tiles to fill the GPU at decode size, where the split pays (see ``_SPLIT``). A rule of the shape, not a
+    timing: the trainer and the engines plan in separate processes (Ray actors), and a split changes the bits,
+    so both must decide alike whatever a timing would say on the day."""
+    return -(-k // 128) >= SPLIT_MIN_K_BLOCKS and 2 * -(-n // 128) <= SPLIT_MAX_TILES
 
 
 def _no_workspace_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
@@ -523,7 +519,7 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
                     if key not in _NO_WORKSPACE:
                         _NO_WORKSPACE[key] = _no_workspace_pays(key[2], k, device)
                     if key not in _SPLIT:
-                        _SPLIT[key] = key not in _IN_FUSED and _split_pays(key[2], k, device)
+                        _SPLIT[key] = key not in _IN_FUSED and _split_wanted(key[2], k)
                 no_ws = [str(key[2]) for key in keys if _NO_WORKSPACE[key] and not _SPLIT[key]]
                 split = any(_SPLIT[key] for key in keys)
             rows, why = _probe(k, parts, fp8, device)
