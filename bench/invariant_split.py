@@ -38,20 +38,15 @@ TRAIN_ROWS = [4096, 16384]
 COLD_BYTES = 256 * 2**20
 
 
-def chunks(kb: int, split: int) -> list[tuple[int, int]]:
-    """The K-block ranges of a split: ``fp8_gemm.w8a8_partials``' (cdiv(kb, split) blocks each)."""
-    per = -(-kb // split)
-    return [(b, min(b + per, kb)) for b in range(0, kb, per)]
-
-
 def cublaslt_chunks(
     q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor, split: int
 ) -> torch.Tensor:
     """One cuBLASLt call per K chunk (FP32 out), summed in chunk order, rounded once to BF16."""
     from infir2_rl.fp8 import gemm as cublas_gemm
+    from infir2_rl.models.invariant_ops import split_chunks
 
     acc: torch.Tensor | None = None
-    for b0, b1 in chunks(s.shape[1], split):
+    for b0, b1 in split_chunks(s.shape[1], split):
         part = cublas_gemm.mm_1x128_128x128(
             q[:, b0 * 128 : b1 * 128], s_t[b0:b1], w[:, b0 * 128 : b1 * 128], s[:, b0:b1], torch.float32
         )
@@ -64,17 +59,10 @@ def cublaslt_accumulated(
     q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor, split: int
 ) -> torch.Tensor:
     """The same sum with the chunks added by cuBLASLt's epilogue (beta = 1) into one FP32 output: no FP32
-    partial per chunk, no separate add (``cublaslt.mm_1x128_128x128_into``); then rounded to BF16."""
-    from infir2_rl.fp8 import cublaslt
-    from infir2_rl.fp8 import gemm as cublas_gemm
+    partial per chunk, no separate add (``invariant_ops.accumulate_chunks``, the trainer's form); then BF16."""
+    from infir2_rl.models.invariant_ops import accumulate_chunks
 
-    out = torch.empty(q.shape[0], w.shape[0], dtype=torch.float32, device=q.device)
-    for i, (b0, b1) in enumerate(chunks(s.shape[1], split)):
-        grid = cublas_gemm.padded_grid(s[:, b0:b1])
-        cublaslt.mm_1x128_128x128_into(
-            out, q[:, b0 * 128 : b1 * 128], s_t[b0:b1], w[:, b0 * 128 : b1 * 128], grid, i > 0
-        )
-    return out[:m].to(torch.bfloat16)
+    return accumulate_chunks(q, s_t, w, s, split)[:m].to(torch.bfloat16)
 
 
 def whole_k(q: torch.Tensor, s_t: torch.Tensor, m: int, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -106,6 +94,7 @@ def triton_split(
 def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
     from infir2_rl.engines.native import fp8_gemm
     from infir2_rl.fp8 import quant_triton
+    from infir2_rl.models.invariant_ops import split_chunks
 
     GemmConfig = fp8_gemm.GemmConfig
     k, n = SHAPES[name]
@@ -118,7 +107,9 @@ def _check(name: str, args: argparse.Namespace, gen: torch.Generator) -> None:
         ref = cublaslt_chunks(q_all, s_all, q_all.shape[0], w8, s8, split)
         small = [GemmConfig(64, bn, split, warps, stages) for bn, warps, stages in ((64, 4, 3), (32, 4, 5))]
         large = [GemmConfig(128, 128, split, 8, 3), GemmConfig(64, 128, split, 4, 3)]
-        print(f"   split {split} ({chunks(s8.shape[1], split)}): elements differing from cuBLASLt per chunk")
+        print(
+            f"   split {split} ({split_chunks(s8.shape[1], split)}): elements differing from cuBLASLt per chunk"
+        )
 
         def at(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], ref: torch.Tensor = ref) -> str:
             bad: list[str] = []

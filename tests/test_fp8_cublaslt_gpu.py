@@ -179,7 +179,7 @@ def test_k_chunks_added_by_the_epilogue_equal_their_fp32_sum(n: int, k: int, chu
     0..c-1 by beta = 1: the FP32 sum of each chunk's own product in chunk order, bit for bit (what
     models/invariant_ops' split GEMMs rely on); and the split-K Triton launch's partials sum to the same."""
     from infir2_rl.engines.native import fp8_gemm
-    from infir2_rl.models.invariant_ops import SPLIT_CHUNKS
+    from infir2_rl.models.invariant_ops import SPLIT_CHUNKS, split_chunks
 
     _device_index()
     gen = torch.Generator(device="cuda").manual_seed(n + k + chunks)
@@ -187,12 +187,9 @@ def test_k_chunks_added_by_the_epilogue_equal_their_fp32_sum(n: int, k: int, chu
     x = (torch.randn(m, k, device="cuda", generator=gen) * 2).bfloat16()
     w8, s8 = quant_triton.quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.05)
     q, s_t = quant_triton.quantize_rows(x)
-    kb = s8.shape[1]
-    per = -(-kb // chunks)
-    ranges = [(b, min(b + per, kb)) for b in range(0, kb, per)]
     out = torch.empty(q.shape[0], n, device="cuda")
     ref: torch.Tensor | None = None
-    for i, (b0, b1) in enumerate(ranges):
+    for i, (b0, b1) in enumerate(split_chunks(s8.shape[1], chunks)):
         cols = slice(b0 * 128, b1 * 128)
         a, w, a_s = q[:, cols], w8[:, cols], s_t[b0:b1].contiguous()
         part = gemm.mm_1x128_128x128(a.contiguous(), a_s, w.contiguous(), s8[:, b0:b1], torch.float32)

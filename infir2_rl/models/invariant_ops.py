@@ -287,6 +287,11 @@ _PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each prob
 Weight = tuple[Tensor, Tensor | None]  # (weight, FP8 weight_scale_inv or None for BF16)
 
 
+def _index(device: torch.device) -> int:
+    """The CUDA device's index (the plan's keys), the current device for a bare ``cuda``."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _cublas(
     x: Tensor, w: Weight, bias: Tensor | None, rows: int, out_dtype: torch.dtype, pow2: bool = False
 ) -> Tensor:
@@ -340,7 +345,7 @@ def _cublaslt(
     if q.shape[0] < rows:
         q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
         s_t = torch.cat([s_t, s_t.new_ones(s_t.shape[0], rows - s_t.shape[1])], dim=1)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    index = _index(q.device)
     if _SPLIT.get((index, True, *w_fp8.shape), False):
         return _split_gemm(q, s_t, m, w_fp8, scale_inv, out_dtype)
     if q.shape[0] <= NO_WORKSPACE_ROWS and _NO_WORKSPACE.get((index, True, *w_fp8.shape), False):
@@ -349,11 +354,24 @@ def _cublaslt(
     return cublas_gemm.mm_1x128_128x128(q, s_t, w_fp8, scale_inv, out_dtype)[:m]
 
 
-def split_chunks(kb: int) -> list[tuple[int, int]]:
+def split_chunks(kb: int, chunks: int = SPLIT_CHUNKS) -> list[tuple[int, int]]:
     """The K-block ranges of a split GEMM over ``kb`` blocks: the engine's split-K launch's
     (``fp8_gemm.split_k_launch``), so the partials of both forms line up."""
-    per = -(-kb // min(SPLIT_CHUNKS, kb))
+    per = -(-kb // min(chunks, kb))
     return [(b, min(b + per, kb)) for b in range(0, kb, per)]
+
+
+def accumulate_chunks(
+    q: Tensor, s_t: Tensor, w_fp8: Tensor, scale_inv: Tensor, chunks: int = SPLIT_CHUNKS
+) -> Tensor:
+    """The split GEMM's FP32 sum (M_pad, N) on cuBLASLt: one call per K chunk, chunk c added by the epilogue
+    (beta = 1) into the FP32 output of chunks 0..c-1, as the sum kernel adds the partials in order."""
+    out = torch.empty(q.shape[0], w_fp8.shape[0], dtype=torch.float32, device=q.device)
+    for i, (b0, b1) in enumerate(split_chunks(scale_inv.shape[1], chunks)):
+        cols = slice(b0 * 128, b1 * 128)
+        grid = cublas_gemm.padded_grid(scale_inv[:, b0:b1])
+        cublaslt.mm_1x128_128x128_into(out, q[:, cols], s_t[b0:b1].contiguous(), w_fp8[:, cols], grid, i > 0)
+    return out
 
 
 def _split_partials(
@@ -372,17 +390,12 @@ def _split_gemm(
     q: Tensor, s_t: Tensor, m: int, w_fp8: Tensor, scale_inv: Tensor, out_dtype: torch.dtype
 ) -> Tensor:
     """``_cublaslt``'s product as the sum of its K chunks (module docstring), rounded once to out_dtype: up to
-    NO_WORKSPACE_ROWS rows the engine's split-K launch and its sum kernel, above cuBLASLt per chunk, chunk c
-    added by the epilogue (beta = 1) into the FP32 output of chunks 0..c-1 (as the sum kernel adds in order)."""
+    NO_WORKSPACE_ROWS rows the engine's split-K launch and its sum kernel, above cuBLASLt per chunk
+    (``accumulate_chunks``)."""
     if q.shape[0] <= NO_WORKSPACE_ROWS:
         parts = _split_partials(q, s_t, m, w_fp8, scale_inv)
         return fp8_gemm.sum_partials(fused_ops.SplitPartials(parts.part, out_dtype))
-    out = torch.empty(q.shape[0], w_fp8.shape[0], dtype=torch.float32, device=q.device)
-    for i, (b0, b1) in enumerate(split_chunks(scale_inv.shape[1])):
-        cols = slice(b0 * 128, b1 * 128)
-        grid = cublas_gemm.padded_grid(scale_inv[:, b0:b1])
-        cublaslt.mm_1x128_128x128_into(out, q[:, cols], s_t[b0:b1].contiguous(), w_fp8[:, cols], grid, i > 0)
-    return out[:m].to(out_dtype)
+    return accumulate_chunks(q, s_t, w_fp8, scale_inv)[:m].to(out_dtype)
 
 
 def _split_wanted(n: int, k: int) -> bool:
@@ -494,7 +507,7 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
     lines: list[str] = []
     if not kernels_available(device):
         return lines
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     probe = torch.empty(0, device=device)
     for k, parts in groups:  # the parts of fused groups first: their shapes are never split
         if len(parts) > 1:
@@ -544,7 +557,7 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
 def _planned_rows(x: Tensor, fp8: bool, n: int, k: int) -> int:
     """The rows cuBLAS runs this shape at, or TRITON; an unplanned shape is planned alone now (outside a
     CUDA graph capture only: the probe synchronizes)."""
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = _index(x.device)
     rows = _PLAN.get((index, fp8, n, k))
     if rows is None:
         if torch.cuda.is_current_stream_capturing():
@@ -619,7 +632,7 @@ def fp8_mm_partials(
     """For a consumer kernel that sums split partials itself (the engine's decode step, ``fused_ops``'
     add+RMSNorm): ``fp8_mm_quantized``'s product (no bias) as its K chunks' FP32 results, unsummed, where
     the plan splits this shape and runs the split-K launch at this size; else None (call that instead)."""
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    index = _index(q.device)
     planned = _planned_rows(q, True, w_fp8.shape[0], w_fp8.shape[1])
     if planned == TRITON or not _SPLIT.get((index, True, *w_fp8.shape), False):
         return None

@@ -285,20 +285,20 @@ class FusedLinear:
 
         return invariant_ops.planned_input_rows(x, False, *self.weight.shape)
 
-    def _invariant(self, x: Activation, defer_bias: bool = False) -> Tensor | SplitPartials:
-        """The batch-invariant GEMM (true_on_policy). ``defer_bias``: the output goes to a kernel that sums
+    def _invariant(self, x: Activation, defer_sum: bool = False) -> Tensor | SplitPartials:
+        """The batch-invariant GEMM (true_on_policy). ``defer_sum``: the output goes to a kernel that sums
         ``SplitPartials``. Where the plan splits K (FP8 down_proj at 1.5B), the chunks' FP32 results go
         unsummed, as the fast mode's split-K GEMMs do; where it adds the bias after rounding the product
         (cuBLAS), the product and the bias go as a one-part ``SplitPartials``: the consumer adds it, rounding
         as torch's ``y + bias`` does, and the broadcast add's launch goes."""
         from infir2_rl.models import invariant_ops
 
-        if defer_bias and self.bias is None and isinstance(x, QuantizedRows):  # a split plan's partials
+        if defer_sum and self.bias is None and isinstance(x, QuantizedRows):  # a split plan's partials
             assert self.scale is not None
             parts = invariant_ops.fp8_mm_partials(x.q, x.s_t, x.m, self.weight, self.scale)
             if parts is not None:
                 return parts
-        if defer_bias and self.bias is not None:
+        if defer_sum and self.bias is not None:
             rows = x.q if isinstance(x, QuantizedRows) else x
             if invariant_ops.bias_after_rounding(rows, self.fp8, *self.weight.shape):
                 y = self._invariant_gemm(x, None)
