@@ -186,7 +186,13 @@ class MegatronTrainer:
             self.rank, self.spec, self.fp8, self.tp, self.dp_size,
             "replayed from CUDA graphs" if self.layer_graphs is not None else f"eager ({', '.join(blockers) or 'cuda_graphs=false'})",
         )  # fmt: skip
-        if self.fp8 and self.spec == "local" and self.layer_graphs is None and self.device.type == "cuda":
+        if (
+            self.fp8
+            and self.spec == "local"
+            and self.layer_graphs is None
+            and self.device.type == "cuda"
+            and self.rank == 0
+        ):
             log.warning(
                 "megatron backend, local spec, FP8 on a GPU without CUDA graphs: its FP8 linears run eagerly, "
                 "host-bound at small shapes (slower than BF16 at 1.5B x 4,096 tokens, faster at a 7B-shaped layer x "
