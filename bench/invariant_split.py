@@ -31,7 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"down": (8960, 1536), "7b:down": (18944, 3584), "gate|up": (1536, 17920)}  # name: (K, N)
+# name: (K, N); q|k|v and o at --splits 1: the Triton kernel unsplit (any tile shape) against cuBLASLt
+SHAPES = {
+    "down": (8960, 1536),
+    "7b:down": (18944, 3584),
+    "gate|up": (1536, 17920),
+    "q|k|v": (1536, 2048),
+    "o": (1536, 1536),
+}
 BITS_ROWS = [1, 16, 17, 64, 80, 96, 255, 256, 512, 1000, 4096]
 DECODE_ROWS = [64, 256]
 TRAIN_ROWS = [4096, 16384]

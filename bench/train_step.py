@@ -232,6 +232,56 @@ def sync_sites(trainer: Any, batches: Any, loss_fn: Any, units: Any) -> list[tup
     return sorted(((n, site) for site, n in sites.items()), reverse=True)
 
 
+def _site(frames: list[dict[str, Any]]) -> str:
+    """Where an allocation was made: its innermost Python frame in the project or megatron-core, else the
+    innermost outside torch, else the innermost (frames run innermost first)."""
+    tests = (lambda n: "infir2_rl/" in n or "/megatron/" in n, lambda n: "/torch/" not in n, lambda n: True)
+    for test in tests:
+        for f in frames:
+            name = f.get("filename", "")
+            if test(name):
+                return f"{name.split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "(no Python frame)"
+
+
+def memory_peak(trainer: Any, batches: Any, loss_fn: Any, units: Any, top: int) -> dict[str, Any]:
+    """One more train step under the CUDA allocator's history (``torch.cuda.memory._record_memory_history``):
+    what the step starts with (weights, masters, optimizer state, kept FP8 weights: allocated before it), and
+    at its peak of allocated memory the blocks the step itself allocated and still holds, grouped by the
+    Python line that allocated them (``_site``), the largest ``top`` groups."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        trainer.train_step(batches, loss_fn, units)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in snap["device_traces"][torch.cuda.current_device()]:
+        action, addr = event["action"], event["addr"]
+        if action == "alloc":
+            live[addr] = (event["size"], _site(event.get("frames", [])))
+            now += event["size"]
+            if now > peak:
+                peak, at_peak = now, dict(live)
+        elif action in ("free_requested", "free_completed") and addr in live:
+            now -= live.pop(addr)[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in at_peak.values():
+        groups[site][0] += 1
+        groups[site][1] += size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    return {
+        "start_gib": base / 2**30,
+        "step_peak_gib": peak / 2**30,
+        "top": [{"site": k, "count": c, "gib": b / 2**30} for k, (c, b) in ranked[:top]],
+    }
+
+
 def saved_activations(trainer: Any, batch: Any, loss_fn: Any, units: Any, top: int) -> dict[str, Any]:
     """What one more train step's forward keeps for its backward: each storage that autograd saves, once
     (``saved_tensors_hooks``), parameters and their masters left out, grouped by dtype and shape. Eager
@@ -388,6 +438,8 @@ def run_mode(
     }
     if args.saved and not graphs:
         out["saved"] = saved_activations(trainer, batch, loss_fn, num_target_tokens(batch), args.saved)
+    if args.memory_peak and device.type == "cuda":
+        out["memory_peak"] = memory_peak(trainer, batches, loss_fn, units, args.memory_peak)
     if args.sync_sites and device.type == "cuda":
         out["sync_sites"] = sync_sites(trainer, batches, loss_fn, units)
     if args.profile:
@@ -441,6 +493,13 @@ def main(argv: list[str] | None = None) -> int:
         "--sync-sites",
         action="store_true",
         help="GPU: after the timed steps, one more step under torch's sync debug mode; list where it waits",
+    )
+    parser.add_argument(
+        "--memory-peak",
+        type=int,
+        default=0,
+        help="GPU: after the timed steps, one more step under the allocator's history; print what it starts "
+        "with and the N largest groups (by allocating line) of what it holds at its peak",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset on CPU (checks the script)")
@@ -614,6 +673,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, ms, calls in r["profile"]["host_top"]:
                 print(f"  {ms:9.3f} ms {calls:6d}x  {name[:90]}")
             print("  where the GPU idles: bench/trace_gaps.py on this step's --trace")
+        if "memory_peak" in r:
+            mp = r["memory_peak"]
+            print(
+                f"\nmemory, one more {mode} step: {mp['start_gib']:.2f} GiB allocated before it, at its peak "
+                f"{mp['step_peak_gib']:.2f} GiB more (largest groups by allocating line: GiB, count)"
+            )
+            for row in mp["top"]:
+                print(f"  {row['gib']:7.3f} GiB {row['count']:5d}x  {row['site']}")
         if "sync_sites" in r:
             waits = sum(n for n, _ in r["sync_sites"])
             print(f"\nhost waits for the device in one {mode} step: {waits} (count, where)")

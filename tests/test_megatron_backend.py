@@ -240,6 +240,36 @@ def test_kept_fp8_weights_are_each_hf_parts_grid_rewritten_in_place(
     assert matches(linear.fp8_parts())
 
 
+def test_released_fp8_weights_go_after_their_backward_and_change_no_number(assets: tuple) -> None:
+    """Under gradient checkpointing the trainer sets ``release_kept`` on its linears (layers.py): a forward that
+    records for backward drops the module's reference to the kept FP8 weight, the autograd graph frees it after
+    the backward, and the next forward quantizes again. Losses, gradient norms and weights stay those of a
+    trainer that keeps them. (The flag is set by hand: megatron's recompute needs a GPU.)"""
+    import weakref
+
+    _, batches = assets
+    model = assets[0]
+    kept_trainer, released = make("megatron", model, fp8=True), make("megatron", model, fp8=True)
+    assert isinstance(released, MegatronTrainer) and isinstance(kept_trainer, MegatronTrainer)
+    for linear in released.fp8_linears:
+        linear.release_kept = True
+    linear = released.fp8_linears[0]
+    linear.refresh_fp8()
+    buffers = [weakref.ref(p.w_fp8) for p in linear._kept[0]]  # type: ignore[index]
+    for b in batches[:3]:
+        a = kept_trainer.train_step([b], SftLossFn(), num_target_tokens(b))
+        r = released.train_step([b], SftLossFn(), num_target_tokens(b))
+        assert (r.loss, r.grad_norm) == (a.loss, a.grad_norm)
+        assert all(m._kept is None for m in released.fp8_linears)
+        assert all(m._kept is not None for m in kept_trainer.fp8_linears)
+    assert all(ref() is None for ref in buffers)  # nothing else held the first step's buffers
+    for (name, p), q in zip(released.model.named_parameters(), kept_trainer.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    # Scoring (no gradients) keeps them, as weight sync reads them next.
+    released.forward_logprobs(batches[:1])
+    assert all(m._kept is not None for m in released.fp8_linears)
+
+
 def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:
     model, batches = assets
 

@@ -181,6 +181,8 @@ class MegatronTrainer:
             )
         if model_cfg.gradient_checkpointing and self.te is None:
             autocast_in_recompute(self.module.decoder, self.autocast)
+            for linear in self.linears:  # FP8 weights not kept across the step (layers.py)
+                linear.release_kept = True
         log.info(
             "megatron trainer rank %d: spec=%s fp8=%s tp=%d dp=%d, decoder layers %s",
             self.rank, self.spec, self.fp8, self.tp, self.dp_size,
