@@ -4,6 +4,7 @@
                                [--backend torch|megatron] [--cuda-graphs off|on|both]
                                [--fused-kernels auto|off|both] [--saved N]
                                [--preset qwen2.5-7b-shape --layers N] [--gradient-checkpointing]
+                               [--memory-peak N]
 
 What is timed: ``TorchTrainer.train_step`` (FP32 master weights, BF16 autocast, AdamW, grad-norm clipping)
 on one micro-batch of batch x seq random tokens (8192 by default) with the SFT loss (cross-entropy on the
@@ -31,7 +32,9 @@ emulated) to check the script. ``--backend megatron`` times
 on the same model, batch and loss (with ``--cuda-graphs on/both``, megatron's layers replayed from graphs:
 trainers/megatron/graphs.py). ``--fused-kernels both`` runs every mode twice, with ``trainer.fused_kernels``
 off and on (RMSNorm and SwiGLU as one Triton kernel each way; ``auto``, the default, is on for CUDA), so the
-fused and unfused steps are measured in one process; ``off`` runs torch's modules only.
+fused and unfused steps are measured in one process; ``off`` runs torch's modules only. ``--memory-peak N``
+(GPU) runs one more step per mode under the CUDA allocator's history and prints what the step starts with and,
+at its peak, the N largest groups of what it allocated, by the Python line that allocated them.
 """
 
 from __future__ import annotations

@@ -247,8 +247,7 @@ def test_released_fp8_weights_go_after_their_backward_and_change_no_number(asset
     trainer that keeps them. (The flag is set by hand: megatron's recompute needs a GPU.)"""
     import weakref
 
-    _, batches = assets
-    model = assets[0]
+    model, batches = assets
     kept_trainer, released = make("megatron", model, fp8=True), make("megatron", model, fp8=True)
     assert isinstance(released, MegatronTrainer) and isinstance(kept_trainer, MegatronTrainer)
     for linear in released.fp8_linears:
