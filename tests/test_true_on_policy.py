@@ -208,7 +208,3 @@ def test_the_split_rule_is_a_rule_of_the_shape() -> None:
     assert not invariant_ops._split_wanted(1536, 1536)  # 1.5B o_proj: 12 K blocks
     assert invariant_ops.split_chunks(70) == [(0, 35), (35, 70)]
     assert invariant_ops.split_chunks(71) == [(0, 36), (36, 71)]
-    # So is the unsplit Triton kernel at decode size for short K over few tiles (its bits are cuBLASLt's).
-    assert invariant_ops._short_wanted(2048, 1536) and invariant_ops._short_wanted(1536, 1536)  # 1.5B qkv, o
-    assert not invariant_ops._short_wanted(17920, 1536)  # 1.5B gate|up: 280 tiles
-    assert not invariant_ops._short_wanted(4608, 3584)  # 7B q|k|v: 28 K blocks

@@ -339,33 +339,6 @@ def test_the_graphed_prefill_gives_the_eager_walks_bits(model_dir: Path, fp8: bo
         assert torch.equal(graph_cache.buffer[:, :, row, :, :n], eager_cache.buffer[:, :, row, :, :n])
 
 
-def test_short_gemms_run_triton_at_decode_size_with_cublaslts_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """1.5B's q|k|v and o_proj shapes (12 K blocks, few output tiles) run the Triton kernel unsplit up to 512
-    rows and cuBLASLt above; the plan's probe finds the same bits at every M it tries, fused and per part."""
-    from infir2_rl.engines.native import fp8_gemm
-    from infir2_rl.fp8.quant_triton import quantize_rows, quantize_weight
-    from infir2_rl.models import invariant_ops as ops
-
-    for name in ("_PLAN", "_PLAN_LINES", "_SPLIT", "_NO_WORKSPACE", "_SHORT"):
-        monkeypatch.setattr(ops, name, {})
-    monkeypatch.setattr(ops, "_IN_FUSED", set())
-    device = torch.device("cuda")
-    lines = ops.plan([(1536, [1536, 256, 256]), (1536, [1536])], True, device)
-    assert len(lines) == 2 and all("the same bits at every M" in line for line in lines), lines
-    assert all("the Triton kernel unsplit up to 512 rows" in line for line in lines), lines
-    launches = []
-    fused = fp8_gemm.w8a8_fused
-    monkeypatch.setattr(fp8_gemm, "w8a8_fused", lambda *a, **k: launches.append(a[4]) or fused(*a, **k))
-    w8, s8 = quantize_weight(torch.randn(1536, 1536, device=device) * 0.05)
-    x = (torch.randn(1024, 1536, device=device) * 2).bfloat16()
-    whole = ops.fp8_mm(x, w8, s8, None, False)
-    assert launches == []  # 1,024 rows: cuBLASLt
-    for m in (1, 256, 512):
-        q, s_t = quantize_rows(x[:m].contiguous())
-        assert torch.equal(ops.fp8_mm_quantized(q, s_t, m, w8, s8, None, False), whole[:m]), m
-    assert launches == [ops.SHORT_CONFIG] * 3
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_a_split_k_plan_gives_the_trainers_bits(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, graphs: bool
@@ -379,7 +352,7 @@ def test_a_split_k_plan_gives_the_trainers_bits(
     from infir2_rl.fp8 import cublaslt
     from infir2_rl.models import invariant, invariant_ops
 
-    for name in ("_PLAN", "_PLAN_LINES", "_SPLIT", "_NO_WORKSPACE", "_SHORT"):  # a fresh plan for its shapes
+    for name in ("_PLAN", "_PLAN_LINES", "_SPLIT", "_NO_WORKSPACE"):  # a fresh plan for this test's shapes
         monkeypatch.setattr(invariant_ops, name, {})
     monkeypatch.setattr(invariant_ops, "_IN_FUSED", set())
     monkeypatch.setattr(invariant_ops, "_split_wanted", lambda n, k: True)

@@ -281,16 +281,6 @@ SPLIT_MAX_TILES = (
     32  # split only GEMMs of at most this many 128 x 128 output tiles at 256 rows (1.5B down: 24)
 )
 SPLIT_CONFIG = fp8_gemm.GemmConfig(64, 32, SPLIT_CHUNKS, 4, 5)  # the decode launch; its partials line up
-# FP8 shapes (device index, True, N, K) whose GEMMs of at most NO_WORKSPACE_ROWS rows run the engine's Triton
-# kernel unsplit (SHORT_CONFIG), by a rule of the shape (``_short_wanted``): a short chain of K blocks over few
-# output tiles, where cuBLASLt's 128 x 128 tiles leave most SMs idle at decode size. Unsplit, the kernel chains
-# the K blocks as cuBLASLt does, so the bits are cuBLASLt's at any tile shape (``bench/invariant_split.py
-# --splits 1``: none differ; ``plan``'s probe checks them as they run). On an H200 (2026-11-29, cold weights, M
-# 256) q|k|v (N 2,048, K 1,536) 7.2 us against cuBLASLt's 8.1, o_proj (N 1,536) 7.0 against 8.1.
-_SHORT: dict[tuple[int, bool, int, int], bool] = {}
-SHORT_MAX_K_BLOCKS = 16
-SHORT_MAX_TILES = 32  # 128 x 128 output tiles at 256 rows (1.5B q|k|v: 32, o_proj: 24)
-SHORT_CONFIG = fp8_gemm.GemmConfig(64, 64, 1, 8, 4)
 # (device index, fp8, N, K) -> the rows cuBLAS runs that GEMM at (smaller batches padded), or TRITON
 _PLAN: dict[tuple[int, bool, int, int], int] = {}
 _PLAN_LINES: dict[tuple[int, bool, int, tuple[int, ...]], str] = {}  # each probed group's plan, in words
@@ -358,8 +348,6 @@ def _cublaslt(
     index = _index(q.device)
     if _SPLIT.get((index, True, *w_fp8.shape), False):
         return _split_gemm(q, s_t, m, w_fp8, scale_inv, out_dtype)
-    if q.shape[0] <= NO_WORKSPACE_ROWS and _SHORT.get((index, True, *w_fp8.shape), False):
-        return fp8_gemm.w8a8_fused(q, w_fp8, scale_inv, None, SHORT_CONFIG, False, s_t, m, out_dtype)
     if q.shape[0] <= NO_WORKSPACE_ROWS and _NO_WORKSPACE.get((index, True, *w_fp8.shape), False):
         grid = cublas_gemm.padded_grid(scale_inv)
         return cublaslt.mm_1x128_128x128_no_workspace(q, s_t.contiguous(), w_fp8, grid, out_dtype)[:m]
@@ -416,13 +404,6 @@ def _split_wanted(n: int, k: int) -> bool:
     timing: the trainer and the engines plan in separate processes (Ray actors), and a split changes the bits,
     so both must decide alike whatever a timing would say on the day."""
     return -(-k // 128) >= SPLIT_MIN_K_BLOCKS and 2 * -(-n // 128) <= SPLIT_MAX_TILES
-
-
-def _short_wanted(n: int, k: int) -> bool:
-    """Whether the FP8 GEMM (N, K) runs the Triton kernel unsplit at decode size (see ``_SHORT``): a rule of
-    the shape, as ``_split_wanted`` (the form does not change the bits, but the trainer and the engines then
-    also run one code path at any M)."""
-    return -(-k // 128) <= SHORT_MAX_K_BLOCKS and 2 * -(-n // 128) <= SHORT_MAX_TILES
 
 
 def _no_workspace_pays(n: int, k: int, device: torch.device, rows: int = 256) -> bool:
@@ -545,7 +526,6 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
             rows, why = TRITON, "cuBLASLt's blockwise FP8 does not take this shape or GPU"
         else:
             no_ws: list[str] = []
-            short: list[str] = []
             split = False
             if fp8:  # decided once per shape, before any probe runs it
                 for key in keys:
@@ -553,18 +533,11 @@ def plan(groups: list[tuple[int, list[int]]], fp8: bool, device: torch.device) -
                         _NO_WORKSPACE[key] = _no_workspace_pays(key[2], k, device)
                     if key not in _SPLIT:
                         _SPLIT[key] = key not in _IN_FUSED and _split_wanted(key[2], k)
-                    if key not in _SHORT:
-                        _SHORT[key] = not _SPLIT[key] and _short_wanted(key[2], k)
-                no_ws = [
-                    str(key[2]) for key in keys if _NO_WORKSPACE[key] and not _SPLIT[key] and not _SHORT[key]
-                ]
-                short = [str(key[2]) for key in keys if _SHORT[key]]
+                no_ws = [str(key[2]) for key in keys if _NO_WORKSPACE[key] and not _SPLIT[key]]
                 split = any(_SPLIT[key] for key in keys)
             rows, why = _probe(k, parts, fp8, device)
             if no_ws:
                 why += f" (N {'|'.join(no_ws)}: cuBLASLt without workspace up to {NO_WORKSPACE_ROWS} rows)"
-            if short:
-                why += f" (N {'|'.join(short)}: the Triton kernel unsplit up to {NO_WORKSPACE_ROWS} rows)"
             if split:
                 why += (
                     f" (K in {SPLIT_CHUNKS} chunks: the split-K Triton launch up to {NO_WORKSPACE_ROWS} rows, "
