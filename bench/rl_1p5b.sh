@@ -17,6 +17,8 @@
 #       trainer.max_tokens_per_gpu=16384
 # and the second stage's 16K at T = 1.1 (~130-140 s a step; session 47): the same with rollout.max_response_len=16384
 # rollout.temperature=1.1 trainer.max_tokens_per_gpu=18432 (a row of 16,448 tokens pads to the 18,432 bucket).
+# The recipe's trainer for that stage (megatron, recompute; session 52, ~150 s a step): add
+# trainer.backend=megatron model.gradient_checkpointing=true.
 # A second table gives each step's response lengths, rollout tokens/s and train/rollout mismatch.
 # An 80 GB GPU's memory on an H200: start bench/gpu_ballast.py first (its docstring; session 48 ran the 16K
 # command so).
