@@ -251,7 +251,8 @@ def memory_peak(trainer: Any, batches: Any, loss_fn: Any, units: Any, top: int) 
     """One more train step under the CUDA allocator's history (``torch.cuda.memory._record_memory_history``):
     what the step starts with (weights, masters, optimizer state, kept FP8 weights: allocated before it), and
     at its peak of allocated memory the blocks the step itself allocated and still holds, grouped by the
-    Python line that allocated them (``_site``), the largest ``top`` groups."""
+    Python line that allocated them (``_site``), the largest ``top`` groups. Blocks allocated before the step and
+    freed in it are not subtracted: start + step peak bounds the true peak from above (equal when none is)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
