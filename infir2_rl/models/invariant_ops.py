@@ -277,9 +277,8 @@ _SPLIT: dict[tuple[int, bool, int, int], bool] = {}
 _IN_FUSED: set[tuple[int, bool, int, int]] = set()
 SPLIT_CHUNKS = 2
 SPLIT_MIN_K_BLOCKS = 32  # a shorter chain of K blocks is not split
-SPLIT_MAX_TILES = (
-    32  # split only GEMMs of at most this many 128 x 128 output tiles at 256 rows (1.5B down: 24)
-)
+# Split only GEMMs of at most this many 128 x 128 output tiles at 256 rows (1.5B down_proj: 24).
+SPLIT_MAX_TILES = 32
 SPLIT_CONFIG = fp8_gemm.GemmConfig(64, 32, SPLIT_CHUNKS, 4, 5)  # the decode launch; its partials line up
 # (device index, fp8, N, K) -> the rows cuBLAS runs that GEMM at (smaller batches padded), or TRITON
 _PLAN: dict[tuple[int, bool, int, int], int] = {}
