@@ -160,6 +160,30 @@ def test_decode_attention_over_a_cache_equals_the_full_sequence_rows() -> None:
     assert torch.equal(out, full[rows_b, rows_t])
 
 
+@pytest.mark.parametrize("quant", [False, True], ids=["bf16", "fp8"])
+def test_attention_bits_do_not_depend_on_its_pipeline_depth(quant: bool) -> None:
+    """The launch picks its depth by the grid's size (the engine's decode batch, the trainer's tokens), so
+    every depth must give the same bits, quantized output included."""
+    from infir2_rl.engines.native import fused_ops
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows, heads, kv_heads, dim, num_seqs, length = 40, 12, 2, 128, 6, 300
+    q = torch.randn(rows, heads, dim, device="cuda", generator=gen).bfloat16()
+    k, v = (
+        torch.randn(num_seqs, kv_heads, length, dim, device="cuda", generator=gen).bfloat16() for _ in "kv"
+    )
+    seq = torch.randint(0, num_seqs, (rows,), device="cuda", generator=gen)
+    lens = torch.randint(1, length + 1, (rows,), device="cuda", generator=gen).int()
+    results = []
+    for stages in (None, 1, 2, 3, 4):
+        out = torch.empty(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
+        codes = fused_ops.quant_buffers(rows, heads * dim, q.device) if quant else None
+        ops._launch_attention(q, k, v, seq, lens, q if quant else out, codes, False, stages)
+        results.append((codes.q.view(torch.uint8), codes.s_t) if codes is not None else (out,))
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other, strict=True))
+
+
 @pytest.mark.parametrize("hidden, heads, kv_heads, inter", [(384, 6, 2, 1024), (1536, 12, 2, 8960)])
 def test_the_decode_steps_fused_kernels_compute_the_walks_ops_bit_for_bit(
     hidden: int, heads: int, kv_heads: int, inter: int

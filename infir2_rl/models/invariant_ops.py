@@ -81,6 +81,14 @@ MM_TILES = {"small": ((64, 64, 128), 4, 3), "large": ((128, 128, 64), 8, 3)}  # 
 FP8_CONFIGS = {"small": fp8_gemm.GemmConfig(64, 64, 1, 4, 3), "large": fp8_gemm.GemmConfig(64, 128, 1, 4, 3)}
 ATTN_ROWS = 16  # query rows per attention program: the G heads of one KV head, padded
 ATTN_BLOCK = 64  # keys per step of the attention loop
+# The attention kernel's pipeline depth. Three stages (Triton's default) take ~70 KB of shared memory per program,
+# so three programs fit an SM of Hopper; two stages take less and fit five (then registers limit it). A grid
+# larger than three programs per SM (decode batch 256 at 1.5B: 512 programs) runs in one wave at two stages
+# instead of two waves at three: 12.8 against 16.9 us at 256 rows x 192 keys, 484 against 553 at 8,192 keys;
+# smaller grids keep three, which hides a lone program's latency better (64 rows x 4,096 keys: 70 against 111
+# us). The depth does not change a bit (it only moves loads earlier): bench/producer_kernels.py, H200,
+# docs/mismatch.md (session 53); tests/test_true_on_policy_gpu.py.
+ATTN_STAGES_RESIDENT = 3  # programs per SM at Triton's default depth
 
 
 def kernels_available(device: torch.device) -> bool:
@@ -289,6 +297,15 @@ Weight = tuple[Tensor, Tensor | None]  # (weight, FP8 weight_scale_inv or None f
 def _index(device: torch.device) -> int:
     """The CUDA device's index (the plan's keys), the current device for a bare ``cuda``."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sms(_index(device))
 
 
 def _cublas(
@@ -686,9 +703,11 @@ def _launch_attention(
     out: Tensor,
     quantized: fused_ops.QuantizedRows | None,
     pow2: bool,
+    stages: int | None = None,
 ) -> None:
     """``_attention_kernel`` over q's rows (and, quantized, the padding rows of ``quantized``). ``out`` gives
-    the dtype the output is rounded to (quantized: q, never written)."""
+    the dtype the output is rounded to (quantized: q, never written). ``stages``: the pipeline depth, by
+    default by the grid's size (``ATTN_STAGES_RESIDENT``); any depth gives the same bits."""
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
     if heads // kv_heads > ATTN_ROWS or dim & (dim - 1) or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -700,11 +719,14 @@ def _launch_attention(
     grid_rows = codes.shape[0] if quantized is not None else rows
     if not grid_rows:
         return
+    if stages is None:
+        one_wave = grid_rows * kv_heads <= ATTN_STAGES_RESIDENT * _sm_count(q.device)
+        stages = 3 if one_wave else 2
     _attention_kernel[(grid_rows, kv_heads)](
         q, k, v, out, seq, lens, codes, scales, rows, scales.shape[-1], codes.stride(0),
         q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], out.stride(0), out.stride(1),
         dim**-0.5, G=heads // kv_heads, GP=ATTN_ROWS, D=dim, BLOCK=ATTN_BLOCK, QUANT=quantized is not None,
-        POW2=pow2, num_warps=4,
+        POW2=pow2, num_warps=4, num_stages=stages,
     )  # fmt: skip
 
 
