@@ -319,56 +319,6 @@ def test_pdl_setting_follows_the_env_and_forced(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_large_decode_batches_run_the_one_pass_attention(
-    tmp_path_factory: pytest.TempPathFactory, fp8: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Where a decode batch gives every SM a (row, KV head) program, the fast mode runs the one-pass kernel
-    # (attention.one_pass) instead of split-K + merge; its samples are as close to the transformers model's
-    # scores (BF16) as the split-K engine's are.
-    from infir2_rl.engines.native import attention
-    from infir2_rl.models import invariant_ops
-
-    path = init_model(
-        tmp_path_factory.mktemp("onepass") / "model", "100m",
-        num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
-    )  # fmt: skip
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = 8 * -(-sms // 16)  # rows x 2 KV heads >= SMs
-    assert attention.one_pass(rows, 2, 512, torch.device("cuda"))
-    assert not attention.one_pass(rows // 2 - 8, 2, 512, torch.device("cuda"))
-    assert not attention.one_pass(rows, 2, attention.ONE_PASS_MAX_KEYS + 1, torch.device("cuda"))
-    calls = []
-    kernel = invariant_ops.attention_quantized if fp8 else invariant_ops.attention
-    monkeypatch.setattr(
-        invariant_ops, kernel.__name__, lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    )  # fmt: skip
-    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=[])
-    reqs = [
-        GenerateRequest(f"r{i}", list(range(5, 20 + i)), n=8, params=params, seed=i) for i in range(rows // 8)
-    ]
-    graphs = NativeEngine(str(path), fp8=fp8, device="cuda", max_batch_size=rows)
-    got = graphs.generate(reqs)
-    assert calls, "the one-pass kernel did not run"
-    monkeypatch.setattr(attention, "ONE_PASS_MAX_KEYS", 0)  # the split-K kernel at every batch
-    ran = len(calls)
-    split = NativeEngine(str(path), fp8=fp8, device="cuda", max_batch_size=rows).generate(reqs)
-    assert len(calls) == ran
-    model, _ = load_model(path, dtype=torch.bfloat16)
-    model = model.cuda()
-
-    def gap(samples: list[Sample]) -> float:  # mean |dlogp| of the first request's rows
-        first = [s for s in samples if s.request_id == "r0"]
-        ids = torch.tensor([s.prompt_ids + s.response_ids for s in first], device="cuda")
-        with torch.no_grad():
-            scored = token_logprobs(model(input_ids=ids).logits.float()[:, :-1], ids[:, 1:], 1.0)
-        start = len(first[0].prompt_ids) - 1
-        return (scored[:, start:].cpu() - torch.tensor([s.logprobs for s in first])).abs().mean().item()
-
-    assert gap(got) < 1.5 * gap(split) + 1e-3
-
-
-@pytest.mark.gpu
 def test_triton_decode_attention_equals_sdpa() -> None:
     from infir2_rl.engines.native import attention
 

@@ -23,8 +23,6 @@ Prefill (``prefill``) is causal SDPA over right-padded prompts: a real token nev
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -226,30 +224,6 @@ def decode(
     if quant:
         raise ValueError("quantized decode attention needs impl='triton'")
     return decode_sdpa(q, k_cache, v_cache, slot_ids, lengths)
-
-
-# Decode rows whose one-pass grid (one program per row and KV head, ``models/invariant_ops.attention``: no
-# split, no merge, FP8 output quantized in its epilogue) gives every SM a program run it instead of the split-K
-# kernel, which pays for its FP32 partials and its merge launch: at 1.5B (H200, bench/producer_kernels.py,
-# docs/performance.md session 53) 12.6 against 24.2 us at 256 rows x 192 keys, 5.6 against 8.2-8.8 at 64 x
-# 192, 70.7 against 74.7-80.5 at 64 x 4,096. Caches longer than ONE_PASS_MAX_KEYS keep the split kernel: a
-# one-pass program walks its row's keys alone, so one long row among short ones sets the launch's time, where
-# the split kernel divides it (not measured on such caches; the RL-shaped bench's rows reach 2,048 + prompt).
-ONE_PASS_MAX_KEYS = 4096
-
-
-def one_pass(rows: int, kv_heads: int, cache_len: int, device: torch.device) -> bool:
-    """Whether decode attention over ``rows`` rows of a ``cache_len``-key cache runs the one-pass kernel
-    (CUDA, the Triton implementation; see ``ONE_PASS_MAX_KEYS``)."""
-    if device.type != "cuda" or not _HAVE_TRITON or cache_len > ONE_PASS_MAX_KEYS:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return rows * kv_heads >= _sms(index)
-
-
-@functools.lru_cache(maxsize=8)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def default_impl(device: torch.device) -> str:

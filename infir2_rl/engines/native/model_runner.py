@@ -107,12 +107,6 @@ class Qwen2Runner:
         self.attention_impl = attention_impl or attention.default_impl(self.device)
         # FP8: the Triton attention's merge kernel quantizes o_proj's input (one head = one 1x128 tile).
         self.quant_attention = self.attention_impl == "triton" and self.head_dim == 128
-        # the fast mode may take the one-pass kernel (``decode_attention``) where that kernel's shapes allow
-        self.one_pass_ok = (
-            self.attention_impl == "triton"
-            and self.num_heads // self.num_kv_heads <= inv_ops.ATTN_ROWS
-            and self.head_dim & (self.head_dim - 1) == 0
-        )
         with torch.no_grad():
             positions = torch.arange(self.max_positions, device=self.device)[None]
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
@@ -219,13 +213,15 @@ class Qwen2Runner:
         """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V).
 
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
-        and SiLU*up kernels, and the attention (head_dim 128, ``decode_attention``), also quantize the next
-        GEMM's input."""
+        and SiLU*up kernels, and the attention (head_dim 128: the Triton decode's merge kernel, or under
+        true_on_policy the invariant kernel), also quantize the next GEMM's input."""
         invariant_ = self.true_on_policy
         # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each). Under
         # true_on_policy the norm runs with the walk's (non-quantizing) warp count, which sets the order of its
         # FP32 mean: then its codes are the walk's quantize_rows of the walk's norm (module docstring).
         quant, pow2, eps = self.fp8 and tokens_B.is_cuda, self.pow2, self.eps
+        quant_attn = quant and self.quant_attention and not invariant_
+        quant_inv_attn = quant and invariant_ and self.head_dim == 128
         warps = fused_ops.NORM_WARPS if invariant_ else None
         lengths_B = (positions_B + 1).to(torch.int32)
         h = F.embedding(tokens_B, self.embed)
@@ -237,7 +233,15 @@ class Qwen2Runner:
                 layer.qkv.deferred(x), positions_B, slots_B, self.cos, self.sin, cache.k[i], cache.v[i],
                 self.num_heads, self.num_kv_heads, self.k_offset, self.v_offset,
             )  # fmt: skip
-            a = self.decode_attention(q, cache.k[i], cache.v[i], slots_B, lengths_B, quant)
+            a: Tensor | fused_ops.QuantizedRows
+            if quant_inv_attn:  # the walk's attention, then its quantize_rows, in one kernel
+                a = inv_ops.attention_quantized(q, cache.k[i], cache.v[i], slots_B, lengths_B, pow2)
+            elif invariant_:
+                a = inv_ops.attention(q, cache.k[i], cache.v[i], slots_B, lengths_B)
+            else:
+                a = attention.decode(
+                    q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
+                )
             x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2, warps)
             gate_up = layer.gate_up(x)
             rows = layer.down.input_rows(gate_up)  # (BF16 true_on_policy: down_proj's padded plan, no copy)
@@ -245,35 +249,6 @@ class Qwen2Runner:
         x = fused_ops.add_rms_norm(h, delta, self.final_norm, eps)
         assert isinstance(x, Tensor)
         return inv_ops.mm(x, self.lm_head) if invariant_ else F.linear(x, self.lm_head)
-
-    def decode_attention(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, slots_B: Tensor, lengths_B: Tensor, quant: bool
-    ) -> Tensor | fused_ops.QuantizedRows:
-        """Decode attention of q (B, H, D) over one layer's cache, as ``decode`` runs it; with ``quant`` its
-        output comes as FP8 rows for o_proj where the kernel quantizes it (Triton, head dim 128).
-
-        The one-pass kernel (``invariant_ops.attention``: a program per row and KV head) under
-        true_on_policy (the walk's attention), and in the fast mode where its grid fills the GPU and the cache
-        is short (``attention.one_pass``); otherwise ``attention.decode`` (Triton: split-K and a merge)."""
-        one_pass = self.true_on_policy or (
-            self.one_pass_ok and attention.one_pass(len(q), self.num_kv_heads, k_cache.shape[2], q.device)
-        )
-        if (
-            one_pass and quant and self.head_dim == 128
-        ):  # the walk's attention and quantize_rows in one kernel
-            return inv_ops.attention_quantized(q, k_cache, v_cache, slots_B, lengths_B, self.pow2)
-        if one_pass:
-            return inv_ops.attention(q, k_cache, v_cache, slots_B, lengths_B)
-        return attention.decode(
-            q,
-            k_cache,
-            v_cache,
-            slots_B,
-            lengths_B,
-            self.attention_impl,
-            quant and self.quant_attention,
-            self.pow2,
-        )
 
     def _prefill_invariant(
         self,

@@ -10,7 +10,7 @@ Two recorders fill one ``Taps`` (name -> position -> (B, F) tensor on the host, 
   hooks only copy outputs. ``taps.start`` is the position of the call's first token (set by the caller).
 * ``runner_decode(runner, ...)``: the model runner's ``Qwen2Runner.decode`` step, op by op with the same
   kernels (``fused_ops``, ``attention``, ``linears``) in the same order, recording each output. In FP8 on
-  CUDA the norm, SiLU*up and attention kernels quantize their output for the next GEMM (``QuantizedRows``); the tap
+  CUDA the norm, SiLU*up and attention-merge kernels quantize their output for the next GEMM (``QuantizedRows``); the tap
   records those FP8 codes and scales as the engine's own, and also runs the same kernel without quantizing
   (on a copy) to record the values the codes were made from. Eager, not a graph replay: the engine's tests
   check graph replay equals eager decode of the same runner bit for bit.
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from infir2_rl.engines.native import fused_ops
+from infir2_rl.engines.native import attention, fused_ops
 from infir2_rl.engines.native.fused_ops import QuantizedRows
 
 LAYER_OPS = (
@@ -193,15 +193,16 @@ def runner_decode(
         taps.add(p + "q_rope", q.reshape(q.shape[0], 1, -1))
         k_new = cache.k[i][slots_B, :, positions_B]  # (B, KVH, D), as rope_write_kv stored it
         taps.add(p + "k_rope", k_new.reshape(k_new.shape[0], 1, -1))
-        lengths_B = (positions_B + 1).to(torch.int32)
-        a = runner.decode_attention(q, cache.k[i], cache.v[i], slots_B, lengths_B, False)
+        a = attention.decode(q, cache.k[i], cache.v[i], slots_B, positions_B + 1, runner.attention_impl)
         assert isinstance(a, Tensor)
         taps.add(p + "attn", a[:, None])
-        if quant:  # the same kernels again, quantizing for o_proj where the runner's kernel does
-            aq = runner.decode_attention(q, cache.k[i], cache.v[i], slots_B, lengths_B, True)
-            if isinstance(aq, QuantizedRows):
-                taps.add_codes(p + "attn", aq, taps.start)
-                a = aq  # type: ignore[assignment]
+        if quant and runner.quant_attention:  # the same kernels again, the merge quantizing for o_proj
+            aq = attention.decode(
+                q, cache.k[i], cache.v[i], slots_B, positions_B + 1, runner.attention_impl, True, pow2
+            )
+            assert isinstance(aq, QuantizedRows)
+            taps.add_codes(p + "attn", aq, taps.start)
+            a = aq  # type: ignore[assignment]
         o = layer.o(a)
         taps.add(p + "o_proj", o[:, None])
         x = _norm(taps, p + "post_norm", h, o, layer.post_norm, eps, quant, pow2)
