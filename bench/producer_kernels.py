@@ -3,7 +3,7 @@
     python bench/producer_kernels.py [--batch 256] [--context 192] [--cache-len 320] [--kernels norm silu attn]
         [--splits 1 2 4 8] [--stages 0 2 3] [--pdl 0]
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
-        --section LaunchStats --section WarpStateStats python bench/producer_kernels.py --ncu
+        --section LaunchStats --section WarpStateStats --section SchedulerStats python bench/producer_kernels.py --ncu
 
 Why: session 52's kernel account of the 1.5B true_on_policy rollout (docs/mismatch.md) found FP8's three
 quantizing producers 40 ms per generate call slower than their BF16 forms (attention +16.1, SiLU*up +14.3,

@@ -22,7 +22,8 @@ number of rows:
   keys from position 0 in fixed blocks of ``ATTN_BLOCK`` with an online softmax. A decode row and the same
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
   (a cache slot or a sequence's own tensor). A fully masked block is an exact no-op (alpha 1, p 0), so a
-  row's result does not depend on how far its neighbours' loops run.
+  row's result does not depend on how far its neighbours' loops run. Its pipeline depth follows the grid's
+  size (``ATTN_STAGES_RESIDENT``), which moves loads and changes no bit.
 * ``rms_norm``, ``rope``, ``silu_mul``: the engine's decode kernels (``engines/native/fused_ops``), one
   program per row, so the trainer's values are the engine's by construction. (The rotary kernel and torch's
   op-by-op rotation differ in the last bit at head dim 64 on an H100, though not at 128.)
