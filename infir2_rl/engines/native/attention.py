@@ -14,8 +14,7 @@ Decode, two implementations of the same function:
   online softmax, and writes an unnormalized partial (acc, running max m, running sum l); a second kernel
   merges the splits: ``out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)``, M = max_s m_s. It reads
   each row's keys and values once, and only up to that row's length, which is the memory floor. Splits
-  keep the GPU busy when B x KVH alone is too few programs; splits past a row's length write nothing, and the
-  merge reads only a row's own.
+  keep the GPU busy when B x KVH alone is too few programs; empty splits (past the row's length) exit.
 * ``"sdpa"`` (any device; the CPU eager path and the reference in tests): gather the rows' slots up to the
   longest length, mask the tail, ``F.scaled_dot_product_attention`` with GQA expanded.
 
@@ -123,17 +122,16 @@ if _HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        # Partials: acc (B, H, splits, D), then m and l (B, H, splits, 2). A split past the row's length
-        # writes nothing: the merge reads only the row's own splits.
+        # Partials: acc (B, H, splits, D), then m and l (B, H, splits, 2).
         row = (b * num_kv * GROUP + heads).to(tl.int64) * num_splits + sp
-        keep = (g < GROUP) & (start < length)
+        keep = g < GROUP
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=keep)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=keep)
 
     @triton.jit
     def _merge_kernel(
-        acc_ptr, ml_ptr, len_ptr, out_ptr, q_ptr, s_ptr, total, heads, rows_pad, chunk,
+        acc_ptr, ml_ptr, out_ptr, q_ptr, s_ptr, total, heads, rows_pad,
         SPLITS: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:
@@ -142,13 +140,11 @@ if _HAVE_TRITON:
         valid = bh < total  # QUANT: programs past B x H write the padding rows (codes 0, scale 1)
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, D)
-        # The row's splits only (the others wrote nothing; read as empty: m -inf, l and acc 0, weight 0)
-        own = valid & (s < tl.cdiv(tl.load(len_ptr + bh // heads, mask=valid, other=0), chunk))
-        m = tl.load(ml_ptr + (bh * SPLITS + s) * 2, mask=own, other=float("-inf"))
-        l_s = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1, mask=own, other=0.0)
+        m = tl.load(ml_ptr + (bh * SPLITS + s) * 2, mask=valid, other=float("-inf"))
+        l_s = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1, mask=valid, other=0.0)
         big = tl.max(m, axis=0)
         w = tl.where(m > float("-inf"), tl.exp(m - big), 0.0)
-        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=own[:, None], other=0.0)
+        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid, other=0.0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
         out = tl.where(valid, out, 0.0).to(out_ptr.dtype.element_ty)  # rounded to the model dtype first
         if QUANT:  # D == 128: one head is one 1x128 tile of the o_proj input row
@@ -199,13 +195,13 @@ def decode_triton(
         rows_pad = qr.q.shape[0]
         # out_ptr = q: never written here, it gives the dtype the output is rounded to before quantizing.
         _merge_kernel[(rows_pad * heads,)](
-            acc, ml, lengths, q, qr.q, qr.s_t, num_rows * heads, heads, rows_pad, chunk,
+            acc, ml, q, qr.q, qr.s_t, num_rows * heads, heads, rows_pad,
             SPLITS=num_splits, D=dim, QUANT=True, POW2=pow2, num_warps=1, **launch,
         )  # fmt: skip
         return qr
     out = torch.empty(num_rows, heads * dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(num_rows * heads,)](
-        acc, ml, lengths, out, out, out, num_rows * heads, heads, 0, chunk, SPLITS=num_splits, D=dim, QUANT=False, POW2=False,
+        acc, ml, out, out, out, num_rows * heads, heads, 0, SPLITS=num_splits, D=dim, QUANT=False, POW2=False,
         num_warps=1, **launch,
     )  # fmt: skip
     return out
