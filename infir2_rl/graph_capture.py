@@ -23,6 +23,7 @@ chooser's timing graphs): one warm-up stream per device, one capture mode, no ga
 * ``time_in_graph`` and ``cold_copies``: how GEMM candidates are timed (the engine's FP8 chooser,
   ``engines/native/linears.py``, and the true_on_policy plan's workspace choice, ``models/invariant_ops.py``):
   inside a CUDA graph, over copies of the weight that together exceed the L2 cache.
+* ``sm_count``: the GPU's multiprocessors, for kernels that size their grids by it.
 """
 
 from __future__ import annotations
@@ -92,3 +93,13 @@ def cold_copies(*tensors: torch.Tensor) -> int:
     l2 = getattr(torch.cuda.get_device_properties(tensors[0].device), "L2_cache_size", 50 * 2**20)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's multiprocessors (the current device for a bare ``cuda``)."""
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -58,7 +58,7 @@ from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
 from infir2_rl.fp8 import cublaslt, quant_triton
 from infir2_rl.fp8 import gemm as cublas_gemm
 from infir2_rl.fp8.ops import fp8_linear_forward
-from infir2_rl.graph_capture import cold_copies, time_in_graph
+from infir2_rl.graph_capture import cold_copies, sm_count, time_in_graph
 
 try:
     import triton
@@ -298,15 +298,6 @@ Weight = tuple[Tensor, Tensor | None]  # (weight, FP8 weight_scale_inv or None f
 def _index(device: torch.device) -> int:
     """The CUDA device's index (the plan's keys), the current device for a bare ``cuda``."""
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=8)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sms(_index(device))
 
 
 def _cublas(
@@ -721,7 +712,7 @@ def _launch_attention(
     if not grid_rows:
         return
     if stages is None:
-        one_wave = grid_rows * kv_heads <= ATTN_STAGES_RESIDENT * _sm_count(q.device)
+        one_wave = grid_rows * kv_heads <= ATTN_STAGES_RESIDENT * sm_count(q.device)
         stages = 3 if one_wave else 2
     _attention_kernel[(grid_rows, kv_heads)](
         q, k, v, out, seq, lens, codes, scales, rows, scales.shape[-1], codes.stride(0),

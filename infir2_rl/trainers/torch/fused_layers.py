@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from infir2_rl.fp8 import gemm, ops, quant_triton
 from infir2_rl.fp8.linear import Fp8Linear
+from infir2_rl.graph_capture import sm_count
 
 try:
     import triton
@@ -314,11 +315,6 @@ def _rms_launch(k: int) -> tuple[int, int, int]:
     return bk, bm, 8 if bk >= 4096 else 4
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -376,7 +372,7 @@ def _rms_backward(
     bk, bm, warps = _rms_launch(k)
     # A fixed number of programs per GPU (each loops over its rows and keeps one FP32 partial of dw),
     # so dw sums the same partials in the same order for a given shape.
-    progs = min(triton.cdiv(m, bm), 4 * _num_sms(x2d.device.index or 0))
+    progs = min(triton.cdiv(m, bm), 4 * sm_count(x2d.device))
     rows_per_prog = triton.cdiv(triton.cdiv(m, progs), bm) * bm
     progs = triton.cdiv(m, rows_per_prog)
     partial = torch.empty((progs, k), dtype=torch.float32, device=x2d.device)
