@@ -10,9 +10,11 @@ quantizing producers 40 ms per generate call slower than their BF16 forms (atten
 add+RMSNorm +10.0: ~1.4-2.3 us more per launch), more than the FP8 GEMMs gain over BF16's. This script puts
 each pair side by side at one decode batch (1.5B shape: hidden 1,536, 12 query / 2 KV heads of 128,
 intermediate 8,960; every row at ``--context`` keys): add+RMSNorm (the fast mode's default warps and
-true_on_policy's 8), SiLU*up, the fast mode's split-K attention (its merge kernel quantizes) and
+true_on_policy's 8), SiLU*up, the fast mode's split-K attention (its merge quantizes) and
 true_on_policy's attention (``models/invariant_ops``: its epilogue quantizes), the first at other split counts
-(``--splits``; its chunk follows ``--cache-len``, the decode graphs' cache length), the second at other pipeline
+(``--splits``; its chunk follows ``--cache-len``, the decode graphs' cache length, and is at least
+``attention.MIN_CHUNK`` keys in the one-launch form) and launch forms (``--launch``: one kernel, or the split
+and merge kernels; ``auto`` is the rule by batch size), the second at other pipeline
 depths (``--stages``; 0 is the launch's own rule), whose bits it checks are the same. Each is timed as a chain of calls in one CUDA graph (``graph_capture.time_in_graph``,
 median of 7 replays), PDL off by default so that no time includes a wait for the kernel before.
 ``--ncu``: after a warm-up, one launch of each case between ``cudaProfilerStart`` / ``Stop`` for Nsight Compute.
@@ -68,6 +70,7 @@ def cases(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
     cache_len = max(args.cache_len, context)
     k = torch.randn(batch + 1, KV_HEADS, cache_len, DIM, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    arrivals = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=dev)  # allocated outside the graphs
     out: dict[str, Callable[[], Any]] = {}
     for fp8 in (False, True):
         tag = "fp8 " if fp8 else "bf16"
@@ -80,9 +83,11 @@ def cases(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
         if "attn" not in args.kernels:
             continue
         for sp in args.splits:
-            out[f"attn  fast {tag} s{sp}"] = functools.partial(
-                attention.decode_triton, q, k, v, slots, lens, num_splits=sp, quant=fp8
-            )
+            for form in args.launch:
+                one = {"auto": None, "one": True, "two": False}[form]
+                out[f"attn  fast {tag} s{sp} {form}"] = functools.partial(
+                    attention.decode_triton, q, k, v, slots, lens, arrivals, sp, quant=fp8, one_launch=one
+                )
         for st in args.stages:
             out[f"attn  top  {tag} st{st}"] = functools.partial(
                 invariant_attention, q, k, v, slots, lens, fp8, st or None
@@ -112,6 +117,11 @@ def main() -> None:
     parser.add_argument(
         "--stages", type=int, nargs="+", default=[0], help="true_on_policy attention's depths (0: its rule)"
     )
+    parser.add_argument(
+        "--launch", nargs="+", choices=("auto", "one", "two"), default=["auto"],
+        help="fast attention: one launch (splits merged by their last), two (split and merge kernels), "
+        "or the rule (auto)",
+    )  # fmt: skip
     parser.add_argument("--pdl", type=int, choices=(0, 1), default=0)
     parser.add_argument("--chain", type=int, default=28, help="calls per graph replay")
     parser.add_argument("--ncu", action="store_true", help="one launch of each case for Nsight Compute")

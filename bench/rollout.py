@@ -204,7 +204,10 @@ def time_attention(contexts: list[int] | None = None, batches: list[int] | None 
         slots = torch.arange(batch, device="cuda")
         lengths = torch.full((batch,), ctx, device="cuda")
         mask = (torch.arange(cache_len, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
-        triton_us = graph_us(functools.partial(attention.decode, q, k, v, slots, lengths, "triton"))
+        arrivals = torch.zeros(batch * 2, dtype=torch.int32, device="cuda")  # allocated outside the graph
+        triton_us = graph_us(
+            functools.partial(attention.decode, q, k, v, slots, lengths, "triton", arrivals=arrivals)
+        )
         sdpa = functools.partial(F.scaled_dot_product_attention, attn_mask=mask, enable_gqa=True)
         sdpa_us = graph_us(functools.partial(sdpa, q[:, :, None], k[:batch], v[:batch]))
         key = f"b{batch} ctx{ctx} cache{cache_len}"

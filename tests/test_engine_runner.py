@@ -335,6 +335,51 @@ def test_triton_decode_attention_equals_sdpa() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("quant", [False, True])
+def test_decode_attention_merged_by_the_last_split_is_exact_every_time(quant: bool, one_launch: bool) -> None:
+    """The split that finishes last merges a row's partials (attention.decode_triton): whichever split that
+    is, the row's result is the same bits (the merge runs in split order), equal to SDPA within BF16, and
+    every launch leaves its arrival counts at zero. 256 rows of 1..2,048 keys over 8 splits: rows of one
+    split (finished without a merge) and of all eight, in one launch, eager and replayed from a graph; and
+    the same through the two launches (split kernel, merge kernel) that small batches take."""
+    from infir2_rl.engines.native import attention
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows, kv_heads, length, dim, heads = 256, 2, 2048, 128, 12
+    k = torch.randn(rows + 1, kv_heads, length, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(rows + 1, kv_heads, length, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(rows, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    slots = torch.randperm(rows, device="cuda", generator=gen)
+    lengths = torch.randint(1, length + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    lengths[:4] = torch.tensor([1, 256, 257, length], device="cuda", dtype=torch.int32)  # 1, 1, 2, 8 splits
+    arrivals = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda")
+
+    def run() -> list[torch.Tensor]:
+        out = attention.decode_triton(q, k, v, slots, lengths, arrivals, quant=quant, one_launch=one_launch)
+        return [out.q.view(torch.uint8), out.s_t] if quant else [out]
+
+    first = run()
+    plain = attention.decode_triton(q, k, v, slots, lengths, arrivals, one_launch=one_launch)
+    assert isinstance(plain, torch.Tensor)
+    ref = attention.decode_sdpa(q.float(), k.float(), v.float(), slots, lengths)
+    assert float((plain.float() - ref).abs().max()) < 2e-2
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(first, run(), strict=True))
+    assert int(arrivals.abs().sum()) == 0
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = run()
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first, captured, strict=True))
+    assert int(arrivals.abs().sum()) == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 50, 256])
 def test_fused_fp8_gemm_equals_the_emulated_w8a8_linear(m: int) -> None:
     from infir2_rl.engines.native import fp8_gemm
@@ -509,7 +554,7 @@ def test_fp8_gemm_pipelines_its_tile_loads() -> None:
 def test_producer_quantizers_equal_the_trainers_quantizer_and_fill_the_padding(
     m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The norm, SiLU*up and attention-merge kernels that quantize for the next GEMM give the codes and
+    """The norm, SiLU*up and decode attention kernels that quantize for the next GEMM give the codes and
     scales ``quant_triton.quantize_rows`` gives for their own BF16 output (the trainer's rule), and write
     the padding rows (codes 0, scale 1) themselves, on buffers that start as garbage."""
     from infir2_rl.engines.native import attention, fused_ops

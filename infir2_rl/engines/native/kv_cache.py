@@ -32,6 +32,9 @@ class KVCache:
         self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k: list[Tensor] = [self.buffer[i, 0] for i in range(num_layers)]
         self.v: list[Tensor] = [self.buffer[i, 1] for i in range(num_layers)]
+        # The decode attention's per-(row, KV head) count of finished splits (attention.decode_triton): zeros,
+        # and every launch leaves them so. The layers' launches run one after another and share it.
+        self.arrivals = torch.zeros((num_slots + 1) * num_kv_heads, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:

@@ -105,7 +105,7 @@ class Qwen2Runner:
         q_part, k_part, v_part = self.layers[0].qkv.part_slices
         self.k_offset, self.v_offset = k_part.start, v_part.start
         self.attention_impl = attention_impl or attention.default_impl(self.device)
-        # FP8: the Triton attention's merge kernel quantizes o_proj's input (one head = one 1x128 tile).
+        # FP8: the Triton decode attention quantizes o_proj's input (one head = one 1x128 tile).
         self.quant_attention = self.attention_impl == "triton" and self.head_dim == 128
         with torch.no_grad():
             positions = torch.arange(self.max_positions, device=self.device)[None]
@@ -213,7 +213,7 @@ class Qwen2Runner:
         """One decode step: token ``tokens_B[b]`` at ``positions_B[b]`` of slot ``slots_B[b]`` -> logits (B, V).
 
         The elementwise work runs in ``fused_ops`` kernels on CUDA (torch twins on CPU); in FP8 the norm
-        and SiLU*up kernels, and the attention (head_dim 128: the Triton decode's merge kernel, or under
+        and SiLU*up kernels, and the attention (head_dim 128: the Triton decode attention, or under
         true_on_policy the invariant kernel), also quantize the next GEMM's input."""
         invariant_ = self.true_on_policy
         # FP8: the norm and SiLU*up kernels also quantize the next GEMM's input (one launch fewer each). Under
@@ -240,8 +240,9 @@ class Qwen2Runner:
                 a = inv_ops.attention(q, cache.k[i], cache.v[i], slots_B, lengths_B)
             else:
                 a = attention.decode(
-                    q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2
-                )
+                    q, cache.k[i], cache.v[i], slots_B, lengths_B, self.attention_impl, quant_attn, pow2,
+                    cache.arrivals,
+                )  # fmt: skip
             x = fused_ops.add_rms_norm(h, layer.o.deferred(a), layer.post_norm, eps, quant, pow2, warps)
             gate_up = layer.gate_up(x)
             rows = layer.down.input_rows(gate_up)  # (BF16 true_on_policy: down_proj's padded plan, no copy)

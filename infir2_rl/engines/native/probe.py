@@ -10,7 +10,7 @@ Two recorders fill one ``Taps`` (name -> position -> (B, F) tensor on the host, 
   hooks only copy outputs. ``taps.start`` is the position of the call's first token (set by the caller).
 * ``runner_decode(runner, ...)``: the model runner's ``Qwen2Runner.decode`` step, op by op with the same
   kernels (``fused_ops``, ``attention``, ``linears``) in the same order, recording each output. In FP8 on
-  CUDA the norm, SiLU*up and attention-merge kernels quantize their output for the next GEMM (``QuantizedRows``); the tap
+  CUDA the norm, SiLU*up and decode attention kernels quantize their output for the next GEMM (``QuantizedRows``); the tap
   records those FP8 codes and scales as the engine's own, and also runs the same kernel without quantizing
   (on a copy) to record the values the codes were made from. Eager, not a graph replay: the engine's tests
   check graph replay equals eager decode of the same runner bit for bit.
@@ -193,13 +193,16 @@ def runner_decode(
         taps.add(p + "q_rope", q.reshape(q.shape[0], 1, -1))
         k_new = cache.k[i][slots_B, :, positions_B]  # (B, KVH, D), as rope_write_kv stored it
         taps.add(p + "k_rope", k_new.reshape(k_new.shape[0], 1, -1))
-        a = attention.decode(q, cache.k[i], cache.v[i], slots_B, positions_B + 1, runner.attention_impl)
+        lengths_B = positions_B + 1
+        a = attention.decode(
+            q, cache.k[i], cache.v[i], slots_B, lengths_B, runner.attention_impl, arrivals=cache.arrivals
+        )
         assert isinstance(a, Tensor)
         taps.add(p + "attn", a[:, None])
-        if quant and runner.quant_attention:  # the same kernels again, the merge quantizing for o_proj
+        if quant and runner.quant_attention:  # the same kernel again, quantizing for o_proj
             aq = attention.decode(
-                q, cache.k[i], cache.v[i], slots_B, positions_B + 1, runner.attention_impl, True, pow2
-            )
+                q, cache.k[i], cache.v[i], slots_B, lengths_B, runner.attention_impl, True, pow2, cache.arrivals
+            )  # fmt: skip
             assert isinstance(aq, QuantizedRows)
             taps.add_codes(p + "attn", aq, taps.start)
             a = aq  # type: ignore[assignment]
