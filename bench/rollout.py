@@ -396,7 +396,17 @@ def main(argv: list[str] | None = None) -> int:
         help="both: the batch sweep also times each engine with its kernels launched without programmatic "
         "dependent launch (engines/native/pdl.py), in the same process; INFIR2_PDL=0 turns it off everywhere",
     )
+    parser.add_argument(
+        "--one-launch-per-sm",
+        type=int,
+        help="the fast mode's decode attention takes its one-launch form where rows x KV heads >= this x the "
+        "SMs (attention.ONE_LAUNCH_PROGRAMS_PER_SM; 0: always, 1000: never); default: the library's rule",
+    )
     args = parser.parse_args(argv)
+    if args.one_launch_per_sm is not None:
+        from infir2_rl.engines.native import attention
+
+        attention.ONE_LAUNCH_PROGRAMS_PER_SM = args.one_launch_per_sm  # read at each call (graph capture)
     if args.tiny:
         args.batch_sizes, args.prompt_len, args.new_tokens, args.repeats = [2, 4], 8, 8, 2
         args.profile_batch, args.profile_steps = 4, 4
@@ -430,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# {name} | torch {torch.__version__} | {path.name} | prompt {args.prompt_len} + {args.new_tokens} "
         f"new tokens | median of {args.repeats} | engines ready in {time.perf_counter() - start:.0f} s"
     )
+    if args.one_launch_per_sm is not None:
+        print(f"# decode attention in one launch from rows x KV heads >= {args.one_launch_per_sm} x SMs")
     for engine in engines.values():  # Triton compiles, cuBLAS handles, allocator blocks for the largest batch
         for b in (min(args.batch_sizes), max_batch):
             timed_generate(engine, requests(b, args.prompt_len, 4, engine.vocab_size))
