@@ -29,6 +29,9 @@ sums are valid.
 ``--gemms`` times each decoder GEMM of one layer at each batch size as the decode graph runs it: BF16 against
 every FP8 launch candidate, with the FP8 weight-bandwidth floor (bytes / 3.35 TB/s, the H100's peak).
 ``--tiny`` runs the tiny preset on CPU (FP8 emulated; runner path without graphs) to check the script.
+``--one-launch-per-sm N`` moves the switch between the fast decode attention's two forms (one launch from rows x KV
+heads >= N x the SMs; 0 = always, 1000 = never), for measuring where it should be (docs/performance.md, "Rollout
+decode", session 55).
 """
 
 from __future__ import annotations
