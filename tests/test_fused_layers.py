@@ -52,7 +52,7 @@ def test_swap_keeps_state_dict_and_outputs(model_dir: Path) -> None:
     swapped = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     counts = fused_layers.apply_fused_layers(swapped)
     n = plain.config.num_hidden_layers
-    assert counts == {"rms_norm": 2 * n + 1, "swiglu_mlp": n}
+    assert counts == {"rms_norm": 2 * n + 1, "swiglu_mlp": n, "rope_attention": n}
     layer = swapped.model.layers[0]
     assert (
         type(layer.mlp).__name__ == "FusedQwen2MLP"
@@ -65,6 +65,39 @@ def test_swap_keeps_state_dict_and_outputs(model_dir: Path) -> None:
     ids = torch.randint(0, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, swapped(ids).logits)  # CPU: the parent's torch code
+
+
+def test_rotary_runs_transformers_function_off_the_gpu_and_the_dispatcher_is_installed_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernels are CUDA-only (tests/test_fused_rope_gpu.py); here the plumbing: the fused attention marks its
+    # calls, the modeling module's apply_rotary_pos_emb is wrapped once, and on CPU the wrapper calls
+    # transformers' function inside and outside a fused attention, so outputs do not move.
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from infir2_rl.trainers.torch import fused_rope
+
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    fused_layers.apply_fused_layers(model)
+    assert type(model.model.layers[0].self_attn).__name__ == "FusedQwen2Attention"
+    dispatcher = modeling_qwen2.apply_rotary_pos_emb
+    assert isinstance(dispatcher, fused_rope._Dispatcher)
+    assert fused_rope.install(modeling_qwen2) and modeling_qwen2.apply_rotary_pos_emb is dispatcher
+    seen: list[bool] = []
+    original = dispatcher.original
+
+    def counting(*args: object, **kwargs: object) -> object:
+        seen.append(fused_rope._ACTIVE.get())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dispatcher, "original", counting)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, model(ids).logits)
+    n = plain.config.num_hidden_layers
+    assert seen == [False] * n + [True] * n  # the plain model's calls, then the fused attentions' (marked)
+    assert not fused_rope._ACTIVE.get()  # the mark ends with the forward
 
 
 def test_only_silu_mlps_without_bias_are_swapped(model_dir: Path) -> None:

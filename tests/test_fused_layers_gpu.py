@@ -311,7 +311,8 @@ def test_trainer_with_fused_kernels_trains_as_without(tmp_path: Path, fp8: bool)
     assert plain.fused_layers == {}
     n_layers = plain.model.config.num_hidden_layers
     linked = {"rms_norm_fp8": 2 * n_layers} if fp8 else {}  # each layer's two norms feed FP8 linears
-    assert fused.fused_layers == {"rms_norm": 2 * n_layers + 1, "swiglu_mlp": n_layers, **linked}
+    fused_counts = {"rms_norm": 2 * n_layers + 1, "swiglu_mlp": n_layers, "rope_attention": n_layers}
+    assert fused.fused_layers == {**fused_counts, **linked}
     assert list(fused.model.state_dict()) == list(plain.model.state_dict())
     paths = make_data(tmp_path / "data", num_sft=16, num_rl=4, num_test=4)
     examples, _ = load_sft_examples(paths.sft_train, plain.tokenizer)

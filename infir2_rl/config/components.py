@@ -167,7 +167,8 @@ class TrainerConfig(_Config):
     cuda_graphs: bool | Literal["auto"] = "auto"
     # Torch backend: RMSNorm and the SwiGLU MLP activation run as one Triton kernel each way
     # (trainers/torch/fused_layers.py) instead of ~5 + ~10 and 2 + 3 torch kernels, saving less for backward;
-    # the same numbers up to the order of the norm's FP32 sum. "auto": on where it can run (CUDA with
+    # the same numbers up to the order of the norm's FP32 sum; and the attention's rotary embedding of q and k
+    # as one kernel each way (trainers/torch/fused_rope.py, torch's bits). "auto": on where it can run (CUDA with
     # Triton, not true_on_policy, which has its own kernels); true: required; false: torch's modules.
     fused_kernels: bool | Literal["auto"] = "auto"
     # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).

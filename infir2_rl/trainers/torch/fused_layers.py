@@ -41,13 +41,15 @@ What the FP8 step keeps for backward (docs/performance.md, "FP8 keeps no copy of
   a forward hook could see them (the mismatch probe's taps, ``_hooks_see_output``) they are written.
 
 ``apply_fused_layers(model)`` switches the model's Qwen2/Llama RMSNorm and MLP modules to subclasses whose
-``forward`` calls these kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses
-run the parent's torch code, so the CPU path is unchanged (``trainer.fused_kernels``, trainer.py).
+``forward`` calls these kernels, and its attention modules to subclasses whose rotary embedding runs
+``fused_rope``'s kernels; parameters, names and state dicts are untouched. Off the GPU the subclasses run the
+parent's torch code, so the CPU path is unchanged (``trainer.fused_kernels``, trainer.py).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +58,7 @@ from torch import Tensor, nn
 from infir2_rl.fp8 import gemm, ops, quant_triton
 from infir2_rl.fp8.linear import Fp8Linear
 from infir2_rl.graph_capture import sm_count
+from infir2_rl.trainers.torch import fused_rope
 
 try:
     import triton
@@ -559,6 +562,7 @@ def _fp8_plan(mlp: Any, x: Tensor) -> Fp8Plan | None:
 _FUSED_CLASSES: dict[type, type] = {}
 _NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
 _MLP_CLASSES = ("Qwen2MLP", "LlamaMLP")
+_ATTENTION_CLASSES = ("Qwen2Attention", "LlamaAttention")  # their rotary embedding: fused_rope.py
 
 
 def _norm_plan(norm: Any, x: Tensor) -> NormPlan | None:
@@ -656,17 +660,28 @@ def _mlp_is_swiglu(module: nn.Module) -> bool:
     return act in ("silu", "swish") and not getattr(module, "mlp_bias", False) and not has_bias
 
 
-def apply_fused_layers(model: nn.Module) -> dict[str, int]:
-    """Switch the model's RMSNorm and SwiGLU MLP modules to the fused kernels; returns how many of each.
+_COUNT_OF_FORWARD = {
+    _fused_norm_forward: "rms_norm",
+    _fused_mlp_forward: "swiglu_mlp",
+    fused_rope.fused_attention_forward: "rope_attention",
+}
 
-    Only the exact classes named in ``_NORM_CLASSES`` / ``_MLP_CLASSES`` are switched (a subclass or
-    another architecture's norm, such as Gemma's ``1 + weight``, may compute something else).
+
+def apply_fused_layers(model: nn.Module) -> dict[str, int]:
+    """Switch the model's RMSNorm and SwiGLU MLP modules to the fused kernels, and its attention modules'
+    rotary embedding to ``fused_rope``'s; returns how many of each.
+
+    Only the exact classes named in ``_NORM_CLASSES`` / ``_MLP_CLASSES`` / ``_ATTENTION_CLASSES`` are switched
+    (a subclass or another architecture's norm, such as Gemma's ``1 + weight``, may compute something else).
     """
-    counts = {"rms_norm": 0, "swiglu_mlp": 0}
+    counts = {"rms_norm": 0, "swiglu_mlp": 0, "rope_attention": 0}
     for module in model.modules():
         cls = type(module)
         if cls in _FUSED_CLASSES.values():  # switched already
-            counts["rms_norm" if cls.forward is _fused_norm_forward else "swiglu_mlp"] += 1
+            counts[_COUNT_OF_FORWARD[cls.forward]] += 1
+        elif cls.__name__ in _ATTENTION_CLASSES and fused_rope.install(sys.modules[cls.__module__]):
+            module.__class__ = _fused_subclass(cls, fused_rope.fused_attention_forward)
+            counts["rope_attention"] += 1
         elif cls.__name__ in _NORM_CLASSES and hasattr(module, "variance_epsilon"):
             module.__class__ = _fused_subclass(cls, _fused_norm_forward)
             counts["rms_norm"] += 1

@@ -206,7 +206,7 @@ class TorchTrainer:
                 groups = grouped.group_projections(model)
                 log.info("FP8 q|k|v projections run as one linear in %d attention layers", groups)
                 mark_kept_inputs(model)  # o_proj keeps no FP8 copy of the output SDPA keeps (fp8/linear.py)
-        # trainer.fused_kernels: RMSNorm and SwiGLU as one Triton kernel each way (fused_layers.py).
+        # trainer.fused_kernels: RMSNorm, SwiGLU and the rotary embedding as one Triton kernel each way.
         fused_ok = fused_layers.available(self.device) and not true_on_policy
         if trainer_cfg.fused_kernels is True and not fused_ok:
             raise ValueError(
