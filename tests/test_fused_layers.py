@@ -98,6 +98,10 @@ def test_rotary_runs_transformers_function_off_the_gpu_and_the_dispatcher_is_ins
     n = plain.config.num_hidden_layers
     assert seen == [False] * n + [True] * n  # the plain model's calls, then the fused attentions' (marked)
     assert not fused_rope._ACTIVE.get()  # the mark ends with the forward
+    attention = model.model.layers[0].self_attn  # a wrapper class above the fused one (as FSDP2 makes)
+    attention.__class__ = type("Wrapped", (type(attention),), {})
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, model(ids).logits)
 
 
 def test_only_silu_mlps_without_bias_are_swapped(model_dir: Path) -> None:

@@ -196,9 +196,14 @@ def install(module: ModuleType) -> bool:
 
 
 def fused_attention_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """The attention's own forward (its parent class's), with this thread's rotary calls fused."""
+    """The attention's own forward (that of the class the fused subclass derives from), with this thread's
+    rotary calls fused. The fused subclass is found in the MRO, not taken as ``type(self)``: a wrapper class
+    made later (FSDP2 makes one per module it shards) may sit above it."""
+    mro = type(self).__mro__
+    i = next(i for i, c in enumerate(mro) if c.__dict__.get("forward") is fused_attention_forward)
     token = _ACTIVE.set(True)
     try:
-        return super(type(self), self).forward(*args, **kwargs)  # type: ignore[misc]
+        parent: Any = mro[i + 1]  # the class the fused subclass derives from
+        return parent.forward(self, *args, **kwargs)
     finally:
         _ACTIVE.reset(token)
