@@ -158,6 +158,7 @@ def fusable(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int =
         and cos.shape[0] in (1, q.shape[0])
         and cos.stride() == sin.stride()
         and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1
+        and not (cos.requires_grad or sin.requires_grad)  # the tables get no gradient here
     )
 
 
