@@ -148,7 +148,6 @@ def fusable(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int =
         and cos.dim() == sin.dim() == 3
         and q.dtype == k.dtype == cos.dtype == sin.dtype
         and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and q.shape[-1] % 2 == 0
         and q.shape[-1] >= 16
         and (q.shape[-1] & (q.shape[-1] - 1)) == 0  # a power of two: the kernel's feature block
         and q.shape[0] == k.shape[0]
