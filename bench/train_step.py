@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -147,10 +147,13 @@ def category(kernel: str, op: str) -> str:
 def summarize_kernels(times: list[tuple[str, str, float, int]], top: int = 15) -> dict[str, Any]:
     """Milliseconds per category and the top kernels (name, category, ms, calls)."""
     per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    ops: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     for name, op, us, calls in times:
-        acc = per_kernel[(name, category(name, op))]
+        key = (name, category(name, op))
+        acc = per_kernel[key]
         acc[0] += us / 1e3
         acc[1] += calls
+        ops[key][op] += calls
     cats = dict.fromkeys(CATEGORIES, 0.0)
     for (_, cat), (ms, _) in per_kernel.items():
         cats[cat] += ms
@@ -159,7 +162,15 @@ def summarize_kernels(times: list[tuple[str, str, float, int]], top: int = 15) -
         "total_ms": sum(cats.values()),
         "categories_ms": cats,
         "top": [
-            {"kernel": n, "category": c, "ms": ms, "calls": int(calls)} for (n, c), (ms, calls) in ranked
+            {
+                "kernel": n,
+                "category": c,
+                "ms": ms,
+                "calls": int(calls),
+                # the ops that launched it (none inside CUDA graphs: profile eager steps to see them)
+                "ops": [op for op, _ in ops[(n, c)].most_common(2) if op],
+            }
+            for (n, c), (ms, calls) in ranked
         ],
     }
 
@@ -172,7 +183,10 @@ def print_kernels(title: str, summary: dict[str, Any], extra: dict[str, float] |
         print(f"  {cat:<24} {ms:9.3f} ms {100 * ms / max(total, 1e-9):6.1f}%")
     print(f"  top {len(summary['top'])} kernels:")
     for row in summary["top"]:
-        print(f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['category']:<22} {row['kernel'][:90]}")
+        launched_by = f"  [{', '.join(row['ops'])}]" if row.get("ops") else ""
+        print(
+            f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['category']:<22} {row['kernel'][:90]}{launched_by}"
+        )
 
 
 def sft_batch(batch: int, seq: int, vocab: int) -> Any:
