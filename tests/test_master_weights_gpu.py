@@ -161,3 +161,49 @@ def test_bf16_linears_add_their_weight_gradient_into_the_masters_in_fp32() -> No
     torch.testing.assert_close(
         b_master.grad.double(), ref_b, rtol=2e-2, atol=2e-1
     )  # a BF16 sum per micro-batch
+
+
+def test_token_scores_add_the_lm_heads_weight_gradient_into_its_master_in_fp32() -> None:
+    """The chunked token scores' dW of a (tied) lm_head goes into the master's FP32 gradient chunk by chunk
+    (trainers/token_scores.py ``_wgrad_target``): the same FP32 sum the returned path rounds to BF16, bit for bit;
+    it accumulates over micro-batches, and the tied embedding's own gradient still arrives through the hook."""
+    from infir2_rl.trainers.token_scores import chunked_token_scores
+
+    torch.manual_seed(0)
+    vocab, hidden, n = 1000, 64, 300
+    model = nn.Sequential(nn.Embedding(vocab, hidden)).cuda()
+    masters = MasterWeights(model)
+    weight = model[0].weight  # the lm_head's weight too, as in a tied model
+    assert weight.dtype == torch.bfloat16
+    (master,) = masters.optimizer_params
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(n, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    g_logp = torch.randn(n, device="cuda", generator=gen)
+
+    def scores_loss(w: torch.Tensor) -> torch.Tensor:
+        logp, _ = chunked_token_scores(h, w, targets, compute_dtype=torch.bfloat16, chunk_tokens=128)
+        return (logp * g_logp).sum()
+
+    plain = weight.detach().clone().requires_grad_(True)  # no master: dW is summed in FP32 and returned
+    scores_loss(plain).backward()
+    assert plain.grad is not None and plain.grad.dtype == torch.bfloat16
+
+    scores_loss(weight).backward()  # micro-batch 1: the scores only
+    assert weight.grad is None and master.grad is not None
+    first = master.grad.clone()
+    assert torch.equal(first.to(torch.bfloat16), plain.grad)  # the same FP32 sum, kept unrounded
+    assert float(first.abs().sum()) > 0
+
+    scores_loss(weight).backward()  # micro-batch 2: the same again, added on
+    rel = float((master.grad.double() - 2 * first.double()).norm() / (2 * first.double()).norm())
+    assert rel < 1e-6, rel
+
+    before = master.grad.clone()
+    ids = torch.randint(0, vocab, (40,), device="cuda", generator=gen)
+    r = torch.randn(40, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    emb = model[0](ids)
+    (emb * r).sum().backward()  # the embedding's gradient alone: through the hook, added in FP32
+    expected_emb = torch.zeros(vocab, hidden, device="cuda", dtype=torch.bfloat16).index_add_(0, ids, r)
+    assert weight.grad is None
+    torch.testing.assert_close(master.grad, before + expected_emb.float(), rtol=0, atol=2e-2)

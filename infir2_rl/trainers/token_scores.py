@@ -15,7 +15,13 @@ again for their gradients). Here the logits exist one chunk of C tokens at a tim
   ``p = exp(z - lse)``; then
       d logp / dz = onehot(y) - p,      d H / dz = -p * (z - E_p[z]) = -p * (log p + H),
   so ``g_z = onehot(y) * g_logp - p * (g_logp + g_H * (log p + H))``, and ``g_logits = g_z / T``.
-  ``dh = g_logits . W`` and ``dW += g_logits^T . h_c``, accumulated in FP32 over chunks.
+  ``dh = g_logits . W`` and ``dW += g_logits^T . h_c``, accumulated in FP32 over chunks. On CUDA each chunk's
+  GEMM adds its part into the FP32 sum itself (``torch.addmm`` with an FP32 output, beta = 1); where the weight
+  has an FP32 master (``fp8.ops.WGRAD_INTO``, trainers/torch/master_weights.py) that sum is the master's
+  gradient and no dW is returned (``_wgrad_target``). At the 1.5B shape (V x H = 233M) the old way (a 16-bit
+  GEMM output per chunk, its FP32 copy and an FP32 add; then the sum zeroed before, rounded to the weight's
+  dtype after, added to a tied embedding's gradient and into the master's) moved 4.7 GB per chunk where the
+  GEMM's FP32 epilogue moves 1.9, and 3.7 GB more per step (docs/performance.md, session 56).
 
 Peak extra memory is one chunk: C x V x (2 + 4 + 4) bytes (the compute-dtype logits, their FP32 copy and
 one FP32 temporary), 6 GB for C = 4,096 and V = 152K; the default 2,048 halves that.
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from infir2_rl.fp8.ops import WGRAD_INTO
 from infir2_rl.trainers import token_scores_fused
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -131,6 +138,7 @@ class _ChunkedScores(torch.autograd.Function):
                     logp_all = torch.log_softmax(z, dim=-1)
                     entropy[s:e] = -(logp_all.exp() * logp_all).sum(-1)
         ctx.save_for_backward(h, weight_VH, targets_N, lse, entropy)
+        ctx.weight_param = weight_VH  # the Parameter itself: saved tensors come back without its attributes
         ctx.temperature, ctx.need_entropy, ctx.chunk_tokens = temperature, need_entropy, chunk_tokens
         ctx.fused = fused
         ctx.hidden_dtype = hidden_NH.dtype
@@ -144,7 +152,10 @@ class _ChunkedScores(torch.autograd.Function):
         w = weight_VH.to(h.dtype)
         n = h.shape[0]
         dh = torch.empty(h.shape, dtype=ctx.hidden_dtype, device=h.device) if need_dh else None
-        dw = torch.zeros(weight_VH.shape, dtype=torch.float32, device=h.device) if need_dw else None
+        into = _wgrad_target(ctx.weight_param, h) if need_dw else None
+        dw = into
+        if need_dw and dw is None:
+            dw = torch.zeros(weight_VH.shape, dtype=torch.float32, device=h.device)
         g_logp = g_logp.float()
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk):
@@ -158,9 +169,37 @@ class _ChunkedScores(torch.autograd.Function):
                 if dh is not None:
                     dh[s:e] = g_c @ w
                 if dw is not None:
-                    dw += (g_c.t() @ h[s:e]).float()
-        dw_out = dw.to(weight_VH.dtype) if dw is not None else None
+                    _add_chunk_wgrad(dw, g_c, h[s:e])
+        dw_out = dw.to(weight_VH.dtype) if dw is not None and into is None else None
         return dh, dw_out, None, None, None, None, None, None, None
+
+
+def _wgrad_target(weight: Tensor, h: Tensor) -> Tensor | None:
+    """The FP32 tensor to add the weight's gradient into (``fp8.ops.WGRAD_INTO``: its master's gradient), on
+    CUDA with a 16-bit compute dtype; else None, and dW is summed apart and returned."""
+    get = getattr(weight, WGRAD_INTO, None)
+    if get is None or not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    target = get(weight)
+    if target is None:
+        return None
+    if target.dtype != torch.float32 or target.shape != weight.shape or not target.is_contiguous():
+        raise ValueError(
+            f"chunked_token_scores: a weight's gradient target must be FP32, contiguous, of shape "
+            f"{tuple(weight.shape)}; got {target.dtype} {tuple(target.shape)}"
+        )
+    return target
+
+
+def _add_chunk_wgrad(dw: Tensor, g_c: Tensor, h_c: Tensor) -> None:
+    """``dw += g_c^T . h_c`` in FP32: on CUDA by the GEMM itself (FP32 output, beta = 1: FP32 accumulation and
+    one rounding, no 16-bit product and no FP32 copy of it); on CPU as before (the demo's numbers)."""
+    if dw.is_cuda and g_c.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(dw, g_c.t(), h_c, out_dtype=torch.float32, out=dw)
+    elif dw.is_cuda:
+        dw.addmm_(g_c.t(), h_c)
+    else:
+        dw += (g_c.t() @ h_c).float()
 
 
 def check_score_inputs(

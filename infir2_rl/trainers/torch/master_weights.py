@@ -26,7 +26,9 @@ those the forward computes with, then those it only quantizes (the FP8 decoder l
   as soon as autograd has it (a post-accumulate-grad hook) and dropped. On a GPU the linears' weight
   gradients skip that: an FP8 linear's wgrad adds into ``main_grad`` inside its GEMM (``ops.WGRAD_INTO``:
   cuBLASLt with beta = 1), and each ``nn.Linear`` with a BF16 weight becomes a ``MainGradLinear`` whose dW
-  GEMM does the same (``torch.addmm`` with an FP32 output): no dW is written and read again. The first
+  GEMM does the same (``torch.addmm`` with an FP32 output): no dW is written and read again. The chunked token
+  scores add the lm_head's dW chunk by chunk the same way (``WGRAD_INTO`` on every master's parameter,
+  trainers/token_scores.py), and a tied embedding's own gradient then arrives alone through the hook. The first
   gradient of a segment allocates its buffer, so a backward allocates gradients layer by layer as it frees
   activations, as autograd did (one buffer for the model, allocated with the first gradient, raised the FP8
   step's peak by 2.6 GiB at 1.5B). ``release_grads`` frees them between eager steps (as
@@ -267,7 +269,9 @@ class MasterWeights:
             # segment into a cycle through C++ hook storage, which Python's collector cannot see.
             p._infir2_segment = weakref.ref(seg)  # type: ignore[attr-defined]
             p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-            if id(p) in fp8_linears:  # its GPU wgrad adds into main_grad inside the GEMM (fp8/ops.py)
+            # Whoever computes the whole gradient may add it into main_grad: an FP8 linear's GPU wgrad inside
+            # its GEMM (fp8/ops.py), the chunked token scores the lm_head's (trainers/token_scores.py).
+            if id(p) in fp8_linears or gemm.fused_wgrad_requested():
                 setattr(p, WGRAD_INTO, _main_grad_of)
             seg.slots.append((p, master, offset))
             offset += n
