@@ -312,3 +312,38 @@ def test_fp8_linear_backward_makes_w_t_and_keeps_no_copy() -> None:
     dyq, dys_t = quant_triton.quantize_rows(dy.to(torch.bfloat16))
     dx = gemm.mm_1x128_128x128(dyq, dys_t, w_t, cached.scale_inv.t().contiguous(), torch.bfloat16)[:200]
     assert x.grad is not None and torch.equal(x.grad, dx.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 2112), (5, 300)])
+def test_row_bias_added_in_place_as_torch_adds_it(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """``quant_triton.add_row_bias_`` (the FP8 fprop's bias add, ``ops._fast_fprop``) gives torch's bits for
+    y + bias, in place; operands it does not take (FP32, a strided y, another dtype) are left to the caller."""
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    y = (torch.randn(shape, device=CUDA, generator=gen) * 3).to(dtype)
+    bias = torch.randn(shape[1], device=CUDA, generator=gen).to(dtype)
+    y[0, :7] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-30, 6e4, -6e4])
+    bias[:7] = torch.tensor([1.0, 2.0, -0.0, -0.0, -1e-30, 6e4, -6e4])  # inf, -inf, zeros' signs, overflow
+    expected = y + bias
+    out = y.clone()
+    ptr = out.data_ptr()
+    assert quant_triton.add_row_bias_(out, bias)
+    assert out.data_ptr() == ptr and _same_bytes(out, expected)
+    assert not quant_triton.add_row_bias_(y.float(), bias.float())
+    assert not quant_triton.add_row_bias_(y[:, ::2], bias[::2].contiguous())
+    assert not quant_triton.add_row_bias_(y, bias.float())
+
+
+def test_fp8_linear_with_bias_gives_the_bits_of_the_old_add() -> None:
+    """The FP8 fprop with a bias: the GEMM's output plus the bias as torch adds them (``ops._fast_fprop``)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384, bias=True, device=CUDA, dtype=torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(lin)
+    x = torch.randn(300, 256, device=CUDA, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = fp8(x)
+        w = fp8._fp8_weight()
+        xq, xs_t = quant_triton.quantize_rows(x)
+        plain = gemm.mm_1x128_128x128(xq, xs_t, w.w_fp8, w.scale_inv, torch.bfloat16)[:300] + lin.bias
+    assert gemm.fast_path_ok(x, 384, 256)
+    assert _same_bytes(y, plain)

@@ -307,8 +307,12 @@ def _fast_fprop(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     # The bias is added after the GEMM rather than in cuBLASLt's epilogue, which blockwise scaling does not
-    # promise to support; it is a small elementwise pass, and only q/k/v have a bias in Qwen2.
-    y = _add_bias(gemm.mm_1x128_128x128(xq, xs_t, w_fp8, w_scale_inv, _gpu_out_dtype(dtype)), bias)
+    # promise to support (and which would round once where this rounds the GEMM's output, then the sum); only
+    # q/k/v have a bias in Qwen2. In place on the GEMM's output by a vectorized kernel where it can: torch's
+    # broadcast add ran its strided kernel (quant_triton.add_row_bias_).
+    y = gemm.mm_1x128_128x128(xq, xs_t, w_fp8, w_scale_inv, _gpu_out_dtype(dtype))
+    if bias is not None and not quant_triton.add_row_bias_(y, bias.to(y.dtype)):
+        y = _add_bias(y, bias)
     return y.to(dtype)
 
 
