@@ -18,7 +18,10 @@ cats, fills, reductions as well), and with both modes the (op, shapes) rows FP8 
 FP8-only work outside the quantizers. ``--launches``: the project's Triton quantizer launches (``quant_triton``'s
 row and token tiles, weight blocks and FP8 transposes; the fused SwiGLU's and RMSNorm's quantizing kernels) by
 shape and call site, each timed with CUDA events around its launch, queued behind a ~0.1 ms device sleep so
-that the events time the kernels and not the host's Python between them (eager, so no overlap either).
+that the events time the kernels and not the host's Python between them (eager, so no overlap either). Not
+always enough: in session 56 the o_proj input's row tiles (8,192 x 1,536) read 115 us per call here against 8.9
+us in ``bench/quantizers.py`` and ~30 us on average for the kernel in a profile; trust the calls, shapes and
+sites, and take kernel times from ``bench/train_step.py --profile``.
 ``--tiny``: the tiny preset on CPU (FP8 emulated), to check the script.
 """
 
