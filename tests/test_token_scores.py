@@ -378,3 +378,21 @@ def test_on_cpu_the_counts_keep_the_mask_and_every_bit() -> None:
     assert free.entropy_BL is not None and plain.entropy_BL is not None and counted.entropy_BL is not None
     assert torch.equal(plain.logprobs_BL, counted.logprobs_BL)
     assert torch.equal(plain.entropy_BL, counted.entropy_BL)
+
+
+def test_a_weights_gradient_target_is_checked_and_named_by_its_caller() -> None:
+    """``fp8.ops.gradient_target``, shared by the FP8 wgrad and the token scores' lm_head dW: the FP32 tensor a
+    weight's ``WGRAD_INTO`` names, None without one, and one ValueError naming the caller for a wrong one."""
+    from infir2_rl.fp8.ops import WGRAD_INTO, gradient_target
+
+    w = torch.zeros(4, 3)
+    assert gradient_target(w, "x") is None
+    target = torch.zeros(4, 3)
+    setattr(w, WGRAD_INTO, lambda _: target)
+    assert gradient_target(w, "x") is target
+    setattr(w, WGRAD_INTO, lambda _: None)
+    assert gradient_target(w, "x") is None
+    for bad in (torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(3, 4), torch.zeros(3, 4).t()):
+        setattr(w, WGRAD_INTO, lambda _, b=bad: b)
+        with pytest.raises(ValueError, match="chunked_token_scores: a weight's gradient target must be FP32"):
+            gradient_target(w, "chunked_token_scores")

@@ -46,19 +46,26 @@ Fprop = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
 WGRAD_INTO = "_infir2_wgrad_into"
 
 
+def gradient_target(weight: torch.Tensor, caller: str) -> torch.Tensor | None:
+    """The FP32 tensor that ``weight``'s ``WGRAD_INTO`` names for its gradient, checked (one ValueError naming
+    ``caller`` if it is not FP32, contiguous and of the weight's shape); None where the weight names none."""
+    get = getattr(weight, WGRAD_INTO, None)
+    target = get(weight) if get is not None else None
+    if target is not None and (
+        target.dtype != torch.float32 or target.shape != weight.shape or not target.is_contiguous()
+    ):
+        raise ValueError(
+            f"{caller}: a weight's gradient target must be FP32, contiguous, of shape {tuple(weight.shape)}; "
+            f"got {target.dtype} {tuple(target.shape)}"
+        )
+    return target
+
+
 def _wgrad_target(ctx: Any) -> torch.Tensor | None:
     weight = ctx.wgrad_weight
     if weight is None or not gemm.accumulate_ok(weight.device):
         return None
-    target = getattr(weight, WGRAD_INTO)(weight)
-    if target is None:
-        return None
-    if target.dtype != torch.float32 or target.shape != weight.shape or not target.is_contiguous():
-        raise ValueError(
-            f"fp8_linear: a weight's gradient target must be FP32, contiguous, of shape {tuple(weight.shape)}; "
-            f"got {target.dtype} {tuple(target.shape)}"
-        )
-    return target
+    return gradient_target(weight, "fp8_linear")
 
 
 @dataclass(frozen=True)

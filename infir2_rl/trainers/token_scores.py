@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from infir2_rl.fp8.ops import WGRAD_INTO
+from infir2_rl.fp8.ops import gradient_target
 from infir2_rl.trainers import token_scores_fused
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -177,18 +177,9 @@ class _ChunkedScores(torch.autograd.Function):
 def _wgrad_target(weight: Tensor, h: Tensor) -> Tensor | None:
     """The FP32 tensor to add the weight's gradient into (``fp8.ops.WGRAD_INTO``: its master's gradient), on
     CUDA with a 16-bit compute dtype; else None, and dW is summed apart and returned."""
-    get = getattr(weight, WGRAD_INTO, None)
-    if get is None or not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16):
+    if not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16):
         return None
-    target = get(weight)
-    if target is None:
-        return None
-    if target.dtype != torch.float32 or target.shape != weight.shape or not target.is_contiguous():
-        raise ValueError(
-            f"chunked_token_scores: a weight's gradient target must be FP32, contiguous, of shape "
-            f"{tuple(weight.shape)}; got {target.dtype} {tuple(target.shape)}"
-        )
-    return target
+    return gradient_target(weight, "chunked_token_scores")
 
 
 def _add_chunk_wgrad(dw: Tensor, g_c: Tensor, h_c: Tensor) -> None:
