@@ -14,7 +14,7 @@ import torch
 from infir2_rl.config import ModelConfig, OptimizerConfig, TrainerConfig
 from infir2_rl.models.factory import init_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # conftest skips it without a CUDA GPU; `pytest -m gpu` selects it
 
 
 @pytest.fixture(scope="module")
