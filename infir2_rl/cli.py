@@ -1,7 +1,7 @@
 """The `infir2-rl` command. Thin: parses arguments and calls the pipeline, stages and tools.
 
 Exit codes (infir2_rl/errors.py): 0 success, 1 a run that failed, 2 bad input (config, paths, data,
-arguments), 130 interrupted. Every failure ends with one line naming the cause and the remedy; `-v` also
+arguments), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Every failure ends with one line naming the cause and the remedy; `-v` also
 prints the traceback.
 """
 

@@ -363,8 +363,17 @@ def test_cuda_graphs_refuses_what_a_captured_graph_cannot_hold() -> None:
             SftStageConfig.model_validate({"trainer": mega | refused})
     packed = SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "pack_sequences": True}})
     assert packed.trainer.cuda_graphs is True and packed.trainer.pack_sequences
-    with pytest.raises(ValueError, match="cuda_graphs=true needs one trainer worker without FSDP"):
-        SftStageConfig.model_validate({"trainer": {"cuda_graphs": True, "num_workers": 2}})
+    for sharded in (
+        {"num_workers": 2, "data_parallel": "fsdp"},
+        {"num_workers": 1, "fsdp_param_dtype": "bfloat16"},
+        {"num_workers": 2, "backend": "megatron"},
+    ):
+        with pytest.raises(ValueError, match="cuda_graphs=true needs no FSDP"):
+            SftStageConfig.model_validate({"trainer": {"cuda_graphs": True} | sharded})
+    # replicas run each rank's one-GPU path, graphs included (as cuda_graphs auto does for them)
+    for replicas in ("replicate", "auto"):
+        two = {"cuda_graphs": True, "num_workers": 2, "data_parallel": replicas}
+        assert SftStageConfig.model_validate({"trainer": two}).trainer.cuda_graphs is True
     with pytest.raises(ValueError, match="cuda_graphs=true needs model.gradient_checkpointing=false"):
         SftStageConfig.model_validate(
             {"trainer": {"cuda_graphs": True}, "model": {"gradient_checkpointing": True}}

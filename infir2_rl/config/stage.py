@@ -131,9 +131,17 @@ class _StageBase(_Config):
             check_model_dir(self.model.path, t.tensor_parallel_size, self.train_fp8)
         if t.cuda_graphs is True:
             graph_problems = []
-            if t.num_workers != 1 or t.fsdp_param_dtype == "bfloat16":
+            # FSDP for sure: one worker asking for one-rank FSDP2, or several sharding (megatron's ranks
+            # always do). data_parallel=auto decides by model size at start: if it picks FSDP, the worker
+            # refuses cuda_graphs=true then (TorchTrainer), before any step.
+            if t.num_workers == 1:
+                fsdp = t.fsdp_param_dtype == "bfloat16"
+            else:
+                fsdp = t.backend == "megatron" or t.data_parallel == "fsdp"
+            if fsdp:
                 graph_problems.append(
-                    "one trainer worker without FSDP (num_workers=1, fsdp_param_dtype auto)"
+                    "no FSDP: one trainer worker (fsdp_param_dtype auto), or torch-backend replicas"
+                    " (data_parallel replicate or auto)"
                 )
             if self.model.gradient_checkpointing:
                 graph_problems.append("model.gradient_checkpointing=false")
