@@ -109,3 +109,28 @@ def test_the_forward_gathers_the_set_dtype_and_the_export_sends_what_it_quantize
 def exported_master(trainer: TorchTrainer, name: str) -> torch.Tensor:
     """The FP32 master of ``name`` (gathered without rounding): FP8-off export."""
     return dict(trainer.export_weights(fp8=False))[f"{name}.weight"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_fsdp_resume_refuses_weights_that_do_not_fit_the_model(model_dir: Path, tmp_path: Path) -> None:
+    """FSDP2 loads with strict=False (a tied lm_head is not saved); a checkpoint with a renamed or missing
+    weight is refused by name before anything loads, as the one-GPU path refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    def trainer() -> TorchTrainer:
+        return TorchTrainer(
+            ModelConfig(path=str(model_dir)), TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=2,
+            device="cpu", fsdp=True,
+        )  # fmt: skip
+
+    first = trainer()
+    assert first.fsdp
+    first.save(tmp_path / "ckpt")
+    trainer().load(tmp_path / "ckpt")  # the checkpoint as written loads
+    (weights_file,) = (tmp_path / "ckpt" / "hf").glob("*.safetensors")
+    weights = load_file(str(weights_file))
+    name = next(n for n in weights if n.endswith("mlp.down_proj.weight"))
+    weights[name.replace("down_proj", "down_projection")] = weights.pop(name)
+    save_file(weights, str(weights_file))
+    with pytest.raises(ValueError, match=r"weights do not match the model \(missing \['model.layers"):
+        trainer().load(tmp_path / "ckpt")

@@ -169,6 +169,10 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
             set_optimizer_state_dict,
         )
 
+        # FSDP2 keeps the parameters' names, so the keys are checked before anything is loaded, as
+        # load_state_dict's result is below (strict=False: a tied lm_head is not saved).
+        expected = set(trainer.model.state_dict())
+        check_weights_match(trainer.model, expected - set(weights), set(weights) - expected, directory)
         set_model_state_dict(
             trainer.model,
             dict[str, Any](weights),
@@ -177,12 +181,7 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
         set_optimizer_state_dict(trainer.model, trainer.optimizer, train_state["optimizer"])
     else:
         missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
-        tied = {"lm_head.weight"} if getattr(trainer.model.config, "tie_word_embeddings", False) else set()
-        if unexpected or set(missing) - tied:
-            raise ValueError(
-                f"{directory / HF_DIR}: weights do not match the model (missing {sorted(set(missing) - tied)[:5]},"
-                f" unexpected {sorted(unexpected)[:5]}); resume with the model the checkpoint was written from"
-            )
+        check_weights_match(trainer.model, set(missing), set(unexpected), directory)
         if trainer.master_weights is not None:  # the FP32 values, not the BF16 model's rounding of them
             trainer.master_weights.load_state_dict(trainer.model, weights)
         trainer.optimizer.load_state_dict(train_state["optimizer"])
@@ -190,6 +189,16 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
     set_rng_state(train_state["rng"])
     trainer.step = int(train_state["step"])
     trainer.num_skipped = int(train_state["num_skipped"])
+
+
+def check_weights_match(model: Any, missing: set[str], unexpected: set[str], directory: Path) -> None:
+    """Refuse a checkpoint whose weights do not fit the model (a tied lm_head, never saved, may be missing)."""
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or missing - tied:
+        raise ValueError(
+            f"{directory / HF_DIR}: weights do not match the model (missing {sorted(missing - tied)[:5]},"
+            f" unexpected {sorted(unexpected)[:5]}); resume with the model the checkpoint was written from"
+        )
 
 
 def restore_schedule(trainer: TrainerRank, last_epoch: int) -> None:
