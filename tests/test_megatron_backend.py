@@ -294,6 +294,29 @@ def test_save_then_load_resumes_exactly(assets: tuple, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_resume_takes_this_runs_optimizer_settings_not_the_checkpoints(
+    assets: tuple, tmp_path: Path, backend: str
+) -> None:
+    """A resumed run whose config changed the lr, schedule or AdamW settings (allowed with
+    checkpoint.allow_config_change, stages/guards.py) trains with the new ones from the saved step: a saved
+    LambdaLR and param groups carry the old run's (issue 16; megatron's local spec kept them until session 57)."""
+    model, batches = assets
+    old = make(backend, model, fp8=False)
+    old.train_step(batches[:1], SftLossFn(), num_target_tokens(batches[0]))
+    old.save(tmp_path / "ckpt")
+    cfg = OptimizerConfig(lr=5e-4, schedule="constant", warmup_ratio=0.0, betas=(0.8, 0.9), eps=1e-6)
+    args = (ModelConfig(path=str(model)), TrainerConfig(), cfg)
+    cls = MegatronTrainer if backend == "megatron" else TorchTrainer
+    new = cls(*args, total_steps=20, fp8=False)
+    new.load(tmp_path / "ckpt")
+    assert new.step == 1 and new.scheduler.last_epoch == 1
+    for group in new.optimizer.param_groups:
+        assert (group["lr"], tuple(group["betas"]), group["eps"]) == (5e-4, (0.8, 0.9), 1e-6)
+    new.train_step(batches[1:2], SftLossFn(), num_target_tokens(batches[1]))
+    assert new.scheduler.get_last_lr() == [5e-4] * len(new.optimizer.param_groups)
+
+
 def test_greedy_generation_uses_the_current_weights(assets: tuple) -> None:
     model, batches = assets
     torch_tr, mega = make("torch", model, fp8=True), make("megatron", model, fp8=True)

@@ -91,7 +91,14 @@ def load_checkpoint(trainer: MegatronTrainer, directory: Path) -> None:
         )
     trainer.load_hf_weights(read_weights(directory / io.HF_DIR))
     trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    if trainer.te is None:  # a torch AdamW and LambdaLR: this run's lr, schedule and AdamW settings, as the
+        # torch backend restores them (a saved LambdaLR and param groups hold the old run's)
+        io.restore_schedule(
+            trainer.optimizer, trainer.scheduler, trainer.optimizer_cfg, int(state["scheduler"]["last_epoch"])
+        )
+    else:  # te: LrSchedule keeps only the step and sets this run's lr every step (megatron's optimizer
+        # keeps its saved AdamW settings: not handled, the te spec has never run here)
+        trainer.scheduler.load_state_dict(state["scheduler"])
     io.set_rng_state(state["rng"])
     trainer.step = int(state["step"])
     trainer.num_skipped = int(state["num_skipped"])

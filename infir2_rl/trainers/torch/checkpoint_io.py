@@ -185,7 +185,12 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
         if trainer.master_weights is not None:  # the FP32 values, not the BF16 model's rounding of them
             trainer.master_weights.load_state_dict(trainer.model, weights)
         trainer.optimizer.load_state_dict(train_state["optimizer"])
-    restore_schedule(trainer, int(train_state["scheduler"]["last_epoch"]))
+    restore_schedule(
+        trainer.optimizer,
+        trainer.scheduler,
+        trainer.optimizer_cfg,
+        int(train_state["scheduler"]["last_epoch"]),
+    )
     set_rng_state(train_state["rng"])
     trainer.step = int(train_state["step"])
     trainer.num_skipped = int(train_state["num_skipped"])
@@ -201,7 +206,7 @@ def check_weights_match(model: Any, missing: set[str], unexpected: set[str], dir
         )
 
 
-def restore_schedule(trainer: TrainerRank, last_epoch: int) -> None:
+def restore_schedule(optimizer: Any, scheduler: Any, cfg: Any, last_epoch: int) -> None:
     """Put the lr schedule at the saved position, with this run's optimizer settings.
 
     A saved LambdaLR also holds the peak lr and the schedule's parameters of the run that wrote it, and the
@@ -209,17 +214,17 @@ def restore_schedule(trainer: TrainerRank, last_epoch: int) -> None:
     resume changed them (issue 16: resumed with lr=1e-2, the run went on at 3e-4). The schedule here is the
     one built from this run's config, moved to the saved step; the lr is computed with LambdaLR's own
     expression, so an unchanged config gives bit-identical learning rates. A changed config is refused
-    before this point unless ``checkpoint.allow_config_change`` is set (stages/guards.py).
+    before this point unless ``checkpoint.allow_config_change`` is set (stages/guards.py). ``optimizer``: a torch
+    optimizer whose saved state was just loaded; ``scheduler``: its LambdaLR, built from ``cfg`` (an
+    ``OptimizerConfig``). Both trainer backends call it (megatron's local spec: trainers/megatron/checkpoint.py).
     """
-    cfg, sched = trainer.optimizer_cfg, trainer.scheduler
+    sched = scheduler
     sched.last_epoch = last_epoch
-    for group, base_lr, factor in zip(
-        trainer.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
-    ):
+    for group, base_lr, factor in zip(optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
         group["betas"], group["eps"], group["weight_decay"] = tuple(cfg.betas), cfg.eps, cfg.weight_decay
         group["initial_lr"] = base_lr
         group["lr"] = base_lr * factor(last_epoch)
-    sched._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
+    sched._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @torch.no_grad()
