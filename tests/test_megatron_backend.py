@@ -317,6 +317,17 @@ def test_a_resume_takes_this_runs_optimizer_settings_not_the_checkpoints(
     assert new.scheduler.get_last_lr() == [5e-4] * len(new.optimizer.param_groups)
 
 
+def test_fused_kernels_false_turns_off_the_fused_token_scores(assets: tuple) -> None:
+    """trainer.fused_kernels: megatron's only Triton path of the setting is the token scores' (was always on)."""
+    model, _ = assets
+    for setting, fused in (("auto", True), (False, False)):
+        trainer = MegatronTrainer(
+            ModelConfig(path=str(model)), TrainerConfig(fused_kernels=setting), OptimizerConfig(),  # type: ignore[arg-type]
+            total_steps=2, fp8=False,
+        )  # fmt: skip
+        assert trainer.fused_token_scores is fused
+
+
 def test_greedy_generation_uses_the_current_weights(assets: tuple) -> None:
     model, batches = assets
     torch_tr, mega = make("torch", model, fp8=True), make("megatron", model, fp8=True)

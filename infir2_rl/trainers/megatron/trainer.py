@@ -97,6 +97,9 @@ class MegatronTrainer:
         self.compute_dtype = resolve_compute_dtype(model_cfg.dtype, self.device)
         self.optimizer_cfg = optimizer_cfg
         self.fp8, self.pow2_scales = fp8, trainer_cfg.fp8_pow2_scales
+        # trainer.fused_kernels: here only the token scores' Triton passes (megatron has its own layers);
+        # "true" is the torch backend's and refused by the config
+        self.fused_token_scores = trainer_cfg.fused_kernels is not False
         self.tp, cp = trainer_cfg.tensor_parallel_size, trainer_cfg.context_parallel_size
         self.path = model_cfg.path
         self.hf_config: Any = AutoConfig.from_pretrained(self.path, local_files_only=True)
@@ -412,7 +415,8 @@ class MegatronTrainer:
             if self.tp == 1:  # the vocabulary is padded to a multiple of TP: not at all here
                 logp, entropy = chunked_token_scores(
                     hidden, w, targets, temperature=temperature, need_entropy=need_entropy,
-                    compute_dtype=self.compute_dtype, fused=token_scores_fused.available(self.device),
+                    compute_dtype=self.compute_dtype,
+                    fused=self.fused_token_scores and token_scores_fused.available(self.device),
                 )  # fmt: skip
             else:
                 logp, entropy = vocab_parallel_token_scores(
