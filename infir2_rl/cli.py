@@ -273,8 +273,25 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if args.verbose or code == 130 else " (run with -v for the traceback)"
         print(f"infir2-rl: {kind}: {line}{hint}", file=sys.stderr)
         if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
-            exit_within(code, float(os.environ.get("INFIR2_EXIT_GRACE_S", "60")))
+            exit_within(code, exit_grace_s())
         return code
+
+
+def exit_grace_s() -> float:
+    """``INFIR2_EXIT_GRACE_S`` (docs/reliability.md), read while a run is already ending: a bad value is said
+    in one line and the default taken, so Ctrl-C or SIGTERM still end in their one line and exit code."""
+    raw = os.environ.get("INFIR2_EXIT_GRACE_S", "60")
+    try:
+        grace = float(raw)
+    except ValueError:
+        grace = -1.0
+    if not grace >= 0:  # also NaN
+        print(
+            f"infir2-rl: INFIR2_EXIT_GRACE_S={raw!r} is not a number of seconds >= 0; using 60",
+            file=sys.stderr,
+        )
+        return 60.0
+    return grace
 
 
 if __name__ == "__main__":

@@ -156,3 +156,16 @@ def test_a_sigterm_that_ray_turned_into_a_plain_keyboard_interrupt_still_exits_1
     monkeypatch.setattr(errors, "SIGTERM_RECEIVED", [True])
     code, line = errors.describe(KeyboardInterrupt())
     assert code == errors.EXIT_TERMINATED and "SIGTERM" in line
+
+
+def test_a_bad_exit_grace_is_one_line_and_the_default(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """INFIR2_EXIT_GRACE_S is read while Ctrl-C or SIGTERM is already ending the run: a bad value must not
+    turn that into a traceback and exit code 1."""
+    from infir2_rl.cli import exit_grace_s
+
+    monkeypatch.setenv("INFIR2_EXIT_GRACE_S", "2.5")
+    assert exit_grace_s() == 2.5
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("INFIR2_EXIT_GRACE_S", bad)
+        assert exit_grace_s() == 60.0
+        assert f"INFIR2_EXIT_GRACE_S={bad!r} is not a number" in capsys.readouterr().err
