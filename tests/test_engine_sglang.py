@@ -121,6 +121,9 @@ def test_launch_command_passes_the_engine_share_gpu_and_memory_saver_only_when_c
     own = P.launch_command(P.LaunchOptions("/ckpt", 30001, deterministic=True, random_seed=7))
     assert "--mem-fraction-static" not in own and "--enable-memory-saver" not in own
     assert own[-3:] == ["--enable-deterministic-inference", "--random-seed", "7"]
+    assert "--max-running-requests" not in own and "--dtype" not in own  # SGLang's defaults
+    capped = P.launch_command(P.LaunchOptions("/ckpt", 1, max_running_requests=256, dtype="bfloat16"))
+    assert capped[-4:] == ["--max-running-requests", "256", "--dtype", "bfloat16"]
     with pytest.raises(ValueError, match="gpu_share=1.5"):
         P.launch_command(P.LaunchOptions("/ckpt", 1, gpu_share=1.5))
 
@@ -307,3 +310,25 @@ def test_sglang_engines_need_the_byte_self_check_off() -> None:
     cfg = parse_stage_config({"kind": "rl", "rollout": {"backend": "sglang"}})
     with pytest.raises(ValueError, match="weight_sync.self_check_layers=2: SGLang engines cannot read back"):
         create_engines(cfg, placement=None)  # type: ignore[arg-type]  # refused before any placement is used
+
+
+def test_the_sglang_backend_gets_the_batch_cap_and_dtype_and_says_what_it_cannot_honour(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """rollout.max_batch_size and model.dtype reach the server's flags ("auto": BF16, not SGLang's FP16 for an
+    FP32 checkpoint); power-of-two trainer scales, which SGLang's activation quantization does not follow, are
+    said in one warning."""
+    from infir2_rl.actors.rollout_engine import make_engine_backend
+    from infir2_rl.config.components import RolloutConfig
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(
+        SglangEngine, "launch", classmethod(lambda cls, path, **kw: seen.update(kw, path=path))
+    )
+    rollout = RolloutConfig(backend="sglang", max_batch_size=96)
+    make_engine_backend(rollout, "/ckpt", fp8=True, dtype="auto", pow2_scales=False)
+    assert (seen["max_running_requests"], seen["dtype"]) == (96, "bfloat16")
+    assert "fp8_pow2_scales" not in caplog.text
+    with caplog.at_level("WARNING"):
+        make_engine_backend(rollout, "/ckpt", fp8=True, dtype="float32", pow2_scales=True)
+    assert seen["dtype"] == "float32" and "trainer.fp8_pow2_scales=true" in caplog.text

@@ -173,7 +173,10 @@ def test_launch_flags_are_server_args_fields() -> None:
             flag = "--" + stmt.target.id.replace("_", "-")
             is_bool = ast.unparse(stmt.annotation).replace(" ", "").startswith("A[bool,")
             (bool_fields if is_bool else value_fields).add(flag)
-    opts = P.LaunchOptions("/m", 1, 2, gpu_share=0.4, deterministic=True, random_seed=1, context_length=8)
+    opts = P.LaunchOptions(
+        "/m", 1, 2, gpu_share=0.4, deterministic=True, random_seed=1, context_length=8,
+        max_running_requests=256, dtype="bfloat16",
+    )  # fmt: skip
     args = P.launch_command(opts)[3:]  # after "python -m sglang.launch_server"
     i = 0
     while i < len(args):

@@ -16,6 +16,7 @@ threads each new thread would pay the warm-ups again.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from infir2_rl.actors.placement import Placement
     from infir2_rl.config.stage import RlStageConfig
 
+log = logging.getLogger(__name__)
 # Concurrent calls per engine actor besides generate: abort/health + a waiting weight update.
 MAX_CONCURRENCY = 4
 GENERATE_GROUP = "generate"  # generate's concurrency group: one thread (module docstring)
@@ -77,11 +79,21 @@ def make_engine_backend(
                 "true_on_policy is built for rollout.backend=native only (SGLang engines: not built)"
             )
 
+        if fp8 and pow2_scales:
+            log.warning(
+                "rollout.backend=sglang with trainer.fp8_pow2_scales=true: SGLang loads the trainer's FP8 weights"
+                " and power-of-two scales as sent, but quantizes activations with its own FP32 amax/448 scales,"
+                " so trained and sampled activations are quantized by different rules"
+            )
         return SglangEngine.launch(
             fp8_checkpoint or model_path,
             fp8=fp8,
             tensor_parallel_size=rollout.tensor_parallel_size,
             gpu_share=gpu_share,
+            max_running_requests=rollout.max_batch_size,
+            # model.dtype "auto" is BF16 on a GPU here; SGLang's own "auto" would run an FP32 checkpoint
+            # (what the SFT stages save) in FP16
+            dtype="bfloat16" if dtype == "auto" else dtype,
         )
     raise ValueError(f"rollout.backend={rollout.backend!r}: use 'native' or 'sglang'")
 

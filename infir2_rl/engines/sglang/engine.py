@@ -142,12 +142,13 @@ class SglangEngine:
     def launch(
         cls, model_path: str, *, fp8: bool, tensor_parallel_size: int = 1, gpu_share: float | None = None,
         base_gpu_id: int = 0, deterministic: bool = False, startup_timeout_s: float = 900.0,
+        max_running_requests: int | None = None, dtype: str = "auto",
     ) -> SglangEngine:  # fmt: skip
         """Start a server on ``model_path``; ``gpu_share`` (colocated) sets its memory fraction and memory saver."""
         context_length = _context_length(model_path)
         opts = P.LaunchOptions(
             model_path, _free_port(), tensor_parallel_size, gpu_share, base_gpu_id, deterministic,
-            context_length=context_length,
+            context_length=context_length, max_running_requests=max_running_requests, dtype=dtype,
         )  # fmt: skip
         if not deterministic:
             log.warning(

@@ -75,6 +75,10 @@ class LaunchOptions:
     deterministic: bool = False
     random_seed: int | None = None
     context_length: int | None = None
+    # rollout.max_batch_size: the most requests the server runs at once; None = SGLang's own limit.
+    max_running_requests: int | None = None
+    # The weights' and activations' dtype ("auto": SGLang's choice from the checkpoint).
+    dtype: str = "auto"
 
 
 def launch_command(opts: LaunchOptions) -> list[str]:
@@ -93,6 +97,10 @@ def launch_command(opts: LaunchOptions) -> list[str]:
         cmd += ["--random-seed", str(opts.random_seed)]
     if opts.context_length is not None:
         cmd += ["--context-length", str(opts.context_length)]
+    if opts.max_running_requests is not None:
+        cmd += ["--max-running-requests", str(opts.max_running_requests)]
+    if opts.dtype != "auto":
+        cmd += ["--dtype", opts.dtype]
     return cmd
 
 
