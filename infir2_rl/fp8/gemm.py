@@ -23,8 +23,8 @@ path with one loud warning, and callers emulate (same numbers up to accumulation
 from __future__ import annotations
 
 import functools
+import logging
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.quant import dequantize_activation, dequantize_weight_blockwise
+
+log = logging.getLogger(__name__)
 
 
 def _round_up(a: int, b: int) -> int:
@@ -162,11 +164,13 @@ def _device_supported(device_index: int) -> bool:
         except Exception as exc:  # any failure here means: do not use the fast path
             reason = f"F.scaled_mm blockwise self-check raised {type(exc).__name__}: {exc}"
     if reason is not None:
-        warnings.warn(
-            f"FP8 fast path DISABLED on cuda:{device_index}: {reason}. FP8 linears fall back to emulation "
-            "(quantize, dequantize, matmul in FP32): same numbers, no speed-up.",
-            RuntimeWarning,
-            stacklevel=3,
+        # logged (the package's logger, once per device: the probe is cached), not a Python warning, which
+        # -W / PYTHONWARNINGS filters would hide
+        log.warning(
+            "FP8 fast path DISABLED on cuda:%d: %s. FP8 linears fall back to emulation (quantize, dequantize,"
+            " matmul in FP32): same numbers, no speed-up.",
+            device_index,
+            reason,
         )
         return False
     _check_accumulate(device_index)  # here, with the fast path's check: before any CUDA graph capture
@@ -213,11 +217,11 @@ def _check_accumulate(device_index: int) -> None:
     except Exception as exc:  # e.g. no libcublasLt found, or an older cuBLASLt without VEC128 scaling
         reason = f"raised {type(exc).__name__}: {exc}"
     if reason is not None:
-        warnings.warn(
-            f"FP8 wgrad accumulation in the GEMM DISABLED on cuda:{device_index}: cuBLASLt with beta = 1 {reason}. "
-            "Weight gradients are returned and added into the FP32 gradients apart: same numbers, slower.",
-            RuntimeWarning,
-            stacklevel=3,
+        log.warning(
+            "FP8 wgrad accumulation in the GEMM DISABLED on cuda:%d: cuBLASLt with beta = 1 %s. Weight gradients"
+            " are returned and added into the FP32 gradients apart: same numbers, slower.",
+            device_index,
+            reason,
         )
     _accumulate[device_index] = reason is None
 
