@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 
+from infir2_rl.env import env_flag
 from infir2_rl.errors import SIGTERM_RECEIVED, Terminated
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def ensure_ray() -> None:
         from infir2_rl.actors.ray_watch import choose_local_auth_mode, watch_instructions
 
         auth_mode = choose_local_auth_mode()
-        dashboard = os.environ.get("INFIR2_RAY_DASHBOARD", "1") == "1"
+        dashboard = env_flag("INFIR2_RAY_DASHBOARD", True)
         env = {k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}
         context = ray.init(
             num_cpus=_affinity_cpus(),

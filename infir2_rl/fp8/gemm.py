@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from infir2_rl.env import env_flag
 from infir2_rl.fp8 import quant_triton
 from infir2_rl.fp8.quant import dequantize_activation, dequantize_weight_blockwise
 
@@ -203,7 +203,7 @@ def _accumulate_check(device: torch.device) -> str | None:
 def fused_wgrad_requested() -> bool:
     """False when ``INFIR2_FUSED_WGRAD`` is ``0``, ``false``, ``off`` or ``no`` (for A/B benchmarks): weight
     gradients are then returned and added apart, in FP8 (``ops.WGRAD_INTO``) and BF16 (``MainGradLinear``)."""
-    return os.environ.get(FUSED_WGRAD_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag(FUSED_WGRAD_ENV, True)
 
 
 def _check_accumulate(device_index: int) -> None:

@@ -39,10 +39,11 @@ so the engine's codes equal the trainer's.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from infir2_rl.env import env_flag
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it.
     import triton
@@ -73,7 +74,7 @@ LAUNCH_CANDIDATES: dict[str, list[dict[str, Any]]] = {
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
     """True when the fused kernels can run: Triton imports and a CUDA device is present."""
-    if os.environ.get("INFIR2_FP8_EAGER_QUANT") == "1":  # escape hatch to compare with the reference
+    if env_flag("INFIR2_FP8_EAGER_QUANT", False):  # escape hatch to compare with the reference
         return False
     return _HAVE_TRITON and torch.cuda.is_available()
 

@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
+import logging
 from collections.abc import Iterator
 
 import torch
+
+from infir2_rl.env import env_flag, env_flag_set
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
@@ -60,7 +64,7 @@ def requested() -> bool:
     inside ``forced``."""
     if _forced is not None:
         return _forced
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag(ENV, True)
 
 
 @contextlib.contextmanager
@@ -82,9 +86,18 @@ def _supported(index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """PDL for kernels on ``device``: a CUDA device of compute capability 9.0 or later, a Triton with grid
     dependency control, and not turned off by ``INFIR2_PDL``."""
-    if device.type != "cuda" or not _HAVE_GDC or not requested():
+    if device.type != "cuda" or not requested():
+        return False
+    if not _HAVE_GDC:
+        if env_flag_set(ENV):
+            _say_no_gdc()
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _say_no_gdc() -> None:
+    log.warning("%s is set, but this Triton has no grid dependency control: kernels launch without PDL", ENV)
 
 
 if _HAVE_GDC:
