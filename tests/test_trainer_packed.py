@@ -80,6 +80,7 @@ def test_pack_sequences_auto_packs_only_where_varlen_flash_runs(monkeypatch: pyt
     assert resolve("auto", cuda, bf16, True) is False  # true_on_policy's walk scores padded rows
     assert resolve("auto", cuda, bf16, False, sorted_rows=True) is False  # sorted padded rows beat packing
     assert resolve(True, cuda, bf16, False, sorted_rows=True) is True
+    assert resolve("auto", cuda, bf16, False, eager_attention=True) is False  # eager attention asked for
     monkeypatch.setattr(varlen_attention, "varlen_available", lambda device, warn=True: False)
     assert resolve("auto", cuda, bf16, False) is False  # no torch.nn.attention.varlen
 

@@ -145,7 +145,8 @@ class TrainerConfig(_Config):
     # and gradients as padded up to rounding; pays when lengths differ a lot (RL responses: 1.23x BF16 and
     # 1.24x FP8 tokens/s over unsorted padded rows on a 256-sequence batch at 1.5B, where padding computed
     # 1.44x the real tokens, docs/performance.md). "auto": packed where varlen
-    # flash attention runs (torch backend on a CUDA GPU, BF16/FP16 compute, not true_on_policy) and the rows
+    # flash attention runs (torch backend on a CUDA GPU, BF16/FP16 compute, not true_on_policy, not with
+    # model.attn_implementation=eager, which packed rows would replace by varlen flash) and the rows
     # are not sorted by length (sort_by_length with a token budget: sorted padded micro-batches were 1.06x /
     # 1.07x faster than packed ones on that batch, since SDPA's attention kernel beats varlen flash per
     # FLOP), padded elsewhere (CPU: the block-diagonal mask costs more than the padding it saves); true:

@@ -125,9 +125,11 @@ def resolve_pack_sequences(
     compute_dtype: torch.dtype,
     true_on_policy: bool,
     sorted_rows: bool = False,
+    eager_attention: bool = False,
 ) -> bool:
     """``trainer.pack_sequences``: "auto" packs where varlen flash attention runs (a CUDA device, BF16/FP16
-    compute, not true_on_policy, whose walk scores padded rows) and the rows are not sorted by length
+    compute, not true_on_policy, whose walk scores padded rows; not where ``model.attn_implementation`` asks
+    for eager attention, which packed rows would replace by varlen flash) and the rows are not sorted by length
     (``sorted_rows``: trainer.sort_by_length with a token budget), and pads elsewhere. Sorted padded
     micro-batches compute little padding and keep SDPA's attention kernel, ~2x faster per FLOP on an H100
     than varlen flash: 1.06-1.07x the tokens/s of packing on an RL-shaped batch at 1.5B (docs/performance.md,
@@ -137,6 +139,7 @@ def resolve_pack_sequences(
     return (
         not true_on_policy
         and not sorted_rows
+        and not eager_attention
         and compute_dtype in (torch.bfloat16, torch.float16)
         and varlen_attention.varlen_available(device, warn=False)
     )
@@ -186,12 +189,20 @@ class TorchTrainer:
         # Packed micro-batches (trainer.pack_sequences): see scoring.py. The trainer group asks for the
         # resolved setting (TrainerWorker.packs_sequences), since it splits batches into micro-batches.
         sorted_rows = trainer_cfg.sorts_rows
+        eager_attention = model_cfg.attn_implementation == "eager"
         self.pack_sequences = resolve_pack_sequences(
-            trainer_cfg.pack_sequences, self.device, self.compute_dtype, true_on_policy, sorted_rows
-        )
+            trainer_cfg.pack_sequences, self.device, self.compute_dtype, true_on_policy, sorted_rows,
+            eager_attention,
+        )  # fmt: skip
         if trainer_cfg.pack_sequences == "auto" and self.device.type == "cuda":
             why = " (rows sorted by length: trainer.sort_by_length)" if sorted_rows else ""
+            why = " (model.attn_implementation=eager)" if eager_attention else why
             log.info("trainer.pack_sequences=auto: %s%s", "packed" if self.pack_sequences else "padded", why)
+        elif self.pack_sequences and eager_attention and self.device.type == "cuda":
+            log.warning(
+                "trainer.pack_sequences=true: packed micro-batches run varlen flash attention, not the eager"
+                " attention model.attn_implementation asks for"
+            )
         self.fp8_linears: list[str] = []
         self.pow2_scales = trainer_cfg.fp8_pow2_scales
         if fp8:
