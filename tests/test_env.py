@@ -43,3 +43,16 @@ def test_pdl_asked_for_without_grid_dependency_control_is_said_once(
         assert not pdl.enabled(torch.device("cuda")) and not pdl.enabled(torch.device("cuda"))
     assert caplog.text.count("INFIR2_PDL is set, but this Triton has no grid dependency control") == 1
     pdl._say_no_gdc.cache_clear()
+
+
+def test_an_fp8_linear_the_gpu_path_cannot_align_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    from infir2_rl.fp8 import gemm
+
+    gemm._say_emulated.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert not gemm.fast_path_ok(torch.empty(0), 100, 64)  # off the GPU: no line (CPU always emulates)
+        assert not caplog.text
+        for _ in range(2):  # what fast_path_ok calls on a GPU for such a layer, at every forward
+            gemm._say_emulated(100, 64)
+    assert caplog.text.count("FP8 linear N=100, K=64 on a GPU: not multiples of 16") == 1
+    gemm._say_emulated.cache_clear()

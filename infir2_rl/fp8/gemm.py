@@ -239,5 +239,16 @@ def fast_path_ok(t: torch.Tensor, n: int, k: int) -> bool:
     if not t.is_cuda:
         return False
     if n % 16 or k % 16:  # cuBLASLt's FP8 alignment; tiny or odd layers are emulated
+        _say_emulated(n, k)
         return False
     return _device_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _say_emulated(n: int, k: int) -> None:
+    log.warning(
+        "FP8 linear N=%d, K=%d on a GPU: not multiples of 16 (cuBLASLt's FP8 alignment), so it runs emulated"
+        " (quantize, dequantize, matmul in FP32): same numbers, no speed-up",
+        n,
+        k,
+    )
