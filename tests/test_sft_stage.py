@@ -170,3 +170,25 @@ def test_bad_input_fails_before_any_actor_starts(
     no_assistant.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="no usable SFT row"):
         run_sft_stage(stage(assets, tmp_path / "c", data={"train_path": str(no_assistant)}))
+
+
+def test_the_eval_set_says_which_held_out_rows_it_leaves_out(
+    assets: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rows without a final assistant answer or a boxed answer cannot score eval/accuracy: counted by cause in
+    one line, not dropped silently."""
+    from transformers import AutoTokenizer
+
+    from infir2_rl.config.components import SftDataConfig
+    from infir2_rl.stages.sft_eval import load_eval_set
+
+    model, data = assets
+    rows = [json.loads(line) for line in (data / "sft_test.jsonl").read_text().splitlines()][:3]
+    rows[1]["messages"][-1]["content"] = "no box here"
+    rows[2]["messages"] = rows[2]["messages"][:-1]  # ends with the user's turn
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("INFO"):
+        eval_set = load_eval_set(SftDataConfig(test_path=str(test)), AutoTokenizer.from_pretrained(model))
+    assert eval_set is not None and len(eval_set.prompts) == 1
+    assert "rows left out: 1 no final assistant message, 1 no boxed answer" in caplog.text

@@ -63,7 +63,12 @@ def dead_engines(engines: list[object], timeout_s: float = HEALTH_TIMEOUT_S) -> 
     for i, ref in enumerate(refs):
         try:
             ray.get(ref, timeout=timeout_s)
-        except (RayActorError, GetTimeoutError):
+        except RayActorError:
+            dead.append(i)
+        except GetTimeoutError:  # alive perhaps, but stuck: replaced like a dead one, and said so
+            log.warning(
+                "rollout engine %d did not answer health within %.0f s: treated as dead", i, timeout_s
+            )
             dead.append(i)
     return dead
 

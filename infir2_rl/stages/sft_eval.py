@@ -85,20 +85,25 @@ def load_eval_set(data: SftDataConfig, tokenizer: Any) -> SftEvalSet | None:
     prompts: list[list[int]] = []
     labels: list[str] = []
     answer_lens: list[int] = []
+    skipped = {"no final assistant message": 0, "no boxed answer": 0, "prompt too long": 0}
     for row in read_records(data.test_path, data.format):
         if limit is not None and len(prompts) >= limit:
             break
         messages = (row.data or {}).get(data.messages_key)
         if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)):
+            skipped["no final assistant message"] += 1
             continue
         if messages[-1].get("role") != "assistant" or not isinstance(messages[-1].get("content"), str):
+            skipped["no final assistant message"] += 1
             continue
         label = extract_final_answer(messages[-1]["content"])
         if label is None:
+            skipped["no boxed answer"] += 1
             continue
         text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(prompt_ids) >= data.max_seq_len:
+            skipped["prompt too long"] += 1
             continue
         prompts.append(list(prompt_ids))
         labels.append(label)
@@ -107,6 +112,11 @@ def load_eval_set(data: SftDataConfig, tokenizer: Any) -> SftEvalSet | None:
         log.warning(
             "%s: no held-out row has a boxed final answer: eval/accuracy is not measured", data.test_path
         )
+    elif any(skipped.values()):
+        log.info(
+            "%s: eval/accuracy over %d held-out problems; rows left out: %s", data.test_path, len(prompts),
+            ", ".join(f"{n} {why}" for why, n in skipped.items() if n),
+        )  # fmt: skip
     max_new = min(max(answer_lens, default=1) + EXTRA_NEW_TOKENS, data.max_seq_len)
     return SftEvalSet(to_token_batch(examples, tokenizer.pad_token_id), prompts, labels, max_new)
 
