@@ -35,3 +35,16 @@ def test_the_named_step_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["train_step2_rank0.txt"]
     text = (tmp_path / "prof" / "train_step2_rank0.txt").read_text()
     assert text.startswith("step 2, wall") and "aten::" in text
+
+
+def test_a_step_that_never_comes_is_refused_or_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infir2_rl.trainers.torch.trainer import profile_step_from_env
+
+    monkeypatch.delenv("INFIR2_PROFILE_TRAIN_STEP", raising=False)
+    assert profile_step_from_env() is None
+    monkeypatch.setenv("INFIR2_PROFILE_TRAIN_STEP", " 3 ")
+    assert profile_step_from_env() == 3
+    for bad in ("0", "step3", "-1", "2.5"):
+        monkeypatch.setenv("INFIR2_PROFILE_TRAIN_STEP", bad)
+        with pytest.raises(ValueError, match="give the optimizer step to profile, 1 or more"):
+            profile_step_from_env()

@@ -119,6 +119,17 @@ def resolve_compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
 
 
+def profile_step_from_env() -> int | None:
+    """``INFIR2_PROFILE_TRAIN_STEP``: the optimizer step (1, 2, ...) to profile, None when unset; another value
+    is refused in one line (it would never match a step, and nothing would say so)."""
+    raw = os.environ.get("INFIR2_PROFILE_TRAIN_STEP", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"INFIR2_PROFILE_TRAIN_STEP={raw!r}: give the optimizer step to profile, 1 or more")
+    return int(raw)
+
+
 def resolve_pack_sequences(
     setting: bool | str,
     device: torch.device,
@@ -486,7 +497,7 @@ class TorchTrainer:
             )
         # INFIR2_PROFILE_TRAIN_STEP=N: torch.profiler over optimizer step N, tables to INFIR2_PROFILE_DIR
         # (docs/monitoring.md). A debugging aid for GPU runs; off by default.
-        if os.environ.get("INFIR2_PROFILE_TRAIN_STEP", "") == str(self.step + 1):
+        if profile_step_from_env() == self.step + 1:
             return self._profiled_train_step(batches, loss_fn, total_units, keep_logprobs)
         return self._train_step(batches, loss_fn, total_units, keep_logprobs)
 
@@ -750,6 +761,12 @@ class TorchTrainer:
         """Restore weights, optimizer, schedule, RNG states and step from a `save` directory."""
         io.load_checkpoint(self, Path(directory))
         self._export_listings.clear()  # the next export walks (a listing would find any replaced tensor)
+        profile_step = profile_step_from_env()
+        if profile_step is not None and profile_step <= self.step:
+            log.warning(
+                "INFIR2_PROFILE_TRAIN_STEP=%d: this run resumes after step %d, so no step is profiled",
+                profile_step, self.step,
+            )  # fmt: skip
 
     def save_hf(self, directory: Path, dtype: torch.dtype | None = None) -> None:
         """An HF directory transformers loads (weights in `dtype`, default the compute dtype) + tokenizer."""
