@@ -479,7 +479,10 @@ def test_a_killed_rollout_engine_is_replaced_and_the_stage_completes_as_if_undis
     assets: tuple[Path, Path], tmp_path: Path, ray_local: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     straight_dir = tmp_path / "straight"
-    run_rl_stage(_rl(assets, straight_dir))
+    # A reward with spread in nearly every group of the untrained model's text (response < label in string
+    # order; the math reward is 0 everywhere, so every gradient would be 0 and any two runs compare equal).
+    spread = "rollout.reward=operator:lt"
+    run_rl_stage(_rl(assets, straight_dir, spread))
     real_generate = RolloutManager.generate
     calls = {"n": 0}
 
@@ -492,15 +495,20 @@ def test_a_killed_rollout_engine_is_replaced_and_the_stage_completes_as_if_undis
 
     monkeypatch.setattr(RolloutManager, "generate", kill_engine_in_step_2)
     run_dir = tmp_path / "killed"
-    result = run_rl_stage(_rl(assets, run_dir))
+    result = run_rl_stage(_rl(assets, run_dir, spread))
     assert result.steps_run == 2 and (run_dir / "final").is_dir()
     got, want = _metrics(run_dir), _metrics(straight_dir)
+    assert all(want[step]["train/grad_norm"] > 0 for step in (1, 2))  # the comparison below has content
     assert got[2]["rollout/engine_restarts"] == 1 and got[2]["rollout/step_retries"] == 1
     assert got[1]["rollout/engine_restarts"] == 0
     for step in (
         1,
         2,
     ):  # the retried step drew the same prompts and seeds, from an engine with the same weights
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
+        for key in (
+            "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm", "mismatch/k3"
+        ):  # fmt: skip
             assert got[step][key] == want[step][key], (step, key)
+    final = (straight_dir / "final" / "model.safetensors").read_bytes()
+    assert (run_dir / "final" / "model.safetensors").read_bytes() == final
     assert "replaced rollout engine(s) [0]" in (run_dir / "logs" / "stage.log").read_text()
