@@ -40,6 +40,7 @@ def test_packed_and_padded_train_the_same(tmp_path: Path, fp8: bool) -> None:
     (logp_packed,) = trainers[True].forward_logprobs([batch], temperature=1.1)
     (logp_padded,) = trainers[False].forward_logprobs([batch], temperature=1.1)
     torch.testing.assert_close(logp_packed, logp_padded, rtol=1e-5, atol=1e-5)
+    start = {name: p.detach().clone() for name, p in trainers[False].model.named_parameters()}
     stats = {
         packed: t.train_step(micro_batches(batch, 4), SftLossFn(), num_target_tokens(batch))
         for packed, t in trainers.items()
@@ -49,10 +50,20 @@ def test_packed_and_padded_train_the_same(tmp_path: Path, fp8: bool) -> None:
     # padding rows): FP8 rounding noise, ~2e-4 of the norm here, not a different gradient.
     assert stats[True].grad_norm == pytest.approx(stats[False].grad_norm, rel=1e-3 if fp8 else 1e-5)
     padded_params = dict(trainers[False].model.named_parameters())
-    lr = OptimizerConfig().lr  # Adam moves each weight by at most ~lr: FP8 noise can flip small ones
+    lr = OptimizerConfig().lr
+    flipped = total = 0
     for name, p in trainers[True].model.named_parameters():
-        atol = 2 * lr if fp8 else 2e-5
-        torch.testing.assert_close(p, padded_params[name], rtol=1e-5, atol=atol, msg=name)
+        if not fp8:
+            torch.testing.assert_close(p, padded_params[name], rtol=1e-5, atol=2e-5, msg=name)
+            continue
+        # Adam's first step moves every weight by ~lr one way or the other, so a per-element bound of 2 lr
+        # would hold for any two gradients. FP8 noise may flip the direction only where a gradient is tiny:
+        # the updates must agree almost everywhere, and every update must have moved by ~lr.
+        moved, other = p.detach() - start[name], padded_params[name].detach() - start[name]
+        flipped += int(((moved - other).abs() > lr / 2).sum())
+        total += moved.numel()
+    if fp8:  # 1,243 of 434,048 (0.29%) here on 2026-11-29; a wrong gradient flips about half
+        assert flipped < 0.01 * total, f"{flipped} of {total} updates differ"
 
 
 def test_pack_sequences_auto_packs_only_where_varlen_flash_runs(monkeypatch: pytest.MonkeyPatch) -> None:
