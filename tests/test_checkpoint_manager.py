@@ -108,7 +108,10 @@ def test_resume_state_continues_refuses_other_data_or_starts_over(tmp_path: Path
 
 
 def test_epoch_order_and_batches_are_seeded_and_drop_the_partial_tail() -> None:
-    assert epoch_order(10, epoch=0, seed=1, shuffle=True) == epoch_order(10, epoch=0, seed=1, shuffle=True)
+    # Pinned (torch's CPU randperm): the same order in every process and after a resume; the seed and the
+    # epoch each change it.
+    assert epoch_order(10, epoch=0, seed=1, shuffle=True) == [4, 1, 8, 6, 3, 9, 5, 7, 2, 0]
+    assert epoch_order(10, epoch=0, seed=2, shuffle=True) != epoch_order(10, epoch=0, seed=1, shuffle=True)
     assert epoch_order(10, epoch=0, seed=1, shuffle=True) != epoch_order(10, epoch=1, seed=1, shuffle=True)
     assert epoch_order(4, epoch=3, seed=1, shuffle=False) == [0, 1, 2, 3]
     cursor, seen = DataCursor(), []

@@ -25,9 +25,11 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
+        self.seeds: list[int | None] = []
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         self.calls.append([r.request_id for r in requests])
+        self.seeds += [r.seed for r in requests]
         out = []
         for r in requests:
             num_correct, truncated = r.prompt_ids[0], r.prompt_ids[1]
@@ -142,13 +144,19 @@ def test_without_dynamic_sampling_exactly_prompts_per_step_are_drawn() -> None:
 
 def test_requests_are_spread_over_engines_and_seeded_by_a_saved_counter() -> None:
     engines = [ScriptedEngine(), ScriptedEngine()]
-    manager = _manager(engines, _cfg(dynamic_sampling=False, prompts_per_step=3))
+    cfg = _cfg(dynamic_sampling=False, prompts_per_step=3)
+    manager = RolloutManager(engines, cfg, reward, DigitTokenizer(), stop_token_ids=[2], seed=5)
     manager.generate(PromptSource([_prompt(1), _prompt(2), _prompt(3)], seed=0, shuffle=False))
     assert engines[0].calls == [["req0", "req2"]] and engines[1].calls == [["req1"]]
+    # Every request's seed comes from the stage's seed and the request counter (5 * 1,000,003 + n).
+    assert engines[0].seeds == [5_000_015, 5_000_017] and engines[1].seeds == [5_000_016]
     assert manager.state_dict() == {"num_requests": 3}
-    restored = _manager([ScriptedEngine()], _cfg())
+    engine = ScriptedEngine()
+    one = _cfg(dynamic_sampling=False, prompts_per_step=1)
+    restored = RolloutManager([engine], one, reward, DigitTokenizer(), stop_token_ids=[2], seed=5)
     restored.load_state_dict(manager.state_dict())
-    assert restored.num_requests == 3
+    restored.generate(PromptSource([_prompt(1)], seed=0, shuffle=False))
+    assert engine.calls == [["req3"]] and engine.seeds == [5_000_018]  # a resumed run goes on counting
 
 
 def test_evaluate_scores_one_greedy_answer_per_prompt() -> None:
