@@ -265,8 +265,8 @@ def test_memory_release_and_resume_are_noops_on_cpu(model_dir: Path) -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_engine_logprobs_track_trainer_forward_on_gpu_in_bf16(model_dir: Path, fp8: bool) -> None:
     # BF16 on the GPU: engine (KV-cache decode, batch of 6) and trainer (one full sequence) run different
-    # GEMM shapes, so the BF16 rounding of layer outputs may differ; the bounds allow that noise (the
-    # tiny model measured mean 1e-7 on an H200: its kernels happened to round identically).
+    # kernels and GEMM shapes, so the BF16 rounding of layer outputs differs (the fast mode; true_on_policy
+    # makes them equal: tests/test_true_on_policy_gpu.py); the bounds allow that noise with ~4-5x headroom.
     engine = NativeEngine(str(model_dir), fp8=fp8, device="cuda")
     assert engine.dtype == torch.bfloat16
     samples = engine.generate(_requests(max_new_tokens=32))
@@ -275,7 +275,15 @@ def test_engine_logprobs_track_trainer_forward_on_gpu_in_bf16(model_dir: Path, f
         swap_to_fp8_training(trainer)
     gaps = _logprob_gaps(trainer, samples, 0.7)
     print(f"fp8={fp8}: mean |dlogp| {gaps.mean().item():.2e}, max {gaps.max().item():.2e}")
-    assert gaps.mean().item() < 0.02 and gaps.max().item() < 0.2
+    # H200, 2026-11-29: BF16 mean 3.8e-4, max 5.6e-3; FP8 6.0e-3, 3.1e-2 (FP8 turns BF16 rounding differences
+    # into whole e4m3 steps: docs/mismatch.md)
+    mean_bound, max_bound = (2e-2, 1e-1) if fp8 else (2e-3, 2e-2)
+    assert gaps.mean().item() < mean_bound and gaps.max().item() < max_bound
+    if fp8:  # the FP8 trainer tracks the FP8 engine closer than the same model without FP8 does
+        plain, _ = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
+        plain_gap = _logprob_gaps(plain, samples, 0.7).mean().item()
+        print(f"fp8 engine vs plain BF16 trainer: mean |dlogp| {plain_gap:.2e}")
+        assert plain_gap > 1.5 * gaps.mean().item()
     before = torch.cuda.memory_allocated()
     engine.release_memory()
     assert torch.cuda.memory_allocated() < before

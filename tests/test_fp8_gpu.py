@@ -123,9 +123,12 @@ def test_every_launch_candidate_is_exact(kind: str, cand: dict, monkeypatch: pyt
     monkeypatch.setitem(quant_triton.LAUNCH, kind, dict(cand))
     probe = torch.randn(256, 256, device=CUDA)
     run = {"rows": quant_triton.quantize_rows, "cols": quant_triton.quantize_cols}
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
     try:  # a variant the compiler rejects is skipped here (and excluded by the sweep), never mis-computes
         run.get(kind, quant_triton.quantize_weight_with_transpose)(probe)
-    except Exception as exc:
+    except (CompilationError, OutOfResources) as exc:  # any other error is a failure
         pytest.skip(f"{kind} {cand} does not build here: {type(exc).__name__}: {str(exc)[:200]}")
     for m, k, pow2 in [(300, 640, False), (1000, 8960, True), (4096, 3584, False)]:
         x = (torch.randn(m, k, device=CUDA) * torch.exp(2 * torch.randn(m, 1, device=CUDA))).to(
@@ -233,9 +236,11 @@ def test_cast_on_gpu_matches_cpu_and_transformers_reads_it(tmp_path: Path) -> No
         ours_logits = ours(tokens).logits.float()
         try:  # their FP8 forward may need the `kernels` package from the Hub: not offline
             theirs_logits = theirs(tokens).logits.float()
-        except Exception as exc:
-            print(f"transformers FP8 forward unavailable offline: {type(exc).__name__}: {exc}")
-            return
+        except Exception as exc:  # the checks above ran; the comparison of logits did not: said as a skip
+            pytest.skip(
+                "weights read by transformers equal ours; its FP8 forward did not run here (offline?):"
+                f" {type(exc).__name__}: {str(exc)[:200]}"
+            )
     print(f"transformers FP8 forward vs ours: rel diff {_rel(theirs_logits, ours_logits):.4f}")
     assert _rel(theirs_logits, ours_logits) < 0.1
 
