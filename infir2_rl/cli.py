@@ -32,7 +32,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-log = logging.getLogger("infir2_rl")
 VERBOSE_FLAGS = ("-v", "--verbose")
 
 

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 import resource
@@ -29,8 +28,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from infir2_rl.metrics.names import TIME_PREFIX
-
-log = logging.getLogger(__name__)
 
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

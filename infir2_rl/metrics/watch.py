@@ -28,8 +28,6 @@ from rich.table import Table
 from infir2_rl.metrics import names
 from infir2_rl.metrics.logger import JSONL_NAME
 
-log = logging.getLogger(__name__)
-
 PLAN_FILE = "progress.json"
 FINAL_DIR = "final"  # the stage's published checkpoint (stages/common.py): present once it finished
 

@@ -47,10 +47,6 @@ class RolloutBatch:
     def rewards_tensor(self) -> Tensor:
         return torch.tensor(self.rewards, dtype=torch.float32)
 
-    @property
-    def num_response_tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples)
-
 
 def to_token_batches(
     batch: RolloutBatch, advantages: Tensor, pad_id: int, micro_batch_size: int

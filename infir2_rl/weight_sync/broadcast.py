@@ -10,7 +10,7 @@ buckets (``buckets.build_buckets``, left on their device: the GPU under NCCL), c
 buffer and keeps the buffers until ``release`` (the next export, or the end of the push), so the self-check can read back exactly the bytes that were sent. ``broadcast(i)`` sends buffer i. A
 push of the same tensors as the last one fills each buffer with one launch (``copy_plan.CopyPlan``).
 
-Receiver (``receive_flat``): allocates the flat buffer on its device and receives it; ``receive_bucket`` also
+Receiver (``receive_flat``): allocates the flat buffer on its device and receives it; ``unflatten_bytes``
 views the tensors out of it (a tensor at an offset that is not a multiple of its element size is copied out
 instead: ``view`` needs aligned storage). The engine then loads it (``receiver.py``: by its copy plan when the
 bucket is laid out as the last push's, else as a ``WeightBucket`` like any other): it is received first and
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from infir2_rl.types import WeightBucket
 from infir2_rl.weight_sync.buckets import HeldBuffer, build_buckets, view_bytes
 from infir2_rl.weight_sync.copy_plan import CopyPlan
 from infir2_rl.weight_sync.group import WeightGroup, group_backend, host_store
@@ -167,7 +166,7 @@ class BroadcastExport:
         self._metas.append(meta)
 
     def broadcast(self, index: int, timeout_s: float) -> None:
-        """Send flat bucket ``index`` to every engine (they receive it in ``receive_bucket``)."""
+        """Send flat bucket ``index`` to every engine (they receive it in ``receive_flat``)."""
         if self.group is None:
             raise RuntimeError("broadcast before the weight group was joined")
         self.group.refuse_if_broken(f"bucket {index}")
@@ -205,9 +204,3 @@ def receive_flat(group: WeightGroup | None, meta: BucketMeta, device: torch.devi
     flat = torch.empty(meta.num_bytes, dtype=torch.uint8, device=device)
     group.broadcast_(flat, f"receiving bucket {meta.index} of version {meta.version}")
     return flat
-
-
-def receive_bucket(group: WeightGroup | None, meta: BucketMeta, device: torch.device) -> WeightBucket:
-    """The engine's side of one bucket: receive its flat buffer on ``device`` and view its tensors."""
-    tensors = unflatten_bytes(receive_flat(group, meta, device), meta.metas)
-    return WeightBucket(meta.version, meta.index, meta.num_buckets, list(meta.names), tensors)

@@ -4,7 +4,7 @@ Shapes: B decode rows, P prompts, L prompt tokens (right-padded), H query heads,
 KV head (grouped-query attention), D head dim, S cache slots (+1 scratch slot), T cache length per slot.
 
 The KV cache of one layer is ``k_cache`` / ``v_cache`` of shape (S + 1, KVH, T, D): one slot per running
-sequence, written by index (``write_decode``), so shapes never change and the decode step can be captured
+sequence, written by index (decode: ``fused_ops.rope_write_kv``; prefill: ``write_prefill``), so shapes never change and the decode step can be captured
 in a CUDA graph. Row b of a decode batch reads slot ``slot_ids[b]`` up to ``lengths[b]`` tokens.
 
 Decode, two implementations of the same function:
@@ -53,14 +53,6 @@ except ImportError:  # pragma: no cover - CPU-only installs
 from infir2_rl.engines.native import fused_ops
 from infir2_rl.engines.native.fused_ops import QuantizedRows
 from infir2_rl.graph_capture import sm_count
-
-
-def write_decode(
-    k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, positions: Tensor, k: Tensor, v: Tensor
-) -> None:
-    """Store one new key/value per row: k, v (B, KVH, D) into slot ``slot_ids[b]`` at ``positions[b]``."""
-    k_cache[slot_ids, :, positions] = k
-    v_cache[slot_ids, :, positions] = v
 
 
 def write_prefill(

@@ -38,7 +38,6 @@ What the ``te`` spec is (model.py builds it, this module trains and exports it):
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -50,8 +49,6 @@ from torch import Tensor, nn
 
 from infir2_rl.config import OptimizerConfig
 from infir2_rl.trainers.optim import LrFactor
-
-log = logging.getLogger(__name__)
 
 # The Transformer Engine release this path is written and contract-tested against (docker/Dockerfile installs it).
 TE_VERSION = "2.20.2"
