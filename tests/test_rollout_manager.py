@@ -203,3 +203,22 @@ def test_prompt_source_is_seeded_crosses_epochs_and_resumes() -> None:
     assert [p.prompt_ids[0] for p in b.take(6)] == [p.prompt_ids[0] for p in a.take(6)]
     with pytest.raises(ValueError, match="same data"):
         PromptSource(prompts[:4], seed=3).load_state_dict(state)
+
+
+def test_the_math_rewards_timeouts_and_errors_of_a_step_are_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """reward/timeouts and reward/errors: what the built-in math reward's counters gained during the step
+    (its counters are process-wide); absent for other reward functions, which keep no such counts."""
+    from infir2_rl.reward.math import RewardStats, math_reward
+    from infir2_rl.rollout import manager as manager_module
+
+    readings = iter([RewardStats(num_timeouts=5, num_errors=1), RewardStats(num_timeouts=7, num_errors=1)])
+    monkeypatch.setattr(manager_module, "reward_stats", lambda: next(readings))
+    monkeypatch.setattr(manager_module, "score_batch", lambda fn, texts, labels: [0.0] * len(texts))
+    cfg = _cfg(dynamic_sampling=False)
+    math = RolloutManager([ScriptedEngine()], cfg, math_reward, DigitTokenizer(), stop_token_ids=[2], seed=0)
+    batch = math.generate(PromptSource([_prompt(1)], seed=0, shuffle=False))
+    assert batch.metrics[names.REWARD_TIMEOUTS] == 2.0 and batch.metrics[names.REWARD_ERRORS] == 0.0
+    other = _manager([ScriptedEngine()], cfg).generate(PromptSource([_prompt(1)], seed=0, shuffle=False))
+    assert names.REWARD_TIMEOUTS not in other.metrics

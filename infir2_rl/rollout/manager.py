@@ -41,6 +41,7 @@ from transformers import PreTrainedTokenizerBase
 from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.config.components import RolloutConfig
 from infir2_rl.metrics import names
+from infir2_rl.reward.math import math_reward, reward_stats
 from infir2_rl.reward.protocol import RewardFn, score_batch
 from infir2_rl.rollout.batch import RolloutBatch
 from infir2_rl.rollout.prompts import PromptLike, PromptSource
@@ -173,6 +174,9 @@ class RolloutManager:
         everything: list[Group] = []
         rounds, gen_time, score_time = 0, 0.0, 0.0
         params = self._params()
+        # The built-in math reward counts how it scored (reward.math.RewardStats, process-wide): the step's
+        # share of its failures is published with the batch.
+        stats_before = reward_stats() if self.reward_fn is math_reward else None
         while len(kept) < need and rounds < max_rounds:
             t0 = time.perf_counter()
             groups = self._sample(source.take(per_round), n, params)
@@ -188,9 +192,14 @@ class RolloutManager:
         final = kept[:need] + filled
         if len(final) < need:
             raise RuntimeError(f"only {len(final)} groups were generated for prompts_per_step={need}")
-        return self._batch(
+        batch = self._batch(
             final, everything, len(dropped), len(filled), surplus, rounds, gen_time, score_time
         )
+        if stats_before is not None:
+            after = reward_stats()
+            batch.metrics[names.REWARD_TIMEOUTS] = float(after.num_timeouts - stats_before.num_timeouts)
+            batch.metrics[names.REWARD_ERRORS] = float(after.num_errors - stats_before.num_errors)
+        return batch
 
     def _batch(
         self,
