@@ -73,7 +73,7 @@ def test_demo_pipeline_end_to_end(tmp_path: Path, ray_local: object) -> None:
             assert m[names.MISMATCH_DENSE_K3] > 10 * m[names.MISMATCH_K3], m
             assert m[names.MISMATCH_ABS_LOGP_DIFF_MEAN] < 1e-2
             assert m[names.WEIGHT_SYNC_PUSH_S] > 0
-        assert names.EVAL_ACCURACY in steps[-1]
+        assert names.EVAL_ACCURACY in steps[-1] and 0.0 <= steps[-1][names.EVAL_TRUNCATED_FRAC] <= 1.0
     assert "temperature: 1.0" in rl1  # the curriculum: stage 2 samples (and scores) at 1.1
     assert "temperature: 1.1" in (run_dir / "rl_stage2" / "config.yaml").read_text()
 

@@ -103,6 +103,8 @@ EVAL_ACCURACY = "eval/accuracy"
 EVAL_LOSS = "eval/loss"
 # Mean length of the greedy held-out answers (RL evaluation), tokens.
 EVAL_RESPONSE_LEN_MEAN = "eval/response_len_mean"
+# RL held-out evaluation: the fraction of greedy answers cut at rollout.max_response_len (unscored endings).
+EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
 
 # Seconds to push the trainer's weights to every engine (the transfer; not the self-check after it).
 WEIGHT_SYNC_PUSH_S = "weight_sync/push_s"

@@ -78,7 +78,11 @@ class RlActors:
         if not test:
             return {}
         result = self.manager.evaluate(test)
-        return {names.EVAL_ACCURACY: result.accuracy, names.EVAL_RESPONSE_LEN_MEAN: result.response_len_mean}
+        return {
+            names.EVAL_ACCURACY: result.accuracy,
+            names.EVAL_RESPONSE_LEN_MEAN: result.response_len_mean,
+            names.EVAL_TRUNCATED_FRAC: result.truncated_frac,
+        }
 
     def engines_sleep(self) -> None:
         """Colocated on a GPU: engines free their memory for the trainer (no-op otherwise)."""
