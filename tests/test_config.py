@@ -195,6 +195,22 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     bad.write_text("trainer: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_stage_config(bad)
+    # A key written twice (PyYAML keeps the last silently), bytes that are not text, an unclosed override.
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("kind: sft\noptimizer:\n  lr: 1e-3\n  lr: 1e-2\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' appears twice in one mapping \(lines 3 and 4\)"):
+        load_stage_config(dup)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_stage_config(binary)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("kind: sft\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 1, column 6"):
+        load_stage_config(ok, ["optimizer.betas=[0.9,"])
+    # Every float setting is finite: inf passed the range checks that refuse nan.
+    with pytest.raises(ConfigError, match="rollout.temperature.*finite number"):
+        load_stage_config(ok, ["kind=rl", "rollout.temperature=.inf"])
 
 
 def test_pipeline_resolves_stages(tmp_path: Path) -> None:
@@ -212,6 +228,13 @@ def test_pipeline_resolves_stages(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="repeat"):
         load_pipeline_config(tmp_path / "d.yaml")
+    # A stage's name is its directory under run_dir: nothing may lead outside it or into the root itself.
+    for name in ("''", "'../../etc'", "a/b", "'..'"):
+        (tmp_path / "n.yaml").write_text(f"stages:\n  - {{name: {name}, config: s.yaml}}\n")
+        with pytest.raises(ConfigError, match="a stage name is its directory under run_dir"):
+            load_pipeline_config(tmp_path / "n.yaml")
+    with pytest.raises(ConfigError, match="run_dir='': empty"):
+        load_pipeline_config(tmp_path / "p.yaml", ["run_dir="])
 
 
 def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ class AlgorithmConfig(BaseModel):
     """GRPO with clip-higher, TIS/MIS against the engine, optional KL and entropy terms. The defaults are
     InfiR2's RL stages (clip 0.2 / 0.28, TIS cap 2, no KL, no entropy bonus)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
     # Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style mean-centring only.
     normalize_std: bool = True

@@ -15,7 +15,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: every float setting must be finite (inf passed the range checks, nan did not).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Config):

@@ -22,6 +22,33 @@ class ConfigError(ValueError):
     """A config that cannot run; the message is one sentence meant for the user."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (PyYAML keeps the last silently, so
+    an edited config could run with a value its author did not see)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and {key_node.start_mark.line + 1}):"
+                    " keep one",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: the problem and its position (PyYAML puts the position on a line of its own,
+    which a one-line error would drop)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
@@ -29,13 +56,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text ({e.reason}); pass a YAML file"
+        ) from e
     except yaml.YAMLError as e:
-        # PyYAML puts the position on a line of its own, which the one-line error would drop.
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from e
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{_yaml_problem(e)}") from e
     if data is None:
         raise ConfigError(f"config file {str(path)!r} is empty; a stage or pipeline YAML needs its settings")
     if not isinstance(data, dict):
@@ -54,7 +81,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from e
+            raise ConfigError(f"override {item!r}: the value is not valid YAML{_yaml_problem(e)}") from e
         if isinstance(value, str):
             value = _number_or_str(value)
         node = data

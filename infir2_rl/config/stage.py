@@ -312,6 +312,13 @@ class PipelineStage(_Config):
 
     @model_validator(mode="after")
     def _check(self) -> PipelineStage:
+        # The name is a directory under the pipeline's run_dir: one plain path component.
+        name = self.name.strip()
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ValueError(
+                f"stages[].name={self.name!r}: a stage name is its directory under run_dir; use a plain name"
+                " such as sft_stage1 (no '/', not empty, not '.' or '..')"
+            )
         if self.kind == "stage" and not self.config:
             raise ValueError(f"stages[{self.name}].config is missing: name the stage YAML file")
         if self.kind == "cast_fp8" and self.config:
@@ -331,6 +338,10 @@ class PipelineConfig(_Config):
     def _check(self) -> PipelineConfig:
         if not self.stages:
             raise ValueError("stages is empty: list at least one stage")
+        if not self.run_dir.strip():
+            raise ValueError(
+                "run_dir='': empty (stages would write into the current directory); set it to a path"
+            )
         names = [s.name for s in self.stages]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
