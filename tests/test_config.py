@@ -438,3 +438,36 @@ def test_cuda_graphs_on_a_cpu_trainer_is_one_clear_error(tmp_path) -> None:  # t
     )
     with pytest.raises(ValueError, match="cuda_graphs"):
         SftStageConfig.model_validate({"trainer": {"cuda_graphs": "sometimes"}})
+
+
+def test_model_and_data_paths_must_be_what_the_stage_reads(tmp_path: Path) -> None:
+    """model.path (and rollout.fp8_checkpoint) must be an HF directory with config.json and weights, data
+    paths files: checked with the paths, before Ray starts (a plain file or an empty directory failed later,
+    inside a library, with exit code 1)."""
+    from infir2_rl.config.stage import SftStageConfig, validate_paths
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    afile, empty, config_only = tmp_path / "afile", tmp_path / "empty", tmp_path / "config_only"
+    afile.write_text("x")
+    empty.mkdir()
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+
+    def check(model: Path, train: Path = data) -> None:
+        validate_paths(
+            SftStageConfig.model_validate(
+                {"model": {"path": str(model)}, "data": {"train_path": str(train), "test_path": None}}
+            )
+        )
+
+    with pytest.raises(ValueError, match=r"^model.path='.*afile': a file, not a directory"):
+        check(afile)
+    with pytest.raises(ValueError, match=r"no config.json and no weights \(\*.safetensors\) in it"):
+        check(empty)
+    with pytest.raises(ValueError, match=r"config_only': no weights \(\*.safetensors\) in it"):
+        check(config_only)
+    (config_only / "model.safetensors").write_bytes(b"")
+    check(config_only)
+    with pytest.raises(ValueError, match=r"^data.train_path='.*empty': a directory"):
+        check(config_only, empty)

@@ -371,8 +371,30 @@ def validate_paths(cfg: SftStageConfig | RlStageConfig, *, check_model: bool = T
                 hint = (
                     "a placeholder of the shipped config: set it to your own (as an override or in the YAML)"
                 )
-            elif field.startswith("model") or field.startswith("rollout"):
+            elif field == "rollout.fp8_checkpoint":
+                hint = (
+                    "run `infir2-rl cast-fp8 --input MODEL_DIR --output DIR` or point it at an FP8 checkpoint"
+                )
+            elif field.startswith("model"):
                 hint = "run `infir2-rl init-model --out DIR` or point it at an HF checkpoint"
             else:
                 hint = "run `infir2-rl make-data --out DIR` or point it at your data file"
             raise ValueError(f"{field}={value!r}: no such file or directory; {hint}")
+        path = Path(value)
+        if field in ("model.path", "rollout.fp8_checkpoint"):
+            # An HF directory: its config and weights (what every trainer and engine reads first).
+            if not path.is_dir():
+                raise ValueError(
+                    f"{field}={value!r}: a file, not a directory; point it at an HF checkpoint directory"
+                )
+            missing = [w for w, ok in (
+                ("config.json", (path / "config.json").is_file()),
+                ("weights (*.safetensors)", any(path.glob("*.safetensors")) or any(path.glob("*.bin"))),
+            ) if not ok]  # fmt: skip
+            if missing:
+                raise ValueError(
+                    f"{field}={value!r}: no {' and no '.join(missing)} in it; point it at an HF checkpoint"
+                    " directory (a stage's final/, or `infir2-rl init-model --out DIR`)"
+                )
+        elif path.is_dir():
+            raise ValueError(f"{field}={value!r}: a directory; point it at a jsonl or parquet file")
