@@ -169,3 +169,25 @@ def test_a_bad_exit_grace_is_one_line_and_the_default(monkeypatch: pytest.Monkey
         monkeypatch.setenv("INFIR2_EXIT_GRACE_S", bad)
         assert exit_grace_s() == 60.0
         assert f"INFIR2_EXIT_GRACE_S={bad!r} is not a number" in capsys.readouterr().err
+
+
+def test_a_ray_address_nothing_answers_at_is_one_line_not_a_hang() -> None:
+    """ray.init retried an unreachable RAY_ADDRESS for minutes, printing only its own warnings."""
+    import socket
+
+    from infir2_rl.actors.ray_runtime import check_ray_address
+    from infir2_rl.errors import BadInput
+
+    with socket.socket() as s:  # a port nothing listens on (bound, then closed)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(BadInput, match=rf"RAY_ADDRESS='127.0.0.1:{port}': nothing answers there"):
+        check_ray_address(f"127.0.0.1:{port}", timeout_s=2.0)
+    with pytest.raises(BadInput, match="write it as HOST:PORT"):
+        check_ray_address("garbage")
+    with socket.socket() as server:  # a listening port passes; so do the forms Ray resolves itself
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
+    check_ray_address("auto")
+    check_ray_address("ray://head:10001")

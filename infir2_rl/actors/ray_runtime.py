@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 
 from infir2_rl.env import env_flag
-from infir2_rl.errors import SIGTERM_RECEIVED, Terminated
+from infir2_rl.errors import SIGTERM_RECEIVED, BadInput, Terminated
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,27 @@ log = logging.getLogger(__name__)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a ``RAY_ADDRESS`` of the form host:port that nothing answers at, in one line: ``ray.init`` would
+    retry for minutes printing only its own connection warnings. Other forms (``auto``, ``ray://...``,
+    ``http://...``) are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise BadInput(
+            f"RAY_ADDRESS={address!r}: write it as HOST:PORT of a Ray head's GCS (e.g. 10.0.0.1:6379), auto, or"
+            " unset it to start a local Ray"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise BadInput(
+            f"RAY_ADDRESS={address!r}: nothing answers there ({exc.strerror or exc}); start the head"
+            " (`ray start --head`) or unset RAY_ADDRESS to start a local Ray"
+        ) from exc
+
+
 def ensure_ray() -> None:
     """Connect to the cluster in RAY_ADDRESS (set by `ray job submit`) or start a local Ray instance."""
     import ray
@@ -28,6 +50,7 @@ def ensure_ray() -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
+        check_ray_address(address)
         ray.init(address=address, log_to_driver=True)
     else:
         from infir2_rl.actors.ray_watch import choose_local_auth_mode, watch_instructions
