@@ -154,3 +154,17 @@ def test_cli_report_compares_runs(pipeline_dir: Path, tmp_path: Path) -> None:
     )  # bad input: one line, exit 2 (tests/test_cli.py)
     with pytest.raises(ValueError, match="at least two"):
         make_comparison([pipeline_dir], out)
+
+
+def test_a_run_without_a_readable_step_is_one_line_not_a_table_of_zeros(tmp_path: Path) -> None:
+    from infir2_rl.metrics.report import load_run
+
+    with pytest.raises(ValueError, match="no such directory"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "metrics.jsonl").write_text("not json\n{\n")
+    for run in ("empty", "garbage"):
+        with pytest.raises(ValueError, match="holds no readable step yet"):
+            load_run(tmp_path / run)

@@ -81,15 +81,28 @@ def read_metrics_jsonl(path: Path, stage: str) -> StageMetrics:
 def load_run(run_dir: str | Path) -> list[StageMetrics]:
     """The stages of a run directory, in the order they ran."""
     run_dir = Path(run_dir)
-    if (run_dir / JSONL_NAME).is_file():
-        return [read_metrics_jsonl(run_dir / JSONL_NAME, run_dir.name)]
-    stage_files = sorted(p for p in run_dir.glob(f"*/{JSONL_NAME}") if p.is_file())
-    if not stage_files:
+    if not run_dir.is_dir():
         raise ValueError(
-            f"run_dir={str(run_dir)!r}: no {JSONL_NAME} in it or in its sub-directories; "
-            "pass a stage or pipeline run directory."
+            f"run_dir={str(run_dir)!r}: no such directory; pass a stage or pipeline run directory"
         )
-    stages = [read_metrics_jsonl(p, p.parent.name) for p in stage_files]
+    if (run_dir / JSONL_NAME).is_file():
+        stage_files = [run_dir / JSONL_NAME]
+        stages = [read_metrics_jsonl(run_dir / JSONL_NAME, run_dir.name)]
+    else:
+        stage_files = sorted(p for p in run_dir.glob(f"*/{JSONL_NAME}") if p.is_file())
+        if not stage_files:
+            raise ValueError(
+                f"run_dir={str(run_dir)!r}: no {JSONL_NAME} in it or in its sub-directories; "
+                "pass a stage or pipeline run directory."
+            )
+        stages = [read_metrics_jsonl(p, p.parent.name) for p in stage_files]
+    if not any(stage.steps for stage in stages):  # empty, or only unreadable lines: nothing to draw
+        raise ValueError(
+            f"run_dir={str(run_dir)!r}: its {JSONL_NAME} holds no readable step yet; "
+            "report a run after its first logged step"
+        )
+    if len(stages) == 1:
+        return stages
 
     def first_time(path: Path) -> float:
         for line in path.read_text(encoding="utf-8").splitlines():

@@ -172,9 +172,12 @@ def watch(
                 stages = run_stages(run_dir)
                 if stages:
                     rows = [stage_progress(d) for d in stages]
-                    make_report(run_dir)
-                    summary = summary_table(summarize(run_dir), title=f"Run summary: {run_dir}")
-                    live.update(Group(progress_table(rows), summary), refresh=True)
+                    try:
+                        make_report(run_dir)
+                        summary = summary_table(summarize(run_dir), title=f"Run summary: {run_dir}")
+                        live.update(Group(progress_table(rows), summary), refresh=True)
+                    except ValueError:  # its metrics.jsonl holds no step yet (load_run): the table alone
+                        live.update(progress_table(rows), refresh=True)
                 else:
                     live.update(f"waiting for {run_dir}/**/{JSONL_NAME} ...", refresh=True)
                 updates += 1
