@@ -116,7 +116,7 @@ def _cast_fp8(args: argparse.Namespace) -> int:
     from infir2_rl.fp8.cli import cast_fp8_main
 
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-    return cast_fp8_main(rest)
+    return cast_fp8_main(rest, raise_errors=True)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -122,6 +122,15 @@ def describe(exc: BaseException) -> tuple[int, str]:
         return EXIT_BAD_INPUT, (
             f"cannot write{where} ({exc.strerror}): make the run directory writable or set run_dir= to one that is"
         )
+    if (
+        isinstance(exc, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError))
+        and exc.filename
+    ):
+        # the OS's "[Errno 20] Not a directory: '...'": said as the path and what to do
+        return EXIT_BAD_INPUT, (
+            f"{exc.filename}: {exc.strerror or type(exc).__name__}; choose another path (run_dir=, --out,"
+            " --output) or fix the one on the way"
+        )
     if isinstance(exc, (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)):
         return EXIT_BAD_INPUT, first_line(str(exc))
     message = first_line(str(exc))

@@ -191,3 +191,14 @@ def test_a_ray_address_nothing_answers_at_is_one_line_not_a_hang() -> None:
         check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
     check_ray_address("auto")
     check_ray_address("ray://head:10001")
+
+
+def test_cast_fp8_and_os_errors_end_in_the_commands_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """cast-fp8 printed its own 'cast-fp8: error:' and no traceback with -v; an OS error on a path showed
+    Python's '[Errno 20] ...' text. Both now end as every command does: 'infir2-rl: error: ...', exit 2."""
+    assert main(["cast-fp8", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")]) == 2
+    assert "infir2-rl: error: input_dir=" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["init-model", "--out", str(tmp_path / "afile" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'afile' / 'sub'}: Not a directory; choose another path" in err and "Errno" not in err
