@@ -208,6 +208,9 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     ok.write_text("kind: sft\n")
     with pytest.raises(ConfigError, match=r"not valid YAML at line 1, column 6"):
         load_stage_config(ok, ["optimizer.betas=[0.9,"])
+    # placement.use_gpu=yes: YAML reads the word as a boolean; the setting takes it back as the word typed.
+    assert load_stage_config(ok, ["placement.use_gpu=yes"]).placement.use_gpu == "yes"
+    assert load_stage_config(ok, ["placement.use_gpu=no"]).placement.use_gpu == "no"
     # Every float setting is finite: inf passed the range checks that refuse nan.
     with pytest.raises(ConfigError, match="rollout.temperature.*finite number"):
         load_stage_config(ok, ["kind=rl", "rollout.temperature=.inf"])

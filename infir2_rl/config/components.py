@@ -6,9 +6,9 @@ Cross-field rules that need more than one component (e.g. batch divisibility) li
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Largest finite float32: a learning rate above it overflows the first optimizer step.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -327,6 +327,13 @@ class PlacementConfig(_Config):
     mode: Literal["colocate", "disaggregate"] = "colocate"
     # Use GPUs: "auto" when Ray sees any, else CPU bundles.
     use_gpu: Literal["auto", "yes", "no"] = "auto"
+
+    @field_validator("use_gpu", mode="before")
+    @classmethod
+    def _yes_no_as_typed(cls, value: Any) -> Any:
+        # YAML reads an unquoted yes/no as a boolean: give back the word the user typed.
+        return {True: "yes", False: "no"}.get(value, value) if isinstance(value, bool) else value
+
     # CPUs reserved per actor in CPU bundles.
     cpus_per_actor: float = Field(default=1.0, gt=0)
     # torch CPU threads of each trainer worker (0: Ray's default, the CPUs the actor reserves). On a CPU
