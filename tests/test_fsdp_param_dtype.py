@@ -119,7 +119,7 @@ def test_an_fsdp_resume_refuses_weights_that_do_not_fit_the_model(model_dir: Pat
 
     def trainer() -> TorchTrainer:
         return TorchTrainer(
-            ModelConfig(path=str(model_dir)), TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=2,
+            ModelConfig(path=str(model_dir)), TrainerConfig(), OptimizerConfig(), fp8=True, total_steps=2,
             device="cpu", fsdp=True,
         )  # fmt: skip
 
