@@ -378,6 +378,8 @@ def test_input_that_cannot_train_fails_before_ray_with_one_line(
     bad.write_text("".join(json.dumps({"prompt": "1+1?", "label": {"x": 2}}) + "\n" for _ in range(4)))
     code, line = _run_cli(_rl(assets, tmp_path / "rl_bad", f"data.train_path={bad}"), capsys)
     assert code == EXIT_BAD_INPUT and "no usable prompt row out of 4 (skipped: bad_format=4)" in line
+    code, line = _run_cli(_rl(assets, tmp_path / "rl_reward", "rollout.reward=no_such_reward"), capsys)
+    assert code == EXIT_BAD_INPUT and "rollout.reward='no_such_reward': not a built-in" in line
 
 
 # item 2: resume with changed settings; item 3: a dead trainer worker; item 5: non-finite steps in a row

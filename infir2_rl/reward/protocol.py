@@ -37,24 +37,24 @@ def load_reward_fn(spec: str) -> RewardFn:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
         raise ValueError(
-            f"reward={spec!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor a dotted path; "
+            f"rollout.reward={spec!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor a dotted path; "
             "use 'math' or 'package.module:function'."
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(
-            f"reward={spec!r}: cannot import module {module_name!r} ({exc}); "
+            f"rollout.reward={spec!r}: cannot import module {module_name!r} ({exc}); "
             "install it or put it on PYTHONPATH (with `ray job submit`, inside --working-dir)."
         ) from exc
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(
-            f"reward={spec!r}: module {module_name!r} has no attribute {attr!r}; check the name after the colon."
+            f"rollout.reward={spec!r}: module {module_name!r} has no attribute {attr!r}; check the name after the colon."
         )
     if not callable(fn):
         raise ValueError(
-            f"reward={spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function; "
+            f"rollout.reward={spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function; "
             "name a callable (response: str, label: str) -> float."
         )
     return fn  # type: ignore[no-any-return]

@@ -29,6 +29,7 @@ from infir2_rl.algo.mismatch import mismatch_metrics
 from infir2_rl.checkpoint import CheckpointManager, save_checkpoint
 from infir2_rl.config import RlStageConfig, validate_paths
 from infir2_rl.metrics import MetricsLogger, PhaseTimer, names
+from infir2_rl.reward.protocol import load_reward_fn
 from infir2_rl.rollout.batch import RolloutBatch, to_token_batches
 from infir2_rl.stages.common import (
     CHECKPOINTS_DIR,
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 def run_rl_stage(cfg: RlStageConfig) -> StageResult:
     """Run (or resume) one RL stage to its last step; returns RUN_DIR/final and the last metrics."""
     validate_paths(cfg)  # bad paths and data fail here, before any actor starts
+    load_reward_fn(cfg.rollout.reward)  # and a reward that does not import (it is loaded again in setup)
     data = load_rl_data(cfg)
     check_prompts_fill_step(cfg, len(data.train))
     last_step = min(cfg.rollout.num_steps, cfg.trainer.max_steps or sys.maxsize)
