@@ -50,7 +50,10 @@ def _check_config(args: argparse.Namespace) -> int:
             print(f"# --- {name} ---")
             print(dump_config(stage), end="")
             if args.paths:
-                validate_paths(stage, check_model=i == 0)
+                try:
+                    validate_paths(stage, check_model=i == 0)
+                except ValueError as e:
+                    raise ValueError(f"stage {name!r}: {e}") from e
     else:
         stage = load_stage_config(args.config, args.overrides)
         print(dump_config(stage), end="")

@@ -91,11 +91,14 @@ def run_pipeline(
     state = PipelineState.load(run_dir / "pipeline_state.json")
     # Check the inputs of every stage still to run before the first one starts (a typo in stage 4 should
     # not cost stages 1-3); only the first stage to run reads its own model.path, later ones get a checkpoint.
-    todo = [cfg for name, cfg in resolved if name not in state.finished]
-    for i, cfg in enumerate(todo):
+    todo = [(name, cfg) for name, cfg in resolved if name not in state.finished]
+    for i, (name, cfg) in enumerate(todo):
         if cfg is not None:
-            validate_paths(cfg, check_model=i == 0 and len(todo) == len(resolved))
-            check_stage_data(cfg)  # one batch of usable rows, before Ray starts
+            try:
+                validate_paths(cfg, check_model=i == 0 and len(todo) == len(resolved))
+                check_stage_data(cfg)  # one batch of usable rows, before Ray starts
+            except ValueError as e:
+                raise ValueError(f"stage {name!r}: {e}") from e
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, Path] = {}
     previous: Path | None = None
@@ -243,9 +246,12 @@ def run_demo(
     from infir2_rl.models.factory import init_model
 
     if not Path(pipeline).exists():
-        raise FileNotFoundError(
-            f"{pipeline} not found: run the demo from a source checkout installed with `pip install -e .`"
+        fix = (
+            "run the demo from a source checkout installed with `pip install -e .`"
+            if Path(pipeline) == DEMO_PIPELINE
+            else "pass the path of a pipeline YAML to --pipeline"
         )
+        raise ValueError(f"{pipeline} not found: {fix}")
     common, scoped_overrides = split_scoped_overrides(overrides)
     for kind, items in (precision_overrides(precision) if precision is not None else {}).items():
         scoped_overrides[kind] = [*items, *scoped_overrides.get(kind, [])]  # explicit ones win

@@ -474,3 +474,14 @@ def test_model_and_data_paths_must_be_what_the_stage_reads(tmp_path: Path) -> No
     check(config_only)
     with pytest.raises(ValueError, match=r"^data.train_path='.*empty': a directory"):
         check(config_only, empty)
+
+
+def test_pipeline_errors_name_the_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing stage file or a stage's missing input path: the line names the pipeline stage it belongs to."""
+    (tmp_path / "p.yaml").write_text("stages:\n  - {name: first, config: missing.yaml}\n")
+    with pytest.raises(ConfigError, match=r"^stage 'first' \(missing.yaml\): config file .* does not exist"):
+        load_pipeline_stages(load_pipeline_config(tmp_path / "p.yaml"), tmp_path / "p.yaml")
+    (tmp_path / "s.yaml").write_text(f"kind: sft\ndata:\n  train_path: {tmp_path / 'no.jsonl'}\n")
+    (tmp_path / "q.yaml").write_text("stages:\n  - {name: first, config: s.yaml}\n")
+    assert main(["check-config", "--paths", str(tmp_path / "q.yaml"), "model.path=" + str(tmp_path)]) == 2
+    assert "stage 'first': " in capsys.readouterr().err

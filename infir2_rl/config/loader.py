@@ -162,10 +162,10 @@ def load_pipeline_stages(
             out.append((st.name, None))
             continue
         assert st.config is not None
-        data = apply_overrides(read_yaml(base / st.config), st.overrides)
-        data["name"] = st.name
-        data["run_dir"] = str(Path(pipeline.run_dir) / st.name)
         try:
+            data = apply_overrides(read_yaml(base / st.config), st.overrides)
+            data["name"] = st.name
+            data["run_dir"] = str(Path(pipeline.run_dir) / st.name)
             out.append((st.name, parse_stage_config(data)))
         except ConfigError as e:
             raise ConfigError(f"stage {st.name!r} ({st.config}): {e}") from None
