@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import threading
@@ -150,6 +151,17 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type for a number of seconds > 0 (its error names the option and the value)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infir2-rl", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -228,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="live view of a running run: progress bar and ETA per stage, summary, PNGs redrawn (Ctrl-C ends)",
     )
-    p.add_argument("--interval", type=float, default=15.0, help="with --watch: seconds between refreshes")
+    p.add_argument(
+        "--interval", type=_positive_seconds, default=15.0, help="with --watch: seconds between refreshes"
+    )
     return parser
 
 

@@ -202,3 +202,14 @@ def test_cast_fp8_and_os_errors_end_in_the_commands_one_line(tmp_path: Path, cap
     assert main(["init-model", "--out", str(tmp_path / "afile" / "sub")]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'afile' / 'sub'}: Not a directory; choose another path" in err and "Errno" not in err
+
+
+def test_report_interval_and_init_model_on_a_file_are_one_clear_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["report", "--watch", str(tmp_path), "--interval", bad])
+        assert exit_info.value.code == 2
+        assert f"argument --interval: '{bad}' is not a number of seconds > 0" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["init-model", "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file: choose a new directory" in capsys.readouterr().err

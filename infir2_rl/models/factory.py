@@ -155,7 +155,9 @@ def init_model(
     ``AutoTokenizer.from_pretrained(out_dir)`` with ``HF_HUB_OFFLINE=1``.
     """
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir={str(out)!r} is a file: choose a new directory")
+    if out.exists() and any(out.iterdir()):
         raise ValueError(f"out_dir={str(out)!r} exists and is not empty: choose a new directory or delete it")
     if dtype is None:
         dtype = torch.bfloat16 if preset in _BF16_BY_DEFAULT else torch.float32
