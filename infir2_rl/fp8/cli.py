@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from infir2_rl.fp8.checkpoint import cast_checkpoint
 
@@ -42,12 +41,6 @@ def cast_fp8_main(argv: list[str] | None = None, raise_errors: bool = False) -> 
     let a refused input or output propagate (``infir2-rl cast-fp8``, whose handler prints the one line as
     every command does, and the traceback with -v)."""
     args = build_parser().parse_args(argv)
-    if raise_errors:
-        report = cast_checkpoint(
-            args.input, args.output, pow2_scales=args.pow2_scales, block_size=args.block_size,
-            progress=args.progress,
-        )  # fmt: skip
-        return _done(report, args.output)
     try:
         report = cast_checkpoint(
             args.input,
@@ -57,17 +50,15 @@ def cast_fp8_main(argv: list[str] | None = None, raise_errors: bool = False) -> 
             progress=args.progress,
         )
     except ValueError as exc:
+        if raise_errors:
+            raise
         print(f"cast-fp8: error: {exc}", file=sys.stderr)
         return 2
-    return _done(report, args.output)
-
-
-def _done(report: Any, output: str) -> int:
     gb_in, gb_out = report.bytes_in / 1e9, report.bytes_out / 1e9
     print(
         f"cast-fp8: {report.num_quantized} tensors quantized, {report.num_kept} kept, "
         f"{gb_in:.3f} GB -> {gb_out:.3f} GB in {report.seconds:.1f} s "
-        f"({gb_in / max(report.seconds, 1e-9):.2f} GB/s read) -> {output}"
+        f"({gb_in / max(report.seconds, 1e-9):.2f} GB/s read) -> {args.output}"
     )
     return 0
 

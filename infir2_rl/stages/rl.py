@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 def run_rl_stage(cfg: RlStageConfig) -> StageResult:
     """Run (or resume) one RL stage to its last step; returns RUN_DIR/final and the last metrics."""
     validate_paths(cfg)  # bad paths and data fail here, before any actor starts
-    load_reward_fn(cfg.rollout.reward)  # and a reward that does not import (it is loaded again in setup)
+    reward_fn = load_reward_fn(cfg.rollout.reward)  # and a reward that does not import
     data = load_rl_data(cfg)
     check_prompts_fill_step(cfg, len(data.train))
     last_step = min(cfg.rollout.num_steps, cfg.trainer.max_steps or sys.maxsize)
@@ -71,8 +71,9 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
             return StageResult(final, run_dir, steps_run=0, last_step=state.step, nothing_to_do=True)
         ensure_ray()  # after every check of the input: bad input fails in seconds, without Ray
         actors = start_rl_actors(
-            cfg, data, total_steps=last_step * cfg.updates_per_rollout, resume_from=resumed, state=state
-        )
+            cfg, data, reward_fn, total_steps=last_step * cfg.updates_per_rollout, resume_from=resumed,
+            state=state,
+        )  # fmt: skip
         loss_fn = GrpoLoss(cfg.algorithm, cfg.rollout.temperature)
         timer, summary, first = PhaseTimer(), dict[str, float](), state.step + 1
         recovery, streak = EngineRecovery(cfg, actors), SkipStreak(cfg.trainer.max_consecutive_skips)

@@ -30,7 +30,7 @@ from infir2_rl.checkpoint import Checkpoint, StageState
 from infir2_rl.config import RlStageConfig
 from infir2_rl.data.datasets import PromptExample, load_prompt_examples
 from infir2_rl.metrics import names
-from infir2_rl.reward.protocol import load_reward_fn
+from infir2_rl.reward.protocol import RewardFn
 from infir2_rl.rollout.manager import RolloutManager
 from infir2_rl.rollout.prompts import PromptSource
 from infir2_rl.weight_sync.service import WeightSyncService, make_transport
@@ -189,7 +189,13 @@ def _weight_sync(cfg: RlStageConfig, engines: list[Any], transport: str) -> Weig
 
 
 def start_rl_actors(
-    cfg: RlStageConfig, data: RlData, *, total_steps: int, resume_from: Checkpoint | None, state: StageState
+    cfg: RlStageConfig,
+    data: RlData,
+    reward_fn: RewardFn,
+    *,
+    total_steps: int,
+    resume_from: Checkpoint | None,
+    state: StageState,
 ) -> RlActors:
     """Place the trainer and engines, restore a checkpoint if given, and push the first weights (version = step)."""
     placement = reserve_for(
@@ -212,9 +218,7 @@ def start_rl_actors(
             f"model.path={cfg.model.path!r}: the tokenizer has no eos token to stop generation at"
         )
     stop_ids = [int(tok.eos_token_id)]  # the end of the assistant turn (<|im_end|> in ChatML templates)
-    manager = RolloutManager(
-        engines, cfg.rollout, load_reward_fn(cfg.rollout.reward), tok, stop_ids, cfg.seed
-    )
+    manager = RolloutManager(engines, cfg.rollout, reward_fn, tok, stop_ids, cfg.seed)
     prompts = PromptSource(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     if resume_from is not None:
         trainer.load(resume_from.path)

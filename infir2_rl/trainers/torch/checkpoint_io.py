@@ -218,13 +218,14 @@ def restore_schedule(optimizer: Any, scheduler: Any, cfg: Any, last_epoch: int) 
     optimizer whose saved state was just loaded; ``scheduler``: its LambdaLR, built from ``cfg`` (an
     ``OptimizerConfig``). Both trainer backends call it (megatron's local spec: trainers/megatron/checkpoint.py).
     """
-    sched = scheduler
-    sched.last_epoch = last_epoch
-    for group, base_lr, factor in zip(optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+    scheduler.last_epoch = last_epoch
+    for group, base_lr, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
         group["betas"], group["eps"], group["weight_decay"] = tuple(cfg.betas), cfg.eps, cfg.weight_decay
         group["initial_lr"] = base_lr
         group["lr"] = base_lr * factor(last_epoch)
-    sched._last_lr = [group["lr"] for group in optimizer.param_groups]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @torch.no_grad()
