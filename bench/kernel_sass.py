@@ -4,9 +4,8 @@
 
 Compiles ``quant_triton``'s kernel as its launcher would (16-divisibility hints, the default launch shape
 unless overridden), disassembles it with the ``cuobjdump`` that ships with Triton, and prints the instructions
-per element each thread issues, the registers, shared memory and the most frequent opcodes. Static counts:
-both sides of ``_to_e4m3``'s branch (the tiny-scale path) are counted, so the fast path alone is a little
-less. A memory-bound quantizer on an H100 has ~29 instructions per element to spend at the memory floor with
+per element each thread issues, the registers, shared memory and the most frequent opcodes (static counts;
+until session 58 they included both sides of ``_to_e4m3``'s tiny-scale branch, since removed). A memory-bound quantizer on an H100 has ~29 instructions per element to spend at the memory floor with
 BF16 input (4 schedulers x ~1.75 GHz per SM against ~7.6 G elements/s per SM); above that it is issue-bound.
 This is how session 25 found the token-tile kernel at ~34 per element (docs/performance.md).
 """

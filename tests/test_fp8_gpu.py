@@ -76,7 +76,7 @@ def test_fused_quantizers_match_eager_bit_for_bit(
 
 def _hard_inputs(dtype: torch.dtype) -> torch.Tensor:
     """(M, 256) rows: every finite BF16 value (shuffled), the same scaled into tiny binades (scales down to
-    FP32 subnormals, where 1 / scale overflows) and, for FP32, random bit patterns of every exponent."""
+    FP32 subnormals, which are raised to 2^-126) and, for FP32, random bit patterns of every exponent."""
     gen = torch.Generator().manual_seed(0)
     values = _finite_bf16_values().float()
     values = values[torch.randperm(values.numel(), generator=gen)]
@@ -96,8 +96,8 @@ def _hard_inputs(dtype: torch.dtype) -> torch.Tensor:
 def test_fused_quantizers_match_eager_for_every_bf16_value_and_tiny_tiles(
     dtype: torch.dtype, pow2: bool
 ) -> None:
-    """The kernels divide once per tile and correct each quotient by FMA (``_divide_by_scale``); the eager
-    reference divides each element. Equal bits for every BF16 value, FP32 bit patterns and tiny scales."""
+    """The kernels and the eager reference take one reciprocal per tile and one product per element
+    (``_to_e4m3``). Equal bits for every BF16 value, FP32 bit patterns and tiny scales."""
     x = _hard_inputs(dtype)
     m = x.shape[0]
     q, s_t = quant_triton.quantize_rows(x, pow2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fp8_reference import (
+    e4m3_grid,
     ref_dequant_rows,
     ref_dequant_weight,
     ref_quant_rows,
@@ -108,6 +109,56 @@ def test_a_block_whose_amax_over_448_underflows_gets_scale_one_not_nan(pow2: boo
     assert scale[0].tolist() == [1.0, 1.0]
     assert (x_fp8[0].float() == 0).all()  # below e4m3's smallest subnormal at scale 1
     assert torch.isfinite(fake_quantize_tiles(x, pow2_scales=pow2)).all()
+
+
+def _near_midpoints(amax: float) -> torch.Tensor:
+    """FP32 values x next to s * m for every e4m3 rounding midpoint m (s = amax / 448), where the
+    product rule round(x * RN(1 / s)) and the exact quotient round(x / s) can round to different codes."""
+    grid, _ = e4m3_grid()
+    mids = (grid[:-1] + grid[1:]) / 2
+    bits = (mids * (amax / 448.0)).to(torch.float32).view(torch.int32)
+    near = torch.cat([bits + d for d in range(-3, 4)]).view(torch.float32)
+    return near[(near > 0) & (near < amax)]
+
+
+@pytest.mark.parametrize("amax", [1.0009765625, 3.3, 0.7071])
+def test_codes_are_x_times_the_rounded_reciprocal_not_the_quotient(amax: float) -> None:
+    """The rule is codes = round_e4m3(RN(x * RN(1 / scale))) (Transformer Engine's and DeepSeek's), not the
+    correctly rounded quotient x / scale that the quantizers used until session 58: values next to e4m3
+    rounding midpoints, where the two differ, must follow the product (the old rule fails here)."""
+    x = _near_midpoints(amax)
+    x = torch.cat([x, x[: (-x.numel()) % 127]]).view(-1, 127)
+    x = torch.cat([torch.full((x.shape[0], 1), amax), x], dim=1)  # each row's amax sets its scale
+    codes, scale = quantize_activation(x)
+    s = torch.tensor(amax, dtype=torch.float32) / torch.tensor(448.0)
+    assert (scale == s).all()
+    r = torch.tensor(1.0) / s
+    product = (x * r).clamp(-448, 448).to(FP8_DTYPE)
+    quotient = (x.double() / s.double()).float().clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(codes.view(torch.uint8), product.view(torch.uint8))
+    assert (product.view(torch.uint8) != quotient.view(torch.uint8)).sum() > 0  # the case is exercised
+    w_codes, _ = quantize_weight_blockwise(x[:, :128])  # weights: the same rule, per 128x128 block
+    w_product = (x[:, :128] * r).to(FP8_DTYPE)
+    assert torch.equal(w_codes.view(torch.uint8), w_product.view(torch.uint8))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_subnormal_scale_is_raised_to_the_smallest_normal(pow2: bool) -> None:
+    """amax / 448 below 2^-126 (an FP32 subnormal) would make 1 / scale overflow to inf and every code 448 or
+    NaN; the scale is raised to 2^-126, where x * 2^126 is exact and at most 448."""
+    x = torch.zeros(1, 256)
+    x[0, :3] = torch.tensor([1e-37, -5e-38, 2e-39])  # amax / 448 ~ 2.2e-40: subnormal
+    x[0, 128:] = torch.randn(128)
+    codes, scale = quantize_activation(x, pow2_scales=pow2)
+    assert scale[0, 0] == 2.0**-126 and scale[0, 1] < 1.0
+    expect = (x[0, :3].double() * 2.0**126).float().to(FP8_DTYPE)
+    assert torch.equal(codes[0, :3].view(torch.uint8), expect.view(torch.uint8))
+    assert codes[0, 0].float() > 0 and torch.isfinite(dequantize_activation(codes, scale)).all()
+    w = torch.zeros(128, 128)
+    w[5, 7] = 3e-37
+    w_codes, w_scale = quantize_weight_blockwise(w, pow2_scales=pow2)
+    assert w_scale[0, 0] == 2.0**-126
+    assert w_codes[5, 7] == (torch.tensor(3e-37).double() * 2.0**126).float().to(FP8_DTYPE)
 
 
 def test_block_amax_maps_to_448_and_scale_is_amax_over_448() -> None:

@@ -32,22 +32,27 @@ def round_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 
 def ref_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """FP32 dequant multiplier from a float64 amax: amax/448 rounded once to FP32, 1 for zero blocks."""
+    """FP32 dequant multiplier from a float64 amax: amax/448 rounded once to FP32; 1 where that is 0 (an
+    all-zero block, or an amax whose quotient underflows), at least 2^-126 (FP32's smallest normal) elsewhere."""
     s = (amax / E4M3_MAX).to(torch.float32).to(torch.float64)
-    s = torch.where(amax > 0, s, torch.ones_like(s))
+    s = torch.where(s > 0, s.clamp(min=2.0**-126), torch.ones_like(s))
     if pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))  # float64 log2 of a power of two is exact
     return s
 
 
-def _fp32_quotient(x64: torch.Tensor, s64: torch.Tensor) -> torch.Tensor:
-    """x / scale as the format defines it: an FP32 division (DeepSeek's and TE's kernels divide in FP32).
+def _fp32_product(x64: torch.Tensor, s64: torch.Tensor) -> torch.Tensor:
+    """x times the scale's reciprocal as the format defines it: r = 1 / scale rounded to FP32, then x * r
+    rounded to FP32 (Transformer Engine's and DeepSeek's rule: codes from a product, not a quotient).
 
-    Rounding the float64 quotient to FP32 gives the correctly rounded FP32 quotient (53 >= 2 * 24 + 2 bits,
-    so this double rounding is harmless); with BF16 inputs many quotients land exactly on an e4m3 tie only
-    after that FP32 rounding, so a pure float64 quotient would round some ties the other way.
+    Both in float64 and then rounded to FP32: the float64 product of two FP32 values is exact (48 <= 53
+    bits), and the float64 reciprocal rounds to the correctly rounded FP32 one (53 >= 2 * 24 + 2 bits, so
+    this double rounding is harmless). The FP32 rounding of the product matters: with BF16 inputs many
+    products land exactly on an e4m3 tie only after it, so a float64 product would round some ties the
+    other way.
     """
-    return (x64 / s64).to(torch.float32).to(torch.float64)
+    r = (1.0 / s64).to(torch.float32).to(torch.float64)
+    return (x64 * r).to(torch.float32).to(torch.float64)
 
 
 def ref_quant_rows(x: torch.Tensor, tile: int = 128, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +65,7 @@ def ref_quant_rows(x: torch.Tensor, tile: int = 128, pow2: bool = False) -> tupl
     for j in range(kb):
         block = x64[:, j * tile : (j + 1) * tile]
         s[:, j] = ref_scale(block.abs().amax(dim=1), pow2)
-        q[:, j * tile : (j + 1) * tile] = round_e4m3(_fp32_quotient(block, s[:, j : j + 1]))
+        q[:, j * tile : (j + 1) * tile] = round_e4m3(_fp32_product(block, s[:, j : j + 1]))
     return q, s
 
 
@@ -78,7 +83,7 @@ def ref_quant_weight(
             blk = w64[i * block : (i + 1) * block, j * block : (j + 1) * block]
             s[i, j] = ref_scale(blk.abs().amax(), pow2)
             q[i * block : (i + 1) * block, j * block : (j + 1) * block] = round_e4m3(
-                _fp32_quotient(blk, s[i, j])
+                _fp32_product(blk, s[i, j])
             )
     return q, s
 

@@ -1,10 +1,10 @@
-"""The decode step's producer kernels quantize with one IEEE division per 1x128 tile and an FMA correction per
-element (``quant_triton._divide_by_scale``, shared with the trainer's quantizers). Their codes and scales must
-equal the eager reference's (``quant.quantize_activation_eager``: torch's IEEE division per element), or the
+"""The decode step's producer kernels quantize with the trainer's rule (``quant_triton._to_e4m3``: x times the
+tile's correctly rounded reciprocal scale, shared with the trainer's quantizers). Their codes and scales must
+equal the eager reference's (``quant.quantize_activation_eager``: torch's reciprocal and products), or the
 engine's FP8 GEMM inputs would differ from the trainer's. Checked here for every finite BF16 value, for
-quotients at and next to every e4m3 rounding midpoint at "round" scales (where the quotient can be exact), for
-tiles whose scale is tiny (down to BF16's subnormals, where 1 / scale overflows FP32), and with power-of-two
-scales. GPU only (Triton)."""
+values at and next to every e4m3 rounding midpoint at "round" scales (where x / scale can be exact), for
+tiles whose scale is tiny (down to BF16's subnormals, where the scale is raised to 2^-126), and with
+power-of-two scales. GPU only (Triton)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_producer_quantization_equals_the_reference_for_every_bf16_value(pow2: b
         shuffles.append(torch.cat([perm, perm[:pad]]).view(-1, 128))
     # The same values scaled down into each binade's range, so that small tiles get small scales too.
     small = [rows.float().clamp(-1, 1).to(torch.bfloat16) for rows in shuffles[:4]]
-    # Tiny tiles: amax near 2^-j, down to BF16 subnormals (scale below 2^-128: its reciprocal overflows FP32).
+    # Tiny tiles: amax near 2^-j, down to BF16 subnormals (amax / 448 an FP32 subnormal: the scale is raised).
     unit = shuffles[0].float().clamp(-1, 1)
     tiny = [(unit * 2.0**-j).to(torch.bfloat16) for j in (40, 70, 100, 118, 124, 127, 130)]
     # Round amaxes (scale = amax / 448 with few bits), where a quotient can land exactly on a midpoint.

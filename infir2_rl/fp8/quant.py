@@ -7,7 +7,7 @@ The format (DeepSeek-V3, SGLang, vLLM, Transformer Engine's Float8BlockScaling, 
   (half a unit in the last place); the scale below puts each block's largest element at 448 so the block
   uses the full exponent range.
 * Weights ``W`` (N, K) are cut into 128x128 blocks. Block (i, j) gets one FP32 number
-  ``scale = amax(|W_block|) / 448``, and stores ``W_fp8 = round_e4m3(W_block / scale)``. The stored FP32
+  ``scale = amax(|W_block|) / 448``, and stores ``W_fp8 = round_e4m3(W_block * (1 / scale))``. The stored FP32
   tensor is the *dequant multiplier* ``weight_scale_inv`` of shape (ceil(N/128), ceil(K/128)):
   ``W ~= W_fp8.float() * weight_scale_inv[i, j]`` (the name ``_inv`` is historical: DeepSeek's code).
 * Activations and output gradients ``X`` (..., K) are cut into 1x128 tiles along the last dimension, one
@@ -16,10 +16,21 @@ The format (DeepSeek-V3, SGLang, vLLM, Transformer Engine's Float8BlockScaling, 
 * ``pow2_scales=True`` rounds every scale *up* to a power of two (Transformer Engine's default); up, so
   that ``amax / scale <= 448`` still holds and nothing clips. Power-of-two scales make dequantization an
   exact exponent shift, at the cost of up to 1 bit of dynamic range per block.
+* The codes are ``round_e4m3(RN(x * r))`` with ``r = RN(1 / scale)``, one FP32 reciprocal per block and
+  one FP32 product per element, each correctly rounded: Transformer Engine's and DeepSeek's rule (codes = x
+  times a reciprocal scale), which CPU torch, CUDA torch and the Triton kernels all compute bit for bit.
+  Against the exact quotient x / scale the product differs by at most ~1.5 FP32 ulps before the e4m3
+  rounding, which changes a code only when x / scale lies within that of an e4m3 rounding midpoint. Until
+  session 58 the rule was the correctly rounded quotient RN(x / scale); in the fused kernels that cost four
+  more instructions per element (a remainder FMA, a test, a correction FMA and a select) and left the BF16
+  token-tile quantizer issue-bound (docs/performance.md). With ``pow2_scales`` r is exact and both rules
+  give the same codes.
 * An all-zero block gets scale 1 (never 0, which would give 0/0 = NaN), and so does a block whose amax is
-  so small (an FP32 subnormal below ~6e-43) that amax / 448 underflows to 0: its values round to 0. Edge
-  blocks (N or K not a multiple of 128) are padded with zeros, which never raise the amax, so the padding
-  changes nothing.
+  so small (an FP32 subnormal below ~6e-43) that amax / 448 underflows to 0: its values round to 0. A
+  scale that is an FP32 subnormal (amax below 448 * 2^-126 ~ 5.3e-36) is raised to 2^-126, FP32's smallest
+  normal, so that r (at most 2^126) is finite; x * 2^126 is then exact and at most 448. Edge blocks (N or K
+  not a multiple of 128) are padded with zeros, which never raise the amax, so the padding changes
+  nothing.
 * A block holding a NaN or an infinity gets scale NaN, so the whole block dequantizes to NaN. Why
   propagate rather than raise: these quantizers run inside every FP8 forward and backward, where a
   raise would need a device-to-host sync per tensor; a NaN instead flows into the loss and the gradient
@@ -36,8 +47,8 @@ Error bound: for an element x in a block with scale s, ``|dequant(quant(x)) - x|
 CPU: plain torch (this file, the reference). CUDA: fused Triton kernels (``quant_triton.py``), one pass
 over the input instead of the ~6 elementwise passes of the eager version (measured on an H200: eager 1x128
 quantization of a 7B down-projection input took 2.05 ms, longer than the 1.0 ms FP8 GEMM it feeds).
-The fused kernels compute the same numbers (IEEE division, round-to-nearest-even) and are tested against
-this file on the GPU.
+The fused kernels compute the same numbers (the same reciprocal and products, round-to-nearest-even) and are
+tested against this file on the GPU.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 # Largest finite e4m3fn value: 0b0_1111_110 = 1.75 * 2^8.
 FP8_MAX = 448.0
+# FP32's smallest normal, 2^-126: the least scale (``_scales_from_amax``), so that 1 / scale is finite.
+MIN_SCALE = 2.0**-126
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -73,7 +86,7 @@ def _scales_from_amax(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
     scale = amax / torch.full_like(amax, FP8_MAX)
     # All-zero block, or an amax so small that amax / 448 underflows to 0: scale 1 keeps x / scale finite
     # (a scale of 0 would turn the block into NaN). Tested on the scale, not the amax, for that underflow.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale > 0, scale.clamp(min=MIN_SCALE), torch.ones_like(scale))
     if pow2_scales:
         scale = round_scale_up_pow2(scale)
     # A NaN or inf in the block (amax NaN or inf): scale NaN, so the block dequantizes to NaN (module
@@ -81,9 +94,13 @@ def _scales_from_amax(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
-def _to_fp8(x_scaled: torch.Tensor) -> torch.Tensor:
-    # Clamp first: torch's cast maps out-of-range values to NaN rather than saturating.
-    return x_scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of FP32 ``x`` in tiles of ``scale`` (broadcast against x): round(x * RN(1 / scale))."""
+    # The reciprocal as a tensor division: torch on CUDA turns a division *by a Python scalar* into a product
+    # with a rounded reciprocal, but divides tensor by tensor correctly rounded, as the CPU and Triton do.
+    reciprocal = torch.ones_like(scale) / scale
+    # Clamp first: torch's cast maps out-of-range values to NaN rather than saturating (a NaN stays NaN).
+    return (x * reciprocal).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _check_block(name: str, value: int) -> None:
@@ -106,7 +123,7 @@ def quantize_weight_blockwise_eager(
     blocks = w32.view(nb, block_size, kb, block_size)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = _scales_from_amax(amax, pow2_scales)
-    q = _to_fp8(blocks / scale[:, None, :, None]).view(nb * block_size, kb * block_size)
+    q = _to_fp8(blocks, scale[:, None, :, None]).view(nb * block_size, kb * block_size)
     return q[:n, :k].contiguous(), scale
 
 
@@ -123,7 +140,7 @@ def quantize_activation_eager(
     tiles = x32.view(*x.shape[:-1], kb, tile)
     amax = tiles.abs().amax(dim=-1)
     scale = _scales_from_amax(amax, pow2_scales)
-    q = _to_fp8(tiles / scale[..., None]).view(*x.shape[:-1], kb * tile)
+    q = _to_fp8(tiles, scale[..., None]).view(*x.shape[:-1], kb * tile)
     return q[..., :k].contiguous(), scale
 
 
@@ -226,5 +243,5 @@ def fake_quantize_tiles(
         padded = torch.nn.functional.pad(x32, (0, nb * tile - cols)) if cols % tile else x32
         tiles = padded.view(rows, nb, tile)
         scale = _scales_from_amax(tiles.abs().amax(dim=2, keepdim=True), pow2_scales)
-    deq = (_to_fp8(tiles / scale).float() * scale).view(padded.shape)
+    deq = (_to_fp8(tiles, scale).float() * scale).view(padded.shape)
     return deq[:rows, :cols] if padded is not x32 else deq

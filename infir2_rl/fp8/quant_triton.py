@@ -28,11 +28,11 @@ NaN too (no clamp before the saturating cast), as in ``quant.py``.
 FP32 input - rounding each element as it is read instead of a separate cast pass and its copy.
 
 Rows are padded with zeros (scale 1) up to ``pad_rows_to`` (16 for row tiles: cuBLASLt wants M % 16;
-128 for token tiles, a whole tile). Numbers match the eager reference bit for bit: the correctly rounded
-quotient (one IEEE division per tile and an FMA correction per element, ``_to_e4m3`` / ``_divide_by_scale``;
-Triton's plain ``/`` on FP32 is an approximate division), then round-to-nearest-even with saturation. Every
-kernel here and the producers that quantize elsewhere (``fused_ops``, ``fp8_gemm``,
-``trainers/torch/fused_layers``) use ``_tile_scales`` (or ``_scale_from_bits``) and ``_to_e4m3``: one rule,
+128 for token tiles, a whole tile). Numbers match the eager reference bit for bit (``quant.py``'s rule: a
+correctly rounded reciprocal per tile, ``tl.math.div_rn``, since Triton's plain ``/`` on FP32 is an
+approximate division; one FP32 product per element; round-to-nearest-even with saturation). Every kernel
+here and the producers that quantize elsewhere (``fused_ops``, ``fp8_gemm``, ``trainers/torch/fused_layers``,
+``models/invariant_ops``) use ``_tile_scales`` (or ``_scale_from_bits``) and ``_to_e4m3``: one rule,
 so the engine's codes equal the trainer's.
 """
 
@@ -88,7 +88,9 @@ if _HAVE_TRITON:
     @triton.jit
     def _scale_from_amax(amax, num_nonfinite, POW2: tl.constexpr):
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        s = tl.where(s > 0, s, 1.0)  # all-zero, or amax / 448 underflowed to 0 (quant._scales_from_amax)
+        # All-zero, or amax / 448 underflowed to 0: scale 1; an FP32 subnormal: 2^-126, so that 1 / s is
+        # finite (quant._scales_from_amax).
+        s = tl.where(s > 0, tl.maximum(s, 1.1754943508222875e-38), 1.0)
         if POW2:
             # Round up to a power of two on the bit pattern (same rule as quant.round_scale_up_pow2).
             bits = s.to(tl.int32, bitcast=True)
@@ -97,41 +99,6 @@ if _HAVE_TRITON:
             s = bits.to(tl.float32, bitcast=True)
         # A NaN or inf anywhere in the tile: scale NaN, the tile dequantizes to NaN (module docstring).
         return tl.where(num_nonfinite > 0, float("nan"), s)
-
-    @triton.jit
-    def _divide_by_scale(x, s):
-        """``x / s`` correctly rounded (the bits ``tl.math.div_rn`` gives), with one IEEE division per tile
-        instead of one per element. ``s`` holds the tiles' scales shaped to broadcast against x: (BM, 1) for
-        row tiles, (1, BK) for token tiles, (1, 1) for a weight block.
-
-        r = RN(1 / s) per tile; per element q = RN(x r) and one Newton-Markstein correction with the exact
-        remainder, q + RN(x - q s) r, both by FMA (the sequence CUDA's own correctly rounded division ends
-        with). Where the remainder is exactly zero, q is already the quotient and kept as is, so a -0 stays -0
-        (the correction would give +0). The theorem needs no underflow in the remainder and a finite r:
-        a tile whose scale is below 2^-64 (amax < ~2.4e-17) is first multiplied, x and s alike, by 2^64,
-        which is exact and leaves the quotient as it was; without it r overflowed to inf for scales below
-        2^-128 and gave NaN. Elsewhere a remainder can underflow only for quotients far below e4m3's
-        smallest step, which round to a zero of x's sign either way. A NaN scale (non-finite tile) gives
-        NaN, as the division does. GPU tests: tests/test_producer_quant_gpu.py, tests/test_fp8_gpu.py."""
-        tiny = s < 5.421010862427522e-20  # 2^-64
-        k = tl.where(tiny, 1.8446744073709552e19, 1.0)  # 2^64
-        return _corrected_quotient(x * tl.broadcast_to(k, x.shape), s * k)
-
-    @triton.jit
-    def _corrected_quotient(x, s):
-        """RN(x / s) for scales s whose reciprocal is finite and whose remainders do not underflow
-        (``_divide_by_scale`` says when): r = RN(1 / s) per tile, q = RN(x r) and one FMA correction per
-        element, q kept as is where the remainder is exactly zero (so -0 stays -0).
-
-        The remainder is x + q (-s), the same single rounding of the same exact value as x - q s, with the
-        negation on the tile's scale: written as ``fma(-q, s, x)``, LLVM turned -q into a second product per
-        element (x times -r) that ptxas did not fold back (sm_90 SASS, ``bench/kernel_sass.py``: token tiles
-        29.1 -> 27.3 instructions per element, rows 22.8 -> 21.1; session 55)."""
-        r = tl.broadcast_to(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), x.shape)
-        neg_s = tl.broadcast_to(-s, x.shape)
-        q = x * r
-        e = tl.fma(q, neg_s, x)
-        return tl.where(e == 0.0, q, tl.fma(e, r, q))
 
     @triton.jit
     def _abs_bits(v):
@@ -154,24 +121,15 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _to_e4m3(x, s):
-        """x / s correctly rounded, as e4m3 codes (``s``: the tiles' scales, shaped to broadcast against x).
-
-        ``_divide_by_scale`` without its per-element rescaling for tiny scales: a block whose scales are all
-        >= 2^-64 (every real one) takes ``_corrected_quotient`` directly; a block with a tinier scale takes
-        ``_divide_by_scale`` (one branch per program, not per element). No clamp:
-        the cast saturates (``cvt.rn.satfinite``), and only x = amax can exceed 448, by an FP32 ulp. A NaN
-        scale (non-finite tile) gives NaN codes, as the eager reference's do.
-
-        The decode step's latency-bound kernels (``engines/native/fused_ops``' quantizing norm and SiLU*up, the
-        W8A8 GEMM's in-loop quantization, the true_on_policy attention's epilogue) call ``_divide_by_scale``
-        instead, for the same bits: ``tl.min`` over the block is a reduction across warps with a barrier,
-        which cost those kernels 0.1-0.35 us per call (FP8 decode step -1.3%, session 34,
-        ``bench/patches/session34_quant_store_no_block_min.patch``)."""
-        if tl.min(s) >= 5.421010862427522e-20:  # 2^-64
-            q = _corrected_quotient(x, s)
-        else:
-            q = _divide_by_scale(x, s)
-        return q.to(tl.float8e4nv)
+        """e4m3 codes of x (FP32) in tiles of scale ``s`` (shaped to broadcast against x: (BM, 1) for row tiles,
+        (1, BK) for token tiles, (1, 1) for a weight block): RN(x * r) with r = RN(1 / s) per tile, then
+        round-to-nearest-even with saturation (``cvt.rn.satfinite``; only x = amax can exceed 448, by an FP32
+        ulp or so). ``quant.py``'s rule (its docstring says why a product and not the quotient); a scale is
+        never below 2^-126 (``_scale_from_amax``), so r is finite. A NaN scale (non-finite tile) gives NaN
+        codes, as the eager reference's do. GPU tests: tests/test_fp8_gpu.py, tests/test_producer_quant_gpu.py.
+        """
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        return (x * tl.broadcast_to(r, x.shape)).to(tl.float8e4nv)
 
     @triton.jit
     def _act_quant_kernel(

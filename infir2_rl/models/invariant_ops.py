@@ -98,7 +98,7 @@ def kernels_available(device: torch.device) -> bool:
 
 
 if _HAVE_TRITON:
-    from infir2_rl.fp8.quant_triton import _divide_by_scale, _tile_scales  # the trainer's 1x128 rule
+    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3  # the trainer's 1x128 rule
 
     @triton.jit(do_not_specialize=["M"])
     def _mm_kernel(
@@ -171,7 +171,7 @@ if _HAVE_TRITON:
         if QUANT:  # D == 128: head h of row r is tile h of o_proj's input row, quantized from the rounded out
             y = tl.where(valid, out.to(tl.float32), 0.0)  # (padding rows: 0/0 above)
             tile_scale = _tile_scales(y, 1, POW2)
-            codes = _divide_by_scale(y, tile_scale[:, None]).to(tl.float8e4nv)
+            codes = _to_e4m3(y, tile_scale[:, None])
             tl.store(codes_ptr + r.to(tl.int64) * sc_r + heads[:, None] * D + d[None, :], codes, mask=qm)
             tl.store(scales_ptr + heads * rows_pad + r, tile_scale, mask=g < G)
         else:

@@ -2,8 +2,9 @@
 
 ``y = quant(x) @ W^T`` where x (M, K) is BF16, W (N, K) is e4m3 with one FP32 ``weight_scale_inv`` per
 128x128 block, and quant(x) is the trainer's 1x128 activation quantizer (``fp8.quant_triton``: scale =
-amax / 448 per 128 elements of a row, IEEE division, clamp to +-448, round to nearest even). So the FP8
-operands are byte for byte the ones the trainer's forward multiplies; only the FP32 summation order differs.
+amax / 448 per 128 elements of a row, codes = x times its correctly rounded reciprocal, rounded to
+nearest even with saturation). So the FP8 operands are byte for byte the ones the trainer's forward
+multiplies; only the FP32 summation order differs.
 
 Why a kernel of our own at decode sizes (M = batch <= 256): the GEMM reads N x K weight bytes and only
 M x K activations, so it is bound by weight bandwidth, where FP8 halves the bytes against BF16. The
@@ -42,7 +43,7 @@ try:
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.fused_ops import _sum_partials
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _divide_by_scale, _tile_scales
+    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -128,7 +129,7 @@ if _HAVE_TRITON:
             else:
                 x = x.to(tl.float32)
                 s_x = _tile_scales(x, 1, POW2)
-                q = _divide_by_scale(x, s_x[:, None]).to(tl.float8e4nv)
+                q = _to_e4m3(x, s_x[:, None])
             w_mask = (cols[None, :] < N) & (ks[:, None] < K)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=w_mask, other=0.0)
             # cuBLASLt's promotion rounding, fma(partial, s_x * s_w, acc): with it this kernel gives the bits of

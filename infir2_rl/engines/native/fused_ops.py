@@ -11,7 +11,8 @@ Why: inside a CUDA graph the host cost is gone, and what remained of a 1.5B deco
 * ``silu_mul``: ``silu(gate) * up`` from the fused gate|up output.
 
 FP8 (``quant=True``): ``add_rms_norm`` and ``silu_mul`` also quantize their output in 1x128 tiles with the
-trainer's rule (``fp8.quant_triton``: scale = amax / 448, IEEE division, clamp, round to nearest even),
+trainer's rule (``fp8.quant_triton``: scale = amax / 448, codes = x times its correctly rounded reciprocal, rounded
+to nearest even with saturation),
 so the next GEMM reads FP8 activations quantized once, in the producer, instead of once per GEMM call;
 they return ``QuantizedRows`` (the layout ``F.scaled_mm`` takes) in place of the BF16 tensor.
 
@@ -36,7 +37,7 @@ try:
 
     from infir2_rl.engines.native import pdl
     from infir2_rl.engines.native.pdl import wait_then_release
-    from infir2_rl.fp8.quant_triton import _divide_by_scale, _tile_scales
+    from infir2_rl.fp8.quant_triton import _tile_scales, _to_e4m3
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -134,7 +135,7 @@ if _HAVE_TRITON:
     def _quant_store(y, q_ptr, s_ptr, row, rows_pad, K, tiles, cols, POW2: tl.constexpr):
         """Quantize y (T, 128) FP32 (tiles x 128 columns of one row) and store q and the scales."""
         s = _tile_scales(y, 1, POW2)
-        q = _divide_by_scale(y, s[:, None]).to(tl.float8e4nv)
+        q = _to_e4m3(y, s[:, None])
         mask = cols < K
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q, mask=mask)  # (padding rows: y = 0 -> q 0, s 1)
         tl.store(s_ptr + tiles * rows_pad + row, s[:, None], mask=tiles * 128 < K)
