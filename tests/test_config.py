@@ -1,5 +1,6 @@
 """Config loading, overrides and validation: one test per rule, each checking the message names the field."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -485,3 +486,112 @@ def test_pipeline_errors_name_the_stage(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "q.yaml").write_text("stages:\n  - {name: first, config: s.yaml}\n")
     assert main(["check-config", "--paths", str(tmp_path / "q.yaml"), "model.path=" + str(tmp_path)]) == 2
     assert "stage 'first': " in capsys.readouterr().err
+
+
+def _config_classes() -> list[type]:
+    """Every config class a user sets keys of: each section, both stage kinds, the pipeline file (every pydantic
+    model the config modules define, so that a new one that forgets the shared base is checked as well)."""
+    from pydantic import BaseModel
+
+    from infir2_rl.algo import config as algo_config
+    from infir2_rl.config import components, stage
+
+    found = [
+        c
+        for module in (components, stage, algo_config)
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == module.__name__
+    ]
+    names = {c.__name__ for c in found}
+    assert {"AlgorithmConfig", "OptimizerConfig", "RlStageConfig", "PipelineStage", "_StageBase"} <= names
+    return found
+
+
+def test_no_number_setting_takes_a_boolean() -> None:
+    """Pydantic's lax mode read `lr: true` as 1.0 (and yes/on too, which YAML reads as true): every int/float
+    field of every config class, optional ones and number items of lists included, refuses a boolean by name."""
+    from pydantic import ValidationError
+
+    checked = []
+    for cls in _config_classes():
+        for name, field in cls.model_fields.items():
+            text = re.sub(
+                r"Literal\[[^\]]*\]", "", str(field.annotation)
+            )  # `Literal['float32']` is no number
+            if re.search(r"\bbool\b", text) or not re.search(r"\b(int|float)\b", text):
+                continue
+            value: object = [0.5, True] if text.startswith(("tuple", "list")) else True
+            with pytest.raises(ValidationError) as e:
+                cls.model_validate({name: value})
+            first = e.value.errors()[0]
+            key = f"{name}[1]" if isinstance(value, list) else name
+            assert first["type"] == "bool_not_number" and first["msg"].startswith(
+                f"{key}=true: must be a number"
+            ), (cls.__name__, name, first)
+            checked.append(f"{cls.__name__}.{name}")
+    assert len(checked) > 40 and "OptimizerConfig.betas" in checked and "AlgorithmConfig.kl_coef" in checked
+    assert (
+        "TrainerConfig.max_tokens_per_gpu" in checked and "_StageBase.seed" in checked
+    )  # int | None, top level
+
+
+def test_a_boolean_for_a_number_is_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = "must be a number, not a boolean (YAML reads true/false, yes/no and on/off as booleans)"
+    assert _err({"optimizer": {"lr": True}}) == f"optimizer.lr=true: {bad}; write the number"
+    assert _err({"kind": "rl", "algorithm": {"kl_coef": False}}).startswith(f"algorithm.kl_coef=false: {bad}")
+    assert _err({"optimizer": {"betas": [0.9, True]}}).startswith(f"optimizer.betas[1]=true: {bad}")
+    assert _err({"trainer": {"max_tokens_per_gpu": True}}).startswith("trainer.max_tokens_per_gpu=true: must")
+    assert _err({"seed": True}).startswith(f"seed=true: {bad}")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("kind: rl\n")
+    for override, key in (
+        ("optimizer.lr=true", "optimizer.lr=true"),
+        ("rollout.top_k=on", "rollout.top_k=true"),
+        ("data.num_eval_examples=no", "data.num_eval_examples=false"),
+        ("weight_sync.timeout_s=yes", "weight_sync.timeout_s=true"),
+    ):
+        assert main(["check-config", str(ok), override]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"infir2-rl: config error: {key}: {bad}"), err
+    (tmp_path / "lr.yaml").write_text("kind: sft\noptimizer:\n  lr: yes\n")
+    with pytest.raises(ConfigError, match=r"^optimizer\.lr=true: must be a number"):
+        load_stage_config(tmp_path / "lr.yaml")
+    (tmp_path / "p.yaml").write_text(
+        "stages:\n  - {name: first, config: ok.yaml, overrides: ['seed=true']}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^stage 'first' \(ok.yaml\): seed=true: must be a number"):
+        load_pipeline_stages(load_pipeline_config(tmp_path / "p.yaml"), tmp_path / "p.yaml")
+    # Assignments are checked as well.
+    cfg = parse_stage_config({"kind": "rl"})
+    with pytest.raises(ValueError, match=r"lr=true: must be a number"):
+        cfg.optimizer.lr = True  # type: ignore[assignment]
+
+
+def test_numbers_and_real_booleans_still_load(tmp_path: Path) -> None:
+    """The boolean rule leaves alone what is right: an int for a float, a None, true for a bool | "auto" field."""
+    cfg = parse_stage_config(
+        {
+            "kind": "rl",
+            "optimizer": {"lr": 1, "min_lr": 0, "betas": [0, 0.5]},
+            "trainer": {
+                "max_tokens_per_gpu": None,
+                "cuda_graphs": False,
+                "pack_sequences": True,
+                "backend": "torch",
+            },
+            "placement": {"use_gpu": False},
+            "model": {"gradient_checkpointing": True},
+            "algorithm": {"tis": False, "kl_coef": 0},
+            "true_on_policy": False,
+        }
+    )
+    assert (
+        cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float) and cfg.optimizer.betas == (0.0, 0.5)
+    )
+    assert cfg.trainer.pack_sequences is True and cfg.trainer.cuda_graphs is False
+    assert cfg.placement.use_gpu == "no" and cfg.model.gradient_checkpointing is True
+    assert cfg.algorithm.tis is False and cfg.kind == "rl"
+    cfg.optimizer.lr = 3  # an assignment of a number still validates
+    assert cfg.optimizer.lr == 3.0

@@ -113,3 +113,8 @@ def test_every_folder_is_a_package_with_a_docstring() -> None:
         assert ast.get_docstring(ast.parse(init.read_text())), (
             f"{init} has no docstring saying what lives there"
         )
+
+
+def test_the_config_base_imports_nothing_of_the_package() -> None:
+    # algo/ takes its AlgorithmConfig base from strict_model without importing config/.
+    assert _graph()["infir2_rl.strict_model"] == set()

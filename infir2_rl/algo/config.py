@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from infir2_rl.strict_model import StrictModel
 
 MisLevel = Literal["off", "token", "sequence", "geometric"]
 # Schulman's estimators of KL(pi || pi_ref); "low_var_kl" is k3 with verl's clamps (see losses.kl_estimate).
@@ -16,11 +18,10 @@ KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 LossReduction = Literal["sample_token_mean", "token_mean"]
 
 
-class AlgorithmConfig(BaseModel):
+# StrictModel: unknown keys are errors, floats finite, no number read from a boolean (strict_model.py).
+class AlgorithmConfig(StrictModel):
     """GRPO with clip-higher, TIS/MIS against the engine, optional KL and entropy terms. The defaults are
     InfiR2's RL stages (clip 0.2 / 0.28, TIS cap 2, no KL, no entropy bonus)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
     # Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style mean-centring only.
     normalize_std: bool = True

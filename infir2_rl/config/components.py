@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from infir2_rl.strict_model import StrictModel
 
 # Largest finite float32: a learning rate above it overflows the first optimizer step.
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-class _Config(BaseModel):
-    # allow_inf_nan=False: every float setting must be finite (inf passed the range checks, nan did not).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+class _Config(StrictModel):
+    """StrictModel (strict_model.py): unknown keys are errors, every float setting is finite (inf passed the
+    range checks, nan did not), and no number is read from a boolean (`lr: true` is not 1.0)."""
 
 
 class ModelConfig(_Config):

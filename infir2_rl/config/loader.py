@@ -16,6 +16,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from infir2_rl.config.stage import PipelineConfig, RlStageConfig, SftStageConfig, StageConfig
+from infir2_rl.strict_model import BOOL_NOT_NUMBER
 
 
 class ConfigError(ValueError):
@@ -117,6 +118,8 @@ def _format_error(err: ValidationError) -> str:
         return f"{field} is missing: add it to the config"
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
+    if kind == BOOL_NOT_NUMBER:  # raised by the section holding the key: msg starts with the key
+        return f"{field}.{msg}" if loc else msg
     if kind == "union_tag_invalid" or kind == "union_tag_not_found":
         return "kind: must be 'sft' or 'rl'"
     more = f" (and {len(err.errors()) - 1} more problem(s))" if len(err.errors()) > 1 else ""
