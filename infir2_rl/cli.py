@@ -1,8 +1,8 @@
 """The `infir2-rl` command. Thin: parses arguments and calls the pipeline, stages and tools.
 
 Exit codes (infir2_rl/errors.py): 0 success, 1 a run that failed, 2 bad input (config, paths, data,
-arguments), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Every failure ends with one line naming the cause and the remedy; `-v` also
-prints the traceback.
+arguments), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Every failure ends with one line naming the cause and the remedy; `-v` (anywhere
+on the line) also prints the traceback.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 VERBOSE_FLAGS = ("-v", "--verbose")
+VERBOSE_HELP = "debug logging, and the traceback of an error (anywhere on the command line)"
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -164,13 +165,15 @@ def _positive_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infir2-rl", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="debug logging, and the traceback of an error"
-    )
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    # Every subcommand takes -v too (`infir2-rl demo -v`, listed in its --help); SUPPRESS: a subcommand that
+    # is not given it leaves the top-level value (`infir2-rl -v demo`) as it is.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+        p = sub.add_parser(name, help=help, description=help, parents=[verbose])
         p.set_defaults(fn=fn)
         return p
 
@@ -267,12 +270,15 @@ def exit_within(code: int, seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "cast-fp8" in argv:  # its own parser (infir2_rl/fp8/cli.py), so its --help lists its flags
-        i = argv.index("cast-fp8")
-        if all(a in VERBOSE_FLAGS for a in argv[:i]):  # `-v cast-fp8 ...` or `cast-fp8 ... -v`
-            rest = argv[i + 1 :]
-            verbose = [a for a in (*argv[:i], *rest) if a in VERBOSE_FLAGS][:1]
-            argv = [*verbose, "cast-fp8", "--", *(a for a in rest if a not in VERBOSE_FLAGS)]
+    # -v anywhere: taken out before parsing and given to the top-level parser. argparse alone cannot take it
+    # between a subcommand's positionals (`run cfg.yaml -v optimizer.lr=1` would leave the override
+    # unrecognized), and cast-fp8 hands the rest of the line to its own parser. No argument of any command is
+    # the bare word -v (an override has an `=`).
+    verbose = [a for a in argv if a in VERBOSE_FLAGS][:1]
+    argv = [*verbose, *(a for a in argv if a not in VERBOSE_FLAGS)]
+    if argv[len(verbose) : len(verbose) + 1] == ["cast-fp8"]:
+        # its own parser (infir2_rl/fp8/cli.py), so its --help lists its flags
+        argv = [*verbose, "cast-fp8", "--", *argv[len(verbose) + 1 :]]
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -213,3 +213,58 @@ def test_report_interval_and_init_model_on_a_file_are_one_clear_line(tmp_path: P
     (tmp_path / "afile").write_text("x")
     assert main(["init-model", "--out", str(tmp_path / "afile")]) == 2
     assert "is a file: choose a new directory" in capsys.readouterr().err
+
+
+def _failing_command(name: str, tmp_path: Path) -> list[str]:
+    """A quick failing invocation of each subcommand (exit 2 before any work), -v to be placed in it."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    return {
+        "demo": ["demo", "--pipeline", str(tmp_path / "nope.yaml")],
+        "run": ["run", str(tmp_path / "nope.yaml"), "seed=1"],
+        "pipeline": ["pipeline", str(tmp_path / "nope.yaml"), "seed=1"],
+        "check-config": [
+            "check-config",
+            str(REPO / "configs" / "demo" / "rl_stage1.yaml"),
+            "optimizer.lr=true",
+        ],
+        "init-model": ["init-model", "--out", str(afile)],
+        "make-data": ["make-data", "--out", str(afile)],
+        "cast-fp8": ["cast-fp8", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")],
+        "report": ["report", str(tmp_path / "nope")],
+    }[name]
+
+
+def _commands() -> list[str]:
+    import argparse
+
+    from infir2_rl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_verbose_works_anywhere_on_the_line_for_every_command(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`infir2-rl demo -v` and `infir2-rl run cfg.yaml -v` were refused ('unrecognized arguments: -v'): -v was
+    the top-level parser's only. Now every place works: before the command, right after it, at the end, and
+    between a command's positional arguments (argparse alone leaves the rest of the line unrecognized there)."""
+    argv = _failing_command(command, tmp_path)
+    for flag in ("-v", "--verbose"):
+        for at in sorted({0, 1, 2, len(argv)}):
+            assert main([*argv[:at], flag, *argv[at:]]) == 2, (flag, at)
+            err = _err(capsys)
+            assert "unrecognized arguments" not in err and "Traceback" in err, (flag, at, err)
+            assert err.rstrip().splitlines()[-1].startswith("infir2-rl: ") and "run with -v" not in err
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "Traceback" not in err and "(run with -v for the traceback)" in err
+
+
+def test_verbose_between_positionals_keeps_the_rest_of_the_line(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(REPO / "configs" / "demo" / "rl_stage1.yaml")
+    assert main(["check-config", config, "-v", "optimizer.lr=0.5", "--verbose", "seed=7"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.5" in out and "seed: 7" in out
