@@ -84,7 +84,7 @@ def _scales_from_amax(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
     # multiplication by its rounded reciprocal, which differs from amax/448 in the last bit (seen on an
     # H200) and would make CPU, CUDA-eager and Triton scales disagree.
     scale = amax / torch.full_like(amax, FP8_MAX)
-    # All-zero block, or an amax so small that amax / 448 underflows to 0: scale 1 keeps x / scale finite
+    # All-zero block, or an amax so small that amax / 448 underflows to 0: scale 1 keeps 1 / scale finite
     # (a scale of 0 would turn the block into NaN). Tested on the scale, not the amax, for that underflow.
     scale = torch.where(scale > 0, scale.clamp(min=MIN_SCALE), torch.ones_like(scale))
     if pow2_scales:
