@@ -150,6 +150,11 @@ def test_an_rl_stage_pushes_through_the_broadcast_group(
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 2 and all(r[names.WEIGHT_SYNC_PUSH_S] > 0 for r in steps)
     # Step 2 sampled from the weights pushed after step 1 (every push also passed the byte self-check):
-    # unified FP8 on CPU, trainer and engine agree up to summation order (measured 2026-11-23: mean
-    # |dlogp| 1.8e-7, K3 4.5e-14), where the FP8-off trainer differs by ~1e-2.
-    assert steps[1][names.MISMATCH_ABS_LOGP_DIFF_MEAN] < 1e-4, steps[1]
+    # unified FP8 on CPU, trainer and engine agree up to summation order, which FP8 turns into a whole e4m3
+    # step where an activation lies next to a rounding midpoint. Measured on this setup (2026-11-29, seeds 0-5,
+    # 3 steps each, both quantization rules of docs/performance.md's session 58): unified mean |dlogp| 1.6e-7
+    # in most steps and up to 2.7e-4 in the 3 of 18 with such a flip, K3 up to 6.0e-7; the same samples scored
+    # by the trainer with its FP8 linears off: K3 8.3e-5 to 2.0e-4 (|dlogp| ~1e-2) in every step.
+    dense_k3 = steps[1][names.MISMATCH_DENSE_K3]
+    assert steps[1][names.MISMATCH_ABS_LOGP_DIFF_MEAN] < 1e-3, steps[1]
+    assert steps[1][names.MISMATCH_K3] < dense_k3 / 20 and dense_k3 > 2e-5, steps[1]
