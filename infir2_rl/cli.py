@@ -39,15 +39,17 @@ VERBOSE_HELP = "debug logging, and the traceback of an error (anywhere on the co
 
 def _check_config(args: argparse.Namespace) -> int:
     from infir2_rl.config import validate_paths
-    from infir2_rl.pipeline import resolve_stages, split_pipeline_overrides
+    from infir2_rl.pipeline import describe_casts, resolve_stages, split_pipeline_overrides
 
     if is_pipeline_file(args.config):
         own, for_stages, scoped = split_pipeline_overrides(args.overrides)
         pipeline = load_pipeline_config(args.config, own)
         print(dump_config(pipeline), end="")
-        for i, (name, stage) in enumerate(resolve_stages(args.config, pipeline, for_stages, scoped)):
+        resolved = resolve_stages(args.config, pipeline, for_stages, scoped)
+        casts = describe_casts(resolved)
+        for i, (name, stage) in enumerate(resolved):
             if stage is None:
-                print(f"# --- {name}: cast the previous checkpoint to blockwise FP8")
+                print(f"# --- {name}: {casts[name]}")
                 continue
             print(f"# --- {name} ---")
             print(dump_config(stage), end="")

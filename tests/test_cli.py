@@ -268,3 +268,36 @@ def test_verbose_between_positionals_keeps_the_rest_of_the_line(capsys: pytest.C
     assert main(["check-config", config, "-v", "optimizer.lr=0.5", "--verbose", "seed=7"]) == 0
     out = capsys.readouterr().out
     assert "lr: 0.5" in out and "seed: 7" in out
+
+
+def test_check_config_says_what_each_cast_casts_and_who_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cast casts the last training stage's checkpoint (never a cast's), and only an RL stage with FP8 rollout
+    right after it reads it (or nobody: the last stage's cast is the pipeline's output)."""
+    demo = REPO / "configs" / "demo"
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(
+        "name: p\nrun_dir: runs/p\nstages:\n"
+        f"  - name: sft\n    config: {demo / 'sft_stage1.yaml'}\n"
+        "  - name: cast_a\n    kind: cast_fp8\n"
+        "  - name: cast_b\n    kind: cast_fp8\n"
+        f"  - name: rl\n    config: {demo / 'rl_stage1.yaml'}\n"
+        "  - name: cast_c\n    kind: cast_fp8\n"
+    )
+    assert main(["check-config", str(pipeline)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "# --- cast_a: cast the checkpoint of 'sft' to blockwise FP8; UNUSED: the next stage, 'cast_b', is a cast"
+        in out
+    )
+    assert (
+        "# --- cast_b: cast the checkpoint of 'sft' to blockwise FP8; stage 'rl' starts its rollout engines"
+        in out
+    )
+    assert "# --- cast_c: cast the checkpoint of 'rl' to blockwise FP8; the pipeline's FP8 output" in out
+    assert main(["check-config", str(pipeline), "rl:precision=bf16"]) == 0
+    assert (
+        "cast_b: cast the checkpoint of 'sft' to blockwise FP8; UNUSED: the next stage, 'rl', is an RL stage without FP8"
+        in (capsys.readouterr().out)
+    )
