@@ -301,3 +301,28 @@ def test_check_config_says_what_each_cast_casts_and_who_reads_it(
         "cast_b: cast the checkpoint of 'sft' to blockwise FP8; UNUSED: the next stage, 'rl', is an RL stage without FP8"
         in (capsys.readouterr().out)
     )
+
+
+def test_a_pipeline_warns_about_a_cast_nothing_reads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before any stage runs (here: before its bad model path stops it), a cast whose output the next stage never
+    reads is a warning naming the cast."""
+    import logging
+
+    from infir2_rl.pipeline import run_pipeline
+
+    demo = REPO / "configs" / "demo"
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(
+        f"name: p\nrun_dir: {tmp_path / 'run'}\nstages:\n"
+        f"  - name: sft\n    config: {demo / 'sft_stage1.yaml'}\n"
+        "  - name: cast_a\n    kind: cast_fp8\n"
+        f"  - name: sft_again\n    config: {demo / 'sft_stage2.yaml'}\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="infir2_rl"), pytest.raises(ValueError, match="stage 'sft'"):
+        run_pipeline(pipeline, stage_overrides=[f"model.path={tmp_path}"])  # not an HF model directory
+    assert (
+        "stage cast_a: cast the checkpoint of 'sft' to blockwise FP8; UNUSED: the next stage, 'sft_again', is an SFT"
+        in (caplog.text)
+    )
