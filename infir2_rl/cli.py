@@ -49,7 +49,7 @@ def _check_config(args: argparse.Namespace) -> int:
         casts = describe_casts(resolved)
         for i, (name, stage) in enumerate(resolved):
             if stage is None:
-                print(f"# --- {name}: {casts[name]}")
+                print(f"# --- {name}: {casts[name][0]}")
                 continue
             print(f"# --- {name} ---")
             print(dump_config(stage), end="")

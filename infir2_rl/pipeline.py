@@ -92,8 +92,8 @@ def run_pipeline(
     # Check the inputs of every stage still to run before the first one starts (a typo in stage 4 should
     # not cost stages 1-3); only the first stage to run reads its own model.path, later ones get a checkpoint.
     todo = [(name, cfg) for name, cfg in resolved if name not in state.finished]
-    for name, what in describe_casts(resolved).items():
-        if "UNUSED" in what and name not in state.finished:
+    for name, (what, used) in describe_casts(resolved).items():
+        if not used and name not in state.finished:
             log.warning("stage %s: %s", name, what)
     for i, (name, cfg) in enumerate(todo):
         if cfg is not None:
@@ -136,27 +136,30 @@ def run_pipeline(
     return outputs
 
 
-def describe_casts(resolved: Sequence[tuple[str, SftStageConfig | RlStageConfig | None]]) -> dict[str, str]:
-    """What each cast stage of a resolved pipeline does, by name: which checkpoint it casts (the last training
-    stage's before it: a cast never casts a cast) and whether the next stage uses the result (an RL stage with
-    FP8 rollout starts its engines from it; the last stage's cast is the pipeline's FP8 output; anything else
-    never reads it)."""
-    out: dict[str, str] = {}
+def describe_casts(
+    resolved: Sequence[tuple[str, SftStageConfig | RlStageConfig | None]],
+) -> dict[str, tuple[str, bool]]:
+    """What each cast stage of a resolved pipeline does, by name: (a line saying which checkpoint it casts, the
+    last training stage's before it, since a cast never casts a cast, and who reads the result; whether anyone
+    does). An RL stage with FP8 rollout right after it starts its engines from it; the last stage's cast is the
+    pipeline's FP8 output; anything else never reads it."""
+    out: dict[str, tuple[str, bool]] = {}
     trained: str | None = None
     for i, (name, cfg) in enumerate(resolved):
         if cfg is not None:
             trained = name
             continue
         nxt = resolved[i + 1] if i + 1 < len(resolved) else None
+        used = nxt is None or (isinstance(nxt[1], RlStageConfig) and nxt[1].rollout_fp8)
         if nxt is None:
             use = "the pipeline's FP8 output"
-        elif isinstance(nxt[1], RlStageConfig) and nxt[1].rollout_fp8:
+        elif used:
             use = f"stage {nxt[0]!r} starts its rollout engines from it"
         else:
             what = "a cast" if nxt[1] is None else f"an {nxt[1].kind.upper()} stage"
             what += " without FP8 rollout" if isinstance(nxt[1], RlStageConfig) else ""
             use = f"UNUSED: the next stage, {nxt[0]!r}, is {what} and never reads it"
-        out[name] = f"cast the checkpoint of {trained!r} to blockwise FP8; {use}"
+        out[name] = (f"cast the checkpoint of {trained!r} to blockwise FP8; {use}", used)
     return out
 
 

@@ -78,6 +78,10 @@ def read_metrics_jsonl(path: Path, stage: str) -> StageMetrics:
     return StageMetrics(name=stage, steps=steps, records=[by_step[s] for s in steps], wall_time_s=wall)
 
 
+class NoStepsYet(ValueError):
+    """A run whose metrics hold no readable step yet (``load_run``): ``report`` refuses it, ``watch`` waits."""
+
+
 def load_run(run_dir: str | Path) -> list[StageMetrics]:
     """The stages of a run directory, in the order they ran."""
     run_dir = Path(run_dir)
@@ -97,7 +101,7 @@ def load_run(run_dir: str | Path) -> list[StageMetrics]:
             )
         stages = [read_metrics_jsonl(p, p.parent.name) for p in stage_files]
     if not any(stage.steps for stage in stages):  # empty, or only unreadable lines: nothing to draw
-        raise ValueError(
+        raise NoStepsYet(
             f"run_dir={str(run_dir)!r}: its {JSONL_NAME} holds no readable step yet; "
             "report a run after its first logged step"
         )

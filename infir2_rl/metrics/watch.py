@@ -158,7 +158,7 @@ def watch(
 ) -> list[StageProgress]:
     """Refresh the PNGs, progress and summary of RUN_DIR every `interval_s` until Ctrl-C, until a one-stage
     run has finished, or after `max_updates` refreshes; returns the last progress rows."""
-    from infir2_rl.metrics.report import make_report, summarize, summary_table
+    from infir2_rl.metrics.report import NoStepsYet, make_report, summarize, summary_table
 
     run_dir = Path(run_dir)
     console = Console()
@@ -176,7 +176,7 @@ def watch(
                         make_report(run_dir)
                         summary = summary_table(summarize(run_dir), title=f"Run summary: {run_dir}")
                         live.update(Group(progress_table(rows), summary), refresh=True)
-                    except ValueError:  # its metrics.jsonl holds no step yet (load_run): the table alone
+                    except NoStepsYet:  # its metrics.jsonl holds no step yet: the table alone
                         live.update(progress_table(rows), refresh=True)
                 else:
                     live.update(f"waiting for {run_dir}/**/{JSONL_NAME} ...", refresh=True)
