@@ -478,8 +478,9 @@ def test_fast_mode_is_not_bit_equal(model_dir: Path) -> None:
 
 
 def test_walk_gradients_match_transformers(model_dir: Path) -> None:
-    """The walk's backward on the GPU (its RMSNorm and SiLU*up through the trainer's fused backward kernels, the
-    rest plain torch) against transformers' autograd of the same loss: BF16 rounding apart, the same gradients."""
+    """The walk's backward on the GPU (its RMSNorm, SiLU*up, rotary embedding and the log-softmax's gradient
+    through the trainer's fused backward kernels, the rest plain torch) against transformers' autograd of the
+    same loss: BF16 rounding apart, the same gradients."""
     from transformers import AutoModelForCausalLM
 
     from infir2_rl.trainers.torch import invariant_scoring

@@ -24,18 +24,19 @@ number of rows:
   (a cache slot or a sequence's own tensor). A fully masked block is an exact no-op (alpha 1, p 0), so a
   row's result does not depend on how far its neighbours' loops run. Its pipeline depth follows the grid's
   size (``ATTN_STAGES_RESIDENT``), which moves loads and changes no bit.
-* ``rms_norm``, ``rope``, ``silu_mul``: the engine's decode kernels (``engines/native/fused_ops``), one
-  program per row, so the trainer's values are the engine's by construction. (The rotary kernel and torch's
-  op-by-op rotation differ in the last bit at head dim 64 on an H100, though not at 128.)
+* ``rms_norm``, ``silu_mul``: the engine's decode kernels (``engines/native/fused_ops``), one program per
+  row, so the trainer's values are the engine's by construction. ``rope``: the trainer's rotary kernel
+  (``trainers/torch/fused_rope``), whose arithmetic is the engine's rotary kernel's (both ``_rotated``: each
+  product rounded, then the sum, without FMA contraction).
 * ``token_logprobs``: the sampler's chunked log-sum-exp (``engines/native/sampler``: chunks depend on the
   vocabulary size only) and its ``z / T`` with IEEE division.
 Residual adds are elementwise torch ops, invariant as they are (the fused add of the engine's norm kernel
 rounds as torch's add does).
 
 Backward (the trainer's): ``mm``, ``attention``, ``rms_norm``, ``rope`` and ``silu_mul`` are autograd Functions whose backward is
-plain torch math (cuBLAS matmuls, SDPA recomputed, rotary's adjoint), except RMSNorm and SiLU*up, which on CUDA
-take the torch trainer's fused backward kernels (``trainers/torch/fused_layers``; imported there, at backward,
-since only a trainer runs one). Gradients need not match anything bit for bit: only the forward values enter the
+plain torch math (cuBLAS matmuls, SDPA recomputed), except RMSNorm, SiLU*up and the rotary embedding, which
+on CUDA take the torch trainer's fused backward kernels (``trainers/torch/fused_layers`` and ``fused_rope``,
+imported where used: the engine's prefill runs this walk's forward without a trainer). Gradients need not match anything bit for bit: only the forward values enter the
 policy ratio.
 
 CPU (tests): the same functions fall back to their torch references (``F.linear``, masked SDPA, the torch
@@ -796,52 +797,29 @@ def rms_norm(x_NE: Tensor, weight: Tensor, eps: float) -> Tensor:
 # ---- rotary embedding -----------------------------------------------------------------------------------
 
 
-def _rotate_adjoint(g: Tensor, c: Tensor, s: Tensor) -> Tensor:
-    """Gradient of ``rotate_torch`` (y = x c + R(x) s, R(x) = [-x2, x1]): g c + R^T(g s), R^T(u) = [u2, -u1]."""
-    g32 = g.float()
-    u = g32 * s.float()
-    half = g.shape[-1] // 2
-    return (g32 * c.float() + torch.cat((u[..., half:], -u[..., :half]), dim=-1)).to(g.dtype)
-
-
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        ctx.save_for_backward(positions, cos, sin)
-        n, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        k_flat = k.reshape(n, -1)
-        qkv = torch.cat((q.reshape(n, -1), k_flat, k_flat), dim=1)  # the kernel's v columns: a scratch copy
-        k_out = torch.empty(n, kv_heads, dim, dtype=q.dtype, device=q.device)
-        scratch = torch.empty_like(k_out)
-        # Rows written as "cache slots" of a cache whose position stride is 0: k_out[r] = rotated k of row r.
-        k_cache = k_out[:, :, None].expand(n, kv_heads, 2, dim)
-        v_cache = scratch[:, :, None].expand(n, kv_heads, 2, dim)
-        q_out = fused_ops.rope_write_kv(
-            qkv, positions, torch.arange(n, device=q.device), cos, sin, k_cache, v_cache,
-            heads, kv_heads, heads * dim, (heads + kv_heads) * dim,
-        )  # fmt: skip
-        return q_out, k_out
-
-    @staticmethod
-    def backward(ctx: Any, gq: Tensor, gk: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        positions, cos, sin = ctx.saved_tensors
-        c, s = cos[positions][:, None], sin[positions][:, None]
-        return _rotate_adjoint(gq, c, s), _rotate_adjoint(gk, c, s), None, None, None
-
-
 def rope(
     q_NHD: Tensor, k_NKD: Tensor, positions_N: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Rotary embedding of q (N, H, D) and k (N, KVH, D) at each row's position, by the engine's decode kernel
-    (``fused_ops.rope_write_kv``) on CUDA; ``cos`` / ``sin``: (max positions, D) tables."""
+    """Rotary embedding of q (N, H, D) and k (N, KVH, D) at each row's position; ``cos`` / ``sin``: (max
+    positions, D) tables. On CUDA the trainer's rotary kernels (``trainers/torch/fused_rope``, one launch each
+    way over every head of a token): each product rounded to the dtype, then their sum, the arithmetic of the
+    engine's decode kernel (``fused_ops.rope_write_kv``, both call ``fused_ops._rotated``), so the walk's q and
+    k are the engine's bit for bit; the backward is autograd's of that expression, also one launch."""
     if not kernels_available(q_NHD.device):
         c, s = cos[positions_N][:, None], sin[positions_N][:, None]
         return fused_ops.rotate_torch(q_NHD, c, s), fused_ops.rotate_torch(k_NKD, c, s)
-    q, k = _Rope.apply(q_NHD.contiguous(), k_NKD.contiguous(), positions_N, cos, sin)
-    return q, k
+    from infir2_rl.trainers.torch import fused_rope
+
+    # The rows as one batch of N positions: (1, heads, N, D) views, tables gathered to (1, N, D).
+    q, k = q_NHD.unsqueeze(0).transpose(1, 2), k_NKD.unsqueeze(0).transpose(1, 2)
+    c, s = cos[positions_N][None], sin[positions_N][None]
+    if not fused_rope.fusable(q, k, c, s):
+        raise ValueError(
+            f"true_on_policy rotary: q {tuple(q_NHD.shape)} {q_NHD.dtype}, k {tuple(k_NKD.shape)}, tables "
+            f"{cos.dtype}: the kernel needs one dtype, a power-of-two head size >= 16 and contiguous features"
+        )
+    q_out, k_out = fused_rope.rope(q, k, c, s)
+    return q_out.transpose(1, 2)[0], k_out.transpose(1, 2)[0]  # (N, heads, D), contiguous
 
 
 # ---- SiLU * up -------------------------------------------------------------------------------------------
@@ -851,7 +829,9 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        out = fused_ops.silu_mul(torch.cat((gate, up), dim=-1))
+        if gate.stride() != up.stride() or gate.stride(-1) != 1:  # the kernel reads both at one row stride
+            gate, up = gate.contiguous(), up.contiguous()
+        out = fused_ops.silu_mul(gate, up=up)
         assert isinstance(out, Tensor)
         return out
 

@@ -31,7 +31,8 @@ compute (CPU) it agrees with ``algo.logprobs.token_logprobs`` to FP32 rounding (
 
 ``fused=True`` (CUDA; the torch trainer's ``fused_kernels``): the per-chunk softmax work above, forward and
 backward, is one Triton pass each over the chunk's logits in the compute dtype (``token_scores_fused``): no
-FP32 copy of the logits, and the backward writes the gradient over them in place.
+FP32 copy of the logits, and the backward writes the gradient over them in place. With a chunk scorer of its
+own (true_on_policy's, whose forward values must be the engine's) only the backward takes the Triton pass.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _plain_grad_logits(
 
 class _ChunkedScores(torch.autograd.Function):
     """(logp (N,), entropy (N,) or empty) from hidden (N, H) and weight (V, H); see the module docstring.
-    The forward's per-chunk log-probs come from ``chunk_scores``; the backward is the plain one always."""
+    The forward's per-chunk log-probs come from ``chunk_scores``; the backward recomputes each chunk's logits
+    with the plain GEMM, whatever scored the forward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -124,7 +126,7 @@ class _ChunkedScores(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk_tokens):
                 e = min(s + chunk_tokens, n)
-                if fused:  # one Triton pass over the chunk's logits in the compute dtype
+                if fused and chunk_scores is _plain_chunk:  # one Triton pass over the chunk's logits
                     ent = entropy[s:e] if need_entropy else None
                     token_scores_fused.scores_(
                         h[s:e] @ w.t(), targets_N[s:e], temperature, logp[s:e], lse[s:e], ent
@@ -228,15 +230,15 @@ def chunked_token_scores(
     logits. ``compute_dtype`` is the GEMMs' dtype (default: the hidden states'); gradients come back in the
     inputs' dtypes, the weight's accumulated in FP32. ``chunk_scores`` computes a chunk's forward values (the
     true_on_policy scorer passes the engine's kernels); the backward is the plain path's either way.
-    ``fused`` (CUDA with Triton; the trainer's ``fused_kernels``): each chunk's softmax work, forward and
-    backward, is one Triton pass over its logits in the compute dtype (``token_scores_fused``) instead of
-    torch ops over FP32 copies; the same numbers up to exp's last bits and the sums' order.
+    ``fused`` (CUDA with Triton; the trainer's ``fused_kernels``, and true_on_policy's backward): each chunk's
+    softmax work, backward and (with the plain chunk scorer) forward, is one Triton pass over its logits in the
+    compute dtype (``token_scores_fused``) instead of torch ops over FP32 copies; the same numbers up to exp's
+    last bits and the sums' order.
     """
     check_score_inputs(hidden_NH, weight_VH, targets_N, temperature, chunk_tokens)
-    if fused and (chunk_scores is not _plain_chunk or not token_scores_fused.available(hidden_NH.device)):
+    if fused and not token_scores_fused.available(hidden_NH.device):
         raise ValueError(
-            f"fused token scores need a CUDA device with Triton and the plain chunk scorer (device "
-            f"{hidden_NH.device}); pass fused=False"
+            f"fused token scores need a CUDA device with Triton (device {hidden_NH.device}); pass fused=False"
         )
     dtype = compute_dtype or hidden_NH.dtype
     logp, entropy = _ChunkedScores.apply(

@@ -177,18 +177,19 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _silu_mul_kernel(
-        gu_ptr, out_ptr, q_ptr, s_ptr, M, inter, rows_pad,
+        gate_ptr, up_ptr, stride_row, out_ptr, q_ptr, s_ptr, M, inter, rows_pad,
         QUANT: tl.constexpr, POW2: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        """gate and up: (M, inter) with one row stride (the halves of a fused gate|up output, or two tensors)."""
         if PDL:
             wait_then_release()
         row, part = tl.program_id(0), tl.program_id(1)  # rows M..rows_pad-1: padding (see the norm)
         tiles = part * TILES + tl.arange(0, TILES)[:, None]
         cols = tiles * 128 + tl.arange(0, 128)[None, :]
         mask = (cols < inter) & (row < M)
-        base = row.to(tl.int64) * 2 * inter
-        gate = tl.load(gu_ptr + base + cols, mask=mask, other=0.0)
-        up = tl.load(gu_ptr + base + inter + cols, mask=mask, other=0.0)
+        base = row.to(tl.int64) * stride_row
+        gate = tl.load(gate_ptr + base + cols, mask=mask, other=0.0)
+        up = tl.load(up_ptr + base + cols, mask=mask, other=0.0)
         g = gate.to(tl.float32)
         act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
         out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
@@ -328,29 +329,37 @@ def silu_mul(
     tiles: int | None = None,
     num_warps: int | None = None,
     rows: int = 0,
+    up: Tensor | None = None,
 ) -> Tensor | QuantizedRows:
     """``silu(gate) * up`` of a fused (M, 2I) gate|up output -> (M, I), or FP8 rows when ``quant``.
     One program per row and ``tiles`` 128-column tiles, ``num_warps`` warps (by default ``silu_launch``).
     ``rows`` > M (BF16): the output is the first M rows of a ``rows``-row buffer (the rest unwritten), for a
-    GEMM that runs on that many rows (``models/invariant_ops``' padded plans) without copying."""
-    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    if not use_triton(gate_up):
+    GEMM that runs on that many rows (``models/invariant_ops``' padded plans) without copying.
+    ``up`` given: ``gate_up`` is the gate alone (M, I) and ``up`` the up projection (M, I), both with one row
+    stride (the true_on_policy walk's two GEMM outputs, read where they are instead of concatenated)."""
+    if up is None:
+        inter = gate_up.shape[1] // 2
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    elif gate_up.shape != up.shape or gate_up.stride() != up.stride() or gate_up.stride(1) != 1:
+        raise ValueError(
+            f"silu_mul: gate {tuple(gate_up.shape)} strides {gate_up.stride()} and up {tuple(up.shape)} strides "
+            f"{up.stride()}: need one shape and one row stride, columns contiguous"
+        )
+    else:
+        gate = gate_up
+    m, inter = gate.shape
+    if not use_triton(gate):
         return F.silu(gate) * up
     default_tiles, default_warps = silu_launch(m, quant)
     tiles = tiles if tiles is not None else default_tiles
     num_warps = num_warps if num_warps is not None else default_warps
-    out = (
-        torch.empty(max(m, rows), inter, dtype=gate_up.dtype, device=gate_up.device)[:m]
-        if not quant
-        else gate_up
-    )
-    qr = quant_buffers(m, inter, gate_up.device) if quant else None
+    out = torch.empty(max(m, rows), inter, dtype=gate.dtype, device=gate.device)[:m] if not quant else gate
+    qr = quant_buffers(m, inter, gate.device) if quant else None
     grid = (qr.q.shape[0] if qr else m, triton.cdiv(triton.cdiv(inter, 128), tiles))
     _silu_mul_kernel[grid](
-        gate_up, out, qr.q if qr else gate_up, qr.s_t if qr else gate_up, m, inter,
+        gate, up, gate.stride(0), out, qr.q if qr else gate, qr.s_t if qr else gate, m, inter,
         qr.q.shape[0] if qr else 0,
-        QUANT=quant, POW2=pow2, TILES=tiles, num_warps=num_warps, **pdl.launch_kwargs(gate_up.device),
+        QUANT=quant, POW2=pow2, TILES=tiles, num_warps=num_warps, **pdl.launch_kwargs(gate.device),
     )  # fmt: skip
     return qr if qr is not None else out
 

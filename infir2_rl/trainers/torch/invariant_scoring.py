@@ -5,9 +5,9 @@ norm) over right-padded rows (each row attends within itself through ``invariant
 then the lm_head and log-softmax the way the engine's
 sampler computes them (``_engine_chunk`` inside ``token_scores.chunked_token_scores``: the invariant BF16
 GEMM and the sampler's chunked log-sum-exp), so the log-prob of a sampled token equals the engine's bit for
-bit. Backward is plain torch math (``chunked_token_scores`` recomputes each chunk's logits with the ordinary
-GEMM): only forward values enter the policy ratio. Like ``scoring.py`` it never materialises the logits of
-the whole batch.
+bit. The backward is the fast path's (``chunked_token_scores`` recomputes each chunk's logits with the
+ordinary GEMM; on CUDA one Triton pass makes their gradient): only forward values enter the policy ratio.
+Like ``scoring.py`` it never materialises the logits of the whole batch.
 
 On a GPU the trainer replays the decoder layers from CUDA graphs (``LayerGraphs`` over ``layer_forwards``,
 trainers/torch/trainer.py): the eager walk is host-bound (an FP8 layer is a few dozen Triton launches), and a
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from infir2_rl.models import invariant
 from infir2_rl.models import invariant_ops as ops
+from infir2_rl.trainers import token_scores_fused
 from infir2_rl.trainers.token_scores import DEFAULT_CHUNK_TOKENS, chunked_token_scores
 
 
@@ -112,6 +113,7 @@ def score_tokens(
             hidden[:, :-1][picked[:, 1:]], head.weight, input_ids_BL[:, 1:][picked[:, 1:]],
             temperature=temperature, need_entropy=need_entropy, compute_dtype=invariant.DTYPE,
             chunk_tokens=chunk_tokens, chunk_scores=_engine_chunk,
+            fused=token_scores_fused.available(device),  # the backward's Triton pass (forward: the engine's)
         )  # fmt: skip
     logp_BL = logp.new_zeros(batch, length)
     logp_BL[picked] = logp
