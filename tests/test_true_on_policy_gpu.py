@@ -118,6 +118,31 @@ def test_the_decode_steps_quantizing_kernels_give_the_walks_codes(pow2: bool) ->
     )
 
 
+def test_the_walks_gemm_adds_its_weight_gradient_into_the_named_fp32_target() -> None:
+    """A BF16 weight that names an FP32 gradient target (``WGRAD_INTO``, as the trainer's masters do) gets dW
+    added there by the GEMM, nothing in ``.grad``; the target ends as its old value plus dW in FP32. A weight
+    naming none gets its BF16 dW back as before."""
+    from infir2_rl.fp8.ops import WGRAD_INTO
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(300, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(300, 384, device="cuda", generator=gen).bfloat16()
+    named = torch.nn.Parameter((torch.randn(384, 256, device="cuda", generator=gen) * 0.05).bfloat16())
+    plain = torch.nn.Parameter(named.detach().clone())
+    start = torch.randn(384, 256, device="cuda", generator=gen)
+    target = start.clone()
+    setattr(named, WGRAD_INTO, lambda p: target)
+    ops.mm(x, named).backward(dy)
+    dx_named = x.grad.clone()
+    x.grad = None
+    ops.mm(x, plain).backward(dy)
+    assert named.grad is None and plain.grad is not None and torch.equal(x.grad, dx_named)
+    expected = torch.addmm(start, dy.t().float(), x.detach().float())
+    torch.testing.assert_close(target, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(target - start, plain.grad.float(), rtol=1e-2, atol=1e-2)  # BF16 dW's rounding
+
+
 def test_a_padded_bf16_plan_reads_the_rows_past_its_input_instead_of_copying() -> None:
     """A GEMM planned at more rows than its input (cuBLAS splits K below them) multiplies the rows that follow
     the input in its storage (``fused_ops.silu_mul(rows=...)`` leaves them unwritten): a row's product does not

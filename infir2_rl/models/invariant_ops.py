@@ -58,7 +58,7 @@ from torch import Tensor
 from infir2_rl.engines.native import fp8_gemm, fused_ops, sampler
 from infir2_rl.fp8 import cublaslt, quant_triton
 from infir2_rl.fp8 import gemm as cublas_gemm
-from infir2_rl.fp8.ops import fp8_linear_forward
+from infir2_rl.fp8.ops import fp8_linear_forward, gradient_target
 from infir2_rl.graph_capture import cold_copies, sm_count, time_in_graph
 
 try:
@@ -224,9 +224,15 @@ def _mm_forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
 
 
 class _Mm(torch.autograd.Function):
+    """The invariant GEMM forward; backward by cuBLAS. Where ``w`` is a parameter that names an FP32 gradient
+    target (``fp8.ops.WGRAD_INTO``: the trainer's master gradient, as the fast path's ``MainGradLinear``) and
+    the GEMMs run in 16 bits on CUDA, dW is added into that target by the GEMM (FP32 output, beta = 1) instead
+    of being returned in BF16 for a hook to add."""
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
+        ctx.param = w  # the Parameter itself when the caller passed it (saved tensors lose its attributes)
         ctx.has_bias = bias is not None
         return _mm_forward(x, w, bias)
 
@@ -234,7 +240,17 @@ class _Mm(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, w = ctx.saved_tensors
         dx = dy @ w if ctx.needs_input_grad[0] else None
-        dw = dy.t() @ x if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            into = (
+                gradient_target(ctx.param, "true_on_policy GEMM")
+                if dy.is_cuda and dy.dtype in (torch.bfloat16, torch.float16) and x.dtype == dy.dtype
+                else None
+            )
+            if into is None:
+                dw = dy.t() @ x
+            else:
+                torch.addmm(into, dy.t(), x, out_dtype=torch.float32, out=into)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db
 
