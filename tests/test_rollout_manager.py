@@ -205,20 +205,46 @@ def test_prompt_source_is_seeded_crosses_epochs_and_resumes() -> None:
         PromptSource(prompts[:4], seed=3).load_state_dict(state)
 
 
-def test_the_math_rewards_timeouts_and_errors_of_a_step_are_published(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """reward/timeouts and reward/errors: what the built-in math reward's counters gained during the step
-    (its counters are process-wide); absent for other reward functions, which keep no such counts."""
-    from infir2_rl.reward.math import RewardStats, math_reward
+def test_a_rewards_timeouts_and_errors_of_a_step_are_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reward/timeouts and reward/errors: what a counting reward's counters (``stats_snapshot``, as a
+    ``MathReward`` keeps them) gained during the step; absent for a reward that keeps none."""
+    from infir2_rl.reward.math import RewardStats
     from infir2_rl.rollout import manager as manager_module
 
-    readings = iter([RewardStats(num_timeouts=5, num_errors=1), RewardStats(num_timeouts=7, num_errors=1)])
-    monkeypatch.setattr(manager_module, "reward_stats", lambda: next(readings))
+    class CountingReward:
+        def __init__(self) -> None:
+            self.readings = iter(
+                [RewardStats(num_timeouts=5, num_errors=1), RewardStats(num_timeouts=7, num_errors=1)]
+            )
+
+        def __call__(self, response: str, label: str) -> float:
+            return 0.0
+
+        def stats_snapshot(self) -> RewardStats:
+            return next(self.readings)
+
     monkeypatch.setattr(manager_module, "score_batch", lambda fn, texts, labels: [0.0] * len(texts))
     cfg = _cfg(dynamic_sampling=False)
-    math = RolloutManager([ScriptedEngine()], cfg, math_reward, DigitTokenizer(), stop_token_ids=[2], seed=0)
-    batch = math.generate(PromptSource([_prompt(1)], seed=0, shuffle=False))
+    counting = RolloutManager(
+        [ScriptedEngine()], cfg, CountingReward(), DigitTokenizer(), stop_token_ids=[2], seed=0
+    )
+    batch = counting.generate(PromptSource([_prompt(1)], seed=0, shuffle=False))
     assert batch.metrics[names.REWARD_TIMEOUTS] == 2.0 and batch.metrics[names.REWARD_ERRORS] == 0.0
     other = _manager([ScriptedEngine()], cfg).generate(PromptSource([_prompt(1)], seed=0, shuffle=False))
     assert names.REWARD_TIMEOUTS not in other.metrics
+
+
+def test_the_built_in_math_reward_and_a_math_reward_object_report_their_counters() -> None:
+    """``counters``: the built-in function reads its process-wide ``MathReward``; a ``MathReward`` made by a
+    factory (``rollout.reward: my_pkg:make_reward``) reads its own; a plain function has none."""
+    from infir2_rl.reward.math import MathReward, math_reward, reward_stats
+    from infir2_rl.reward.protocol import batch_scorer, counters
+
+    assert counters(math_reward) is reward_stats
+    own = MathReward(num_workers=1)
+    snapshot = counters(own)
+    assert snapshot is not None and snapshot() == own.stats and snapshot() is not own.stats  # a copy
+    assert own("</think> \\boxed{3}", "3") == 1.0 and snapshot().num_calls == 1
+    assert batch_scorer(own) == own.score_many and batch_scorer(math_reward) is not None
+    assert counters(lambda r, lab: 0.0) is None and batch_scorer(lambda r, lab: 0.0) is None
+    own.close()

@@ -74,9 +74,10 @@ ROLLOUT_SCORE_TIME_S = "rollout/score_time_s"
 ROLLOUT_GRAPH_CAPTURE_S = "rollout/graph_capture_s"
 # Mean |advantage| of the batch (0 when every group's rewards are equal).
 ROLLOUT_ADVANTAGE_ABS_MEAN = "rollout/advantage_abs_mean"
-# Reward answers killed at the math-verify deadline during the step (the built-in math reward only).
+# Reward answers killed at the math-verify deadline during the step (a reward with counters:
+# ``reward.protocol.counters``, the math reward's).
 REWARD_TIMEOUTS = "reward/timeouts"
-# Reward comparisons whose math-verify worker failed or died during the step (scored 0; math reward only).
+# Reward comparisons whose math-verify worker failed or died during the step (scored 0; as above).
 REWARD_ERRORS = "reward/errors"
 
 # Train/rollout mismatch of the same tokens (``algo.mismatch.MismatchStats.as_metrics(MISMATCH)``): |logp_train - logp_rollout| mean and max, K3 estimate of

@@ -142,6 +142,12 @@ class MathReward:
     def __call__(self, response: str, label: str) -> float:
         return self.score_many([response], [label])[0]
 
+    def stats_snapshot(self) -> RewardStats:
+        """A copy of this reward's counters (the reward protocol's ``stats_snapshot``: the rollout publishes
+        what its timeouts and errors gained during a step)."""
+        with self._stats_lock:
+            return self.stats.copy()
+
     def score_many(self, responses: Sequence[str], labels: Sequence[str]) -> list[float]:
         """Scores of (response, label) pairs, in order; math-verify runs on `num_workers` children at once."""
         if len(responses) != len(labels):
@@ -254,6 +260,4 @@ def math_reward(response: str, label: str) -> float:
 
 def reward_stats() -> RewardStats:
     """A snapshot of the counters of `math_reward` (timeouts, missing `</think>`, ...)."""
-    reward = _default_reward()
-    with reward._stats_lock:
-        return reward.stats.copy()
+    return _default_reward().stats_snapshot()

@@ -4,16 +4,21 @@ A reward function maps one response (the full decoded text, reasoning included) 
 label to a float. Configs name one with `algorithm.reward`: `"math"` for the built-in math-verify
 reward, or a dotted path to any callable with that signature, `"my_pkg.rewards:exact_match"` or
 `"my_pkg.rewards.exact_match"`. A class that needs setup can be named by a factory function.
+
+Two optional methods of a reward object (a ``MathReward`` has both; the built-in ``math_reward`` function gets
+its process-wide instance's): ``score_many(responses, labels)`` scores a batch at once (``batch_scorer``),
+and ``stats_snapshot()`` returns a ``RewardStats`` whose ``num_timeouts`` / ``num_errors`` the rollout
+publishes per step as ``reward/timeouts`` / ``reward/errors`` (``counters``).
 """
 
 from __future__ import annotations
 
 import importlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from infir2_rl.reward.math import math_reward, math_reward_many
+from infir2_rl.reward.math import RewardStats, math_reward, math_reward_many, reward_stats
 
 
 @runtime_checkable
@@ -60,6 +65,20 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn  # type: ignore[no-any-return]
 
 
+def batch_scorer(fn: RewardFn) -> Callable[[Sequence[str], Sequence[str]], list[float]] | None:
+    """How ``fn`` scores a batch at once, if it can: the built-in's process-wide ``MathReward``, or the
+    object's own ``score_many``; None for a plain function (called once per pair)."""
+    many = math_reward_many if fn is math_reward else getattr(fn, "score_many", None)
+    return many if callable(many) else None
+
+
+def counters(fn: RewardFn) -> Callable[[], RewardStats] | None:
+    """How to read ``fn``'s counters: the built-in's process-wide ones, or the object's own
+    ``stats_snapshot``; None for a reward that keeps none."""
+    snapshot = reward_stats if fn is math_reward else getattr(fn, "stats_snapshot", None)
+    return snapshot if callable(snapshot) else None
+
+
 def score_batch(fn: RewardFn, responses: Sequence[str], labels: Sequence[str]) -> list[float]:
     """`fn` applied to each (response, label) pair, in order; values are checked to be real numbers.
 
@@ -71,7 +90,7 @@ def score_batch(fn: RewardFn, responses: Sequence[str], labels: Sequence[str]) -
         raise ValueError(
             f"score_batch got {len(responses)} responses and {len(labels)} labels; pass one label per response."
         )
-    many = math_reward_many if fn is math_reward else getattr(fn, "score_many", None)
+    many = batch_scorer(fn)
     raw = many(responses, labels) if many is not None else [fn(r, lab) for r, lab in zip(responses, labels)]
     scores: list[float] = []
     for score in raw:

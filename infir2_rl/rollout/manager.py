@@ -41,8 +41,7 @@ from transformers import PreTrainedTokenizerBase
 from infir2_rl.actors.remote import Call, call_all
 from infir2_rl.config.components import RolloutConfig
 from infir2_rl.metrics import names
-from infir2_rl.reward.math import math_reward, reward_stats
-from infir2_rl.reward.protocol import RewardFn, score_batch
+from infir2_rl.reward.protocol import RewardFn, counters, score_batch
 from infir2_rl.rollout.batch import RolloutBatch
 from infir2_rl.rollout.prompts import PromptLike, PromptSource
 from infir2_rl.types import GenerateRequest, Sample, SamplingParams
@@ -174,9 +173,10 @@ class RolloutManager:
         everything: list[Group] = []
         rounds, gen_time, score_time = 0, 0.0, 0.0
         params = self._params()
-        # The built-in math reward counts how it scored (reward.math.RewardStats, process-wide): the step's
-        # share of its failures is published with the batch.
-        stats_before = reward_stats() if self.reward_fn is math_reward else None
+        # A reward that counts how it scored (reward.protocol.counters: the built-in math reward, a MathReward,
+        # any object with stats_snapshot()): the step's share of its timeouts and errors is published.
+        snapshot = counters(self.reward_fn)
+        stats_before = snapshot() if snapshot is not None else None
         while len(kept) < need and rounds < max_rounds:
             t0 = time.perf_counter()
             groups = self._sample(source.take(per_round), n, params)
@@ -195,8 +195,8 @@ class RolloutManager:
         batch = self._batch(
             final, everything, len(dropped), len(filled), surplus, rounds, gen_time, score_time
         )
-        if stats_before is not None:
-            after = reward_stats()
+        if snapshot is not None and stats_before is not None:
+            after = snapshot()
             batch.metrics[names.REWARD_TIMEOUTS] = float(after.num_timeouts - stats_before.num_timeouts)
             batch.metrics[names.REWARD_ERRORS] = float(after.num_errors - stats_before.num_errors)
         return batch
