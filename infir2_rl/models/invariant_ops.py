@@ -33,11 +33,12 @@ number of rows:
 Residual adds are elementwise torch ops, invariant as they are (the fused add of the engine's norm kernel
 rounds as torch's add does).
 
-Backward (the trainer's): ``mm``, ``attention``, ``rms_norm``, ``rope`` and ``silu_mul`` are autograd Functions whose backward is
-plain torch math (cuBLAS matmuls, SDPA recomputed), except RMSNorm, SiLU*up and the rotary embedding, which
-on CUDA take the torch trainer's fused backward kernels (``trainers/torch/fused_layers`` and ``fused_rope``,
-imported where used: the engine's prefill runs this walk's forward without a trainer). Gradients need not match anything bit for bit: only the forward values enter the
-policy ratio.
+Backward (the trainer's): ``mm``, ``attention``, ``rms_norm``, ``rope`` and ``silu_mul`` are autograd Functions
+whose backward is plain torch math (cuBLAS matmuls, SDPA recomputed), except RMSNorm, SiLU*up and the rotary
+embedding, which on CUDA take the torch trainer's fused backward kernels (``trainers/torch/fused_layers`` and
+``fused_rope``, imported where used: the engine's prefill runs this walk's forward without a trainer), and
+``mm``'s weight gradient, which goes into the FP32 master's gradient inside the GEMM where the weight names one
+(``_Mm``). Gradients need not match anything bit for bit: only the forward values enter the policy ratio.
 
 CPU (tests): the same functions fall back to their torch references (``F.linear``, masked SDPA, the torch
 RMSNorm, FP8 emulation), so the model walk of ``invariant.py`` runs in CPU tests; bit equality between
