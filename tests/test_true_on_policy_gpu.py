@@ -185,6 +185,33 @@ def test_decode_attention_over_a_cache_equals_the_full_sequence_rows() -> None:
     assert torch.equal(out, full[rows_b, rows_t])
 
 
+def test_the_scorers_log_sum_exp_is_the_samplers_without_its_argmax() -> None:
+    from infir2_rl.engines.native import sampler
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(70, 151_936, device="cuda", generator=gen) * 4).bfloat16()
+    temps = torch.full((70,), 1.1, device="cuda")
+    with_argmax, top = sampler._lse_and_argmax(logits, temps)
+    assert top is not None and torch.equal(top.long(), (logits.float() / temps[:, None]).argmax(1))
+    assert torch.equal(sampler.logsumexp(logits, temps), with_argmax)
+
+
+@pytest.mark.parametrize("heads, dim", [(12, 128), (6, 64)])
+def test_whole_sequences_attend_with_the_one_token_kernels_bits(heads: int, dim: int) -> None:
+    """``causal_rows`` gives a program several consecutive tokens (shared K/V loads): the engine decodes
+    with the one-token kernel, so each row must keep that kernel's bits, at lengths that are no multiple of
+    the tokens per program or of the key block."""
+    from infir2_rl.models import invariant_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for batch, length in ((3, 150), (2, 257), (1, 1)):
+        q = torch.randn(batch * length, heads, dim, device="cuda", generator=gen).bfloat16()
+        k, v = (torch.randn(batch, 2, length, dim, device="cuda", generator=gen).bfloat16() for _ in "kv")
+        one = ops.causal_rows(q, k, v, tokens=1)
+        for tokens in (None, 2):  # None: the default, as many as fill ATTN_TILE_ROWS (4 and 8 tokens here)
+            assert torch.equal(ops.causal_rows(q, k, v, tokens=tokens), one), (batch, length, tokens)
+
+
 @pytest.mark.parametrize("quant", [False, True], ids=["bf16", "fp8"])
 def test_attention_bits_do_not_depend_on_its_pipeline_depth(quant: bool) -> None:
     """The launch picks its depth by the grid's size (the engine's decode batch, the trainer's tokens), so

@@ -23,7 +23,10 @@ number of rows:
   position of a full-sequence forward run the same loop; only where keys and values are read from differs
   (a cache slot or a sequence's own tensor). A fully masked block is an exact no-op (alpha 1, p 0), so a
   row's result does not depend on how far its neighbours' loops run. Its pipeline depth follows the grid's
-  size (``ATTN_STAGES_RESIDENT``), which moves loads and changes no bit.
+  size (``ATTN_STAGES_RESIDENT``), which moves loads and changes no bit. Whole sequences (the trainer's walk,
+  the engine's prefill: ``causal_rows``) give a program several consecutive tokens, their query heads
+  stacked in the rows of the same products, so each K/V block is loaded once for them; a row's arithmetic
+  is the one-token program's.
 * ``rms_norm``, ``silu_mul``: the engine's decode kernels (``engines/native/fused_ops``), one program per
   row, so the trainer's values are the engine's by construction. ``rope``: the trainer's rotary kernel
   (``trainers/torch/fused_rope``), whose arithmetic is the engine's rotary kernel's (both ``_rotated``: each
@@ -84,6 +87,10 @@ MM_TILES = {"small": ((64, 64, 128), 4, 3), "large": ((128, 128, 64), 8, 3)}  # 
 FP8_CONFIGS = {"small": fp8_gemm.GemmConfig(64, 64, 1, 4, 3), "large": fp8_gemm.GemmConfig(64, 128, 1, 4, 3)}
 ATTN_ROWS = 16  # query rows per attention program: the G heads of one KV head, padded
 ATTN_BLOCK = 64  # keys per step of the attention loop
+# Whole sequences (the trainer's walk, the engine's prefill): consecutive tokens per program share each K/V
+# block's load, their query heads stacked into this many rows of the products (``causal_rows``). 32 rows and 4
+# warps keep the one-token kernel's bits; 64 rows did not (bench/walk_attention.py, H200, session 60).
+ATTN_TILE_ROWS = 32
 # The attention kernel's pipeline depth. Three stages (Triton's default) take ~70 KB of shared memory per program,
 # so three programs fit an SM of Hopper; two stages take less and fit five (then registers limit it). A grid
 # larger than three programs per SM (decode batch 256 at 1.5B: 512 programs) runs in one wave at two stages
@@ -178,6 +185,53 @@ if _HAVE_TRITON:
             tl.store(scales_ptr + heads * rows_pad + r, tile_scale, mask=g < G)
         else:
             tl.store(o_ptr + r.to(tl.int64) * so_r + heads[:, None] * so_h + d[None, :], out, mask=qm)
+
+    @triton.jit
+    def _causal_attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, L, tiles, sq_r, sq_h, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_r, so_h,
+        sm_scale, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr,
+    ):  # fmt: skip
+        """``_attention_kernel`` for T consecutive tokens t0..t0+T-1 of sequence b (rows b * L + t, keys
+        0..t): each K/V block is loaded once for the T tokens, whose G heads are rows i * G + g of the
+        products (ROWS of them, the padding rows zero). Per row the arithmetic of ``_attention_kernel``: T
+        divides BLOCK and t0 is a multiple of T, so each token walks the same blocks as alone (none fully
+        masked for it); keys past a row's own length are masked to -inf there too (p = 0, an exact no-op in
+        the sums). Bits measured equal at 32 rows and 4 warps, not at 64 (bench/walk_attention.py)."""
+        pid, kvh = tl.program_id(0), tl.program_id(1)
+        b = (pid // tiles).to(tl.int64)
+        t0 = (pid % tiles) * T
+        j = tl.arange(0, ROWS)
+        tok = t0 + j // G
+        d = tl.arange(0, D)
+        heads = kvh * G + j % G
+        real = (j < T * G) & (tok < L)
+        row = b * L + tok
+        q = tl.load(
+            q_ptr + row[:, None] * sq_r + heads[:, None] * sq_h + d[None, :], mask=real[:, None], other=0.0
+        )
+        n_row = tok + 1
+        n = tl.minimum(t0 + T, L)
+        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_i = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D), tl.float32)
+        k_base = k_ptr + b * sk_b + kvh * sk_h
+        v_base = v_ptr + b * sv_b + kvh * sv_h
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n, BLOCK):
+            t = start + offs
+            tm = t < n
+            k = tl.load(k_base + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=tm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.where(t[None, :] < n_row[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=tm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + row[:, None] * so_r + heads[:, None] * so_h + d[None, :], out, mask=real[:, None])
 
     @triton.jit
     def _token_logprob_kernel(logits_ptr, temp_ptr, lse_ptr, tok_ptr, lp_ptr, stride):
@@ -704,6 +758,14 @@ def attention_quantized(
     return out
 
 
+def _check_attention(heads: int, kv_heads: int, dim: int, k: Tensor, v: Tensor) -> None:
+    if heads // kv_heads > ATTN_ROWS or dim & (dim - 1) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(
+            f"invariant attention: {heads} query heads per {kv_heads} KV heads, head dim {dim}: needs at most"
+            f" {ATTN_ROWS} query heads per KV head, a power-of-two head dim and unit-stride K/V rows"
+        )
+
+
 def _launch_attention(
     q: Tensor,
     k: Tensor,
@@ -720,11 +782,7 @@ def _launch_attention(
     default by the grid's size (``ATTN_STAGES_RESIDENT``); any depth gives the same bits."""
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if heads // kv_heads > ATTN_ROWS or dim & (dim - 1) or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(
-            f"invariant attention: {heads} query heads per {kv_heads} KV heads, head dim {dim}: needs at most"
-            f" {ATTN_ROWS} query heads per KV head, a power-of-two head dim and unit-stride K/V rows"
-        )
+    _check_attention(heads, kv_heads, dim, k, v)
     codes, scales = (quantized.q, quantized.s_t) if quantized is not None else (out, out)
     grid_rows = codes.shape[0] if quantized is not None else rows
     if not grid_rows:
@@ -740,29 +798,65 @@ def _launch_attention(
     )  # fmt: skip
 
 
+def causal_rows(
+    q_RHD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, tokens: int | None = None, warps: int = 4
+) -> Tensor:
+    """``attention`` of whole sequences: row b * L + t of q (R = B * L rows, H, D) attends to keys 0..t of
+    sequence b, k / v (B, KVH, >= L, D) -> (R, H * D), with the bits of ``attention``. On CUDA one program
+    takes ``tokens`` consecutive rows (default: as many as fill ``ATTN_TILE_ROWS`` rows with their query
+    heads) and loads each K/V block once for them (``_causal_attention_kernel``); ``tokens=1`` runs
+    ``attention`` itself. ``warps``: for the bench (4 is the count whose bits were measured). No autograd."""
+    rows, heads, dim = q_RHD.shape
+    batch, kv_heads = k_BKLD.shape[:2]
+    length = rows // batch
+    group = heads // kv_heads
+    if tokens is None:
+        tokens = 1 << max(0, (ATTN_TILE_ROWS // group).bit_length() - 1)  # a power of two: divides ATTN_BLOCK
+    if rows != batch * length or length > k_BKLD.shape[2]:
+        raise ValueError(
+            f"causal_rows: {rows} rows are not whole sequences of the {tuple(k_BKLD.shape)} keys"
+        )
+    if not kernels_available(q_RHD.device) or tokens == 1:
+        device = q_RHD.device
+        seq = torch.arange(batch, device=device).repeat_interleave(length)
+        lens = torch.arange(1, length + 1, device=device, dtype=torch.int32).repeat(batch)
+        return attention(q_RHD, k_BKLD, v_BKLD, seq, lens)
+    _check_attention(heads, kv_heads, dim, k_BKLD, v_BKLD)
+    if ATTN_BLOCK % tokens:
+        raise ValueError(f"causal_rows: {tokens} tokens per program must divide the key block {ATTN_BLOCK}")
+    if q_RHD.stride(-1) != 1:
+        q_RHD = q_RHD.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=q_RHD.dtype, device=q_RHD.device)
+    if rows:
+        tiles = -(-length // tokens)
+        grid = (batch * tiles, kv_heads)
+        one_wave = grid[0] * kv_heads <= ATTN_STAGES_RESIDENT * sm_count(q_RHD.device)
+        _causal_attention_kernel[grid](
+            q_RHD, k_BKLD, v_BKLD, out, length, tiles, q_RHD.stride(0), q_RHD.stride(1), *k_BKLD.stride()[:3],
+            *v_BKLD.stride()[:3], out.stride(0), out.stride(1), dim**-0.5, G=group,
+            ROWS=max(ATTN_ROWS, triton.next_power_of_2(tokens * group)), D=dim, BLOCK=ATTN_BLOCK, T=tokens,
+            num_warps=warps, num_stages=3 if one_wave else 2,
+        )  # fmt: skip
+    return out.reshape(rows, heads * dim)
+
+
 class _CausalAttention(torch.autograd.Function):
-    """Forward: ``attention`` with row (b, t) over keys 0..t of sequence b. Backward: causal SDPA recomputed."""
+    """Forward: ``causal_rows`` (row (b, t) over keys 0..t of sequence b). Backward: causal SDPA recomputed."""
 
     @staticmethod
     def forward(ctx: Any, q_BLHD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor) -> Tensor:  # type: ignore[override]
         batch, length, heads, dim = q_BLHD.shape
-        device = q_BLHD.device
-        seq = torch.arange(batch, device=device).repeat_interleave(length)
-        lens = torch.arange(1, length + 1, device=device, dtype=torch.int32).repeat(batch)
         ctx.save_for_backward(q_BLHD, k_BKLD, v_BKLD)
-        out = attention(q_BLHD.reshape(batch * length, heads, dim), k_BKLD, v_BKLD, seq, lens)
+        out = causal_rows(q_BLHD.reshape(batch * length, heads, dim), k_BKLD, v_BKLD)
         return out.view(batch, length, heads * dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            group = q.shape[2] // k.shape[1]
+        with torch.enable_grad():  # K/V not repeated per query head: 0.110 against 0.150 ms per 16 x 256
+            # tokens at 1.5B, the same gradients (bench/walk_attention.py, H200, session 60)
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.repeat_interleave(group, dim=1),
-                v.repeat_interleave(group, dim=1),
-                is_causal=True,
+                q.transpose(1, 2), k, v, is_causal=True, enable_gqa=q.shape[2] != k.shape[1]
             ).transpose(1, 2)
             grads = torch.autograd.grad(out.reshape(grad.shape), (q, k, v), grad)
         return grads

@@ -264,8 +264,6 @@ class Qwen2Runner:
         num_prompts, length = ids_PL.shape
         device = ids_PL.device
         positions = torch.arange(length, device=device).repeat(num_prompts)
-        seq = torch.arange(num_prompts, device=device).repeat_interleave(length)
-        lens = (positions + 1).to(torch.int32)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             k_st, v_st = kv_out(i)  # (P, KVH, L, D)
@@ -273,7 +271,7 @@ class Qwen2Runner:
                 dst.copy_(src.view(num_prompts, length, *src.shape[1:]).transpose(1, 2))
             if kv_written is not None:
                 kv_written(i)
-            return inv_ops.attention(q, k_st, v_st, seq, lens)
+            return inv_ops.causal_rows(q, k_st, v_st)
 
         h = invariant.hidden_states(self.model, ids_PL.reshape(-1), positions, attend, self.cos, self.sin)
         last = h.view(num_prompts, length, -1)[torch.arange(num_prompts, device=device), lengths_P - 1]

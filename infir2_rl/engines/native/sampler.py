@@ -42,9 +42,10 @@ if _HAVE_TRITON:
     @triton.jit
     def _chunk_max_kernel(
         logits_ptr, temp_ptr, m_ptr, s_ptr, best_ptr, best_idx_ptr, V, stride, CHUNK, NCH,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, ARGMAX: tl.constexpr,
     ):  # fmt: skip
-        """Per (row, chunk): max of z, sum of exp(z - max), first argmax."""
+        """Per (row, chunk): max of z, sum of exp(z - max), first argmax (ARGMAX; the max and sum do not
+        depend on it)."""
         row, c = tl.program_id(0), tl.program_id(1)
         base = logits_ptr + row.to(tl.int64) * stride
         temp = tl.load(temp_ptr + row)
@@ -61,21 +62,25 @@ if _HAVE_TRITON:
             m_new = tl.maximum(m, z)
             s = tl.where(m_new > float("-inf"), s * tl.exp(m - m_new) + tl.exp(z - m_new), 0.0)
             m = m_new
-            better = z > best
-            best_idx = tl.where(better, idx, best_idx)
-            best = tl.where(better, z, best)
+            if ARGMAX:
+                better = z > best
+                best_idx = tl.where(better, idx, best_idx)
+                best = tl.where(better, z, best)
         mx = tl.max(m, axis=0)
         total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), axis=0)
-        top = tl.max(best, axis=0)
         out = row * NCH + c
         tl.store(m_ptr + out, mx)
         tl.store(s_ptr + out, total)
-        tl.store(best_ptr + out, top)
-        tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, V), axis=0))
+        if ARGMAX:
+            top = tl.max(best, axis=0)
+            tl.store(best_ptr + out, top)
+            tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, V), axis=0))
 
     @triton.jit
-    def _lse_kernel(m_ptr, s_ptr, best_ptr, best_idx_ptr, lse_ptr, argmax_ptr, V, NCH, CP2: tl.constexpr):
-        """Per row: log-sum-exp and first argmax over the chunks' partials."""
+    def _lse_kernel(
+        m_ptr, s_ptr, best_ptr, best_idx_ptr, lse_ptr, argmax_ptr, V, NCH, CP2: tl.constexpr, ARGMAX: tl.constexpr
+    ):  # fmt: skip
+        """Per row: log-sum-exp and first argmax (ARGMAX) over the chunks' partials."""
         row = tl.program_id(0)
         offs = tl.arange(0, CP2)
         mask = offs < NCH
@@ -86,10 +91,11 @@ if _HAVE_TRITON:
             lse_ptr + row,
             mx + tl.log(tl.sum(tl.where(mc > float("-inf"), sc * tl.exp(mc - mx), 0.0), axis=0)),
         )
-        bc = tl.load(best_ptr + row * NCH + offs, mask=mask, other=float("-inf"))
-        bi = tl.load(best_idx_ptr + row * NCH + offs, mask=mask, other=V)
-        top = tl.max(bc, axis=0)
-        tl.store(argmax_ptr + row, tl.min(tl.where(bc == top, bi, V), axis=0))
+        if ARGMAX:
+            bc = tl.load(best_ptr + row * NCH + offs, mask=mask, other=float("-inf"))
+            bi = tl.load(best_idx_ptr + row * NCH + offs, mask=mask, other=V)
+            top = tl.max(bc, axis=0)
+            tl.store(argmax_ptr + row, tl.min(tl.where(bc == top, bi, V), axis=0))
 
     @triton.jit
     def _chunk_mass_kernel(
@@ -167,26 +173,32 @@ def _chunks(vocab: int) -> tuple[int, int, int]:
     return chunk, nch, max(16, triton.next_power_of_2(nch))  # the per-row kernels' vector (not size 1)
 
 
-def _lse_and_argmax(logits_BV: Tensor, temp_B: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row: log-sum-exp of z = logits.float() / T and the first argmax (two kernels)."""
+def _lse_and_argmax(logits_BV: Tensor, temp_B: Tensor, argmax: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Per row: log-sum-exp of z = logits.float() / T and, with ``argmax``, the first argmax (two kernels;
+    the log-sum-exp's bits do not depend on ``argmax``)."""
     rows, vocab = logits_BV.shape
     chunk, nch, cp2 = _chunks(vocab)
     dev = logits_BV.device
-    m, s, best = (torch.empty(rows, nch, dtype=torch.float32, device=dev) for _ in range(3))
-    best_idx = torch.empty(rows, nch, dtype=torch.int32, device=dev)
+    m, s = (torch.empty(rows, nch, dtype=torch.float32, device=dev) for _ in range(2))
+    best = torch.empty(rows, nch, dtype=torch.float32, device=dev) if argmax else m  # (not written without)
+    best_idx = torch.empty(rows, nch, dtype=torch.int32, device=dev) if argmax else m
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
-    argmax = torch.empty(rows, dtype=torch.int32, device=dev)
+    top = torch.empty(rows, dtype=torch.int32, device=dev) if argmax else None
     if rows:
         _chunk_max_kernel[(rows, nch)](
-            logits_BV, temp_B, m, s, best, best_idx, vocab, logits_BV.stride(0), chunk, nch, BLOCK=_BLOCK
-        )
-        _lse_kernel[(rows,)](m, s, best, best_idx, lse, argmax, vocab, nch, CP2=cp2)
-    return lse, argmax
+            logits_BV, temp_B, m, s, best, best_idx, vocab, logits_BV.stride(0), chunk, nch, BLOCK=_BLOCK,
+            ARGMAX=argmax,
+        )  # fmt: skip
+        _lse_kernel[(rows,)](
+            m, s, best, best_idx, lse, top if top is not None else lse, vocab, nch, CP2=cp2, ARGMAX=argmax
+        )  # fmt: skip
+    return lse, top
 
 
 def logsumexp(logits_BV: Tensor, temperature_B: Tensor) -> Tensor:
-    """The sampler's log-sum-exp of ``logits.float() / T`` per row (CUDA), T FP32 per row."""
-    return _lse_and_argmax(logits_BV, temperature_B)[0]
+    """The sampler's log-sum-exp of ``logits.float() / T`` per row (CUDA), T FP32 per row: its bits, without
+    the argmax the sampler also tracks (the trainer's true_on_policy scoring needs only this)."""
+    return _lse_and_argmax(logits_BV, temperature_B, argmax=False)[0]
 
 
 def sample(
@@ -201,6 +213,7 @@ def sample(
     u = uniforms(params.keys_B, steps_B).float()
     temp = params.temperature_B
     lse, argmax = _lse_and_argmax(logits_BV, temp)
+    assert argmax is not None
     t = torch.empty(rows, nch, dtype=torch.float32, device=dev)
     last = torch.empty(rows, nch, dtype=torch.int32, device=dev)
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
