@@ -162,6 +162,42 @@ def test_shared_input_is_quantized_once(fake_gpu: dict[str, int]) -> None:
     assert ops._last_input[0] is None  # dropped with its source tensor
 
 
+def test_a_callers_fprop_makes_the_shared_inputs_token_tiles_once(
+    fake_gpu: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The true_on_policy walk's q, k and v (``fp8_linear(fprop=...)``) read one input: its wgrad tiles are
+    made once, each layer's weight gradient is the one it gets alone, and the tiles go with the input."""
+    made: list[torch.Size] = []
+
+    def cols(x2d: torch.Tensor, pow2_scales: bool = False, round_to: torch.dtype | None = None) -> tuple:
+        made.append(x2d.shape)  # (not the tensor: that would keep the input alive)
+        return _cols(x2d, pow2_scales, round_to)
+
+    monkeypatch.setattr(quant_triton, "quantize_cols", cols)
+    fprop = ops.fp8_linear_forward  # stands in for the walk's invariant GEMM
+    layers = [Fp8Linear(256, n) for n in (128, 32, 32)]
+
+    def grads(x: torch.Tensor, fresh: bool) -> list[torch.Tensor]:
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        outs = []
+        for m in layers:
+            if fresh:  # every layer its own input tensor: nothing to share
+                x = x.detach().clone().requires_grad_(True)
+            w = m._fp8_weight()
+            outs.append(ops.fp8_linear(x, m.weight, m.bias, w, False, torch.float32, fprop=fprop))
+        sum(o.square().sum() for o in outs).backward()
+        return [m.weight.grad for m in layers]
+
+    x = torch.randn(5, 256)
+    shared = grads(x.clone().requires_grad_(True), fresh=False)
+    assert len(made) == 1
+    assert ops._last_cols[0] is None  # dropped with its source tensor
+    alone = grads(x, fresh=True)
+    assert len(made) == 4
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
+
+
 def test_autocast_input_is_rounded_by_the_quantizer(fake_gpu: dict[str, int]) -> None:
     # Under autocast an FP32 input is quantized as its BF16 rounding (what a dense autocast linear multiplies)
     # without a BF16 copy per linear: q, k and v must give the outputs and gradients of linears fed an

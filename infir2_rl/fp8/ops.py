@@ -160,6 +160,29 @@ def _drop_last_input(ref: weakref.ref) -> None:
         _last_input[0] = None
 
 
+# The last input's token tiles made beside a caller's forward GEMM (``fp8_linear(fprop=...)``): q, k and v
+# (gate and up) of the true_on_policy walk read one input, whose wgrad tiles are then made once and kept once
+# (3 of 5 such quantizations per layer saved). Keyed as ``_last_input``.
+_last_cols: list[Any] = [None]
+
+
+def _token_tiles(x: torch.Tensor, x2d: torch.Tensor, pow2: bool, round_to: torch.dtype) -> Any:
+    entry = _last_cols[0]
+    if entry is not None:
+        ref, version, dtype, entry_pow2, out = entry
+        if ref() is x and version == x._version and dtype == round_to and entry_pow2 == pow2:
+            return out
+    out = quant_triton.quantize_cols(x2d, pow2, round_to=round_to)
+    _last_cols[0] = (weakref.ref(x, _drop_last_cols), x._version, round_to, pow2, out)
+    return out
+
+
+def _drop_last_cols(ref: weakref.ref) -> None:
+    entry = _last_cols[0]
+    if entry is not None and entry[0] is ref:
+        _last_cols[0] = None
+
+
 def offer_input_quantization(
     x: torch.Tensor, pow2: bool, out: tuple[Any, ...], unwritten: bool = False
 ) -> None:
@@ -364,11 +387,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 w_b = s_b = None
             xtq: Any
             if fprop is not None:  # the caller's forward GEMM (true on-policy: the engine's invariant kernel)
-                xtq, xts = (
-                    quant_triton.quantize_cols(x2d, pow2_scales, round_to=round_to)
-                    if need_wgrad
-                    else (None, None)
-                )
+                xtq, xts = _token_tiles(x, x2d, pow2_scales, round_to) if need_wgrad else (None, None)
                 y = fprop(x2d.to(round_to), w_fp8, w_scale_inv, bias, pow2_scales)
                 if y.dtype != out_dtype:
                     raise TypeError(f"fp8_linear: fprop returned {y.dtype}, the output dtype is {out_dtype}")
