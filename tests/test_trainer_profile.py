@@ -35,6 +35,16 @@ def test_the_named_step_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["train_step2_rank0.txt"]
     text = (tmp_path / "prof" / "train_step2_rank0.txt").read_text()
     assert text.startswith("step 2, wall") and "aten::" in text
+    # A second trainer profiling the same step into the same folder (bench/true_on_policy.py runs one per
+    # mode) keeps the first one's file.
+    second = TorchTrainer(
+        ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=3, device="cpu"
+    )
+    for _ in range(2):
+        second.train_step([batch], SftLossFn(), num_target_tokens(batch))
+    names = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert names == ["train_step2_rank0.2.txt", "train_step2_rank0.txt"]
+    assert (tmp_path / "prof" / "train_step2_rank0.txt").read_text() == text
 
 
 def test_a_step_that_never_comes_is_refused_or_said(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -509,8 +509,13 @@ class TorchTrainer:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             stats = self._train_step(batches, loss_fn, total_units, keep_logprobs)
-        out = Path(os.environ.get("INFIR2_PROFILE_DIR", ".")) / f"train_step{self.step}_rank{self.rank}.txt"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out_dir = Path(os.environ.get("INFIR2_PROFILE_DIR", "."))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Never over another trainer's profile of the same step (a bench runs several trainers in one process)
+        out = out_dir / f"train_step{self.step}_rank{self.rank}.txt"
+        copy = 2
+        while out.exists():
+            out, copy = out_dir / f"train_step{self.step}_rank{self.rank}.{copy}.txt", copy + 1
         averages = prof.key_averages()
         sort = "device_time_total" if self.device.type == "cuda" else "cpu_time_total"
         out.write_text(
