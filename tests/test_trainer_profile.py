@@ -38,7 +38,12 @@ def test_the_named_step_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     # A second trainer profiling the same step into the same folder (bench/true_on_policy.py runs one per
     # mode) keeps the first one's file.
     second = TorchTrainer(
-        ModelConfig(path=str(model)), TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=3, device="cpu"
+        ModelConfig(path=str(model)),
+        TrainerConfig(),
+        OptimizerConfig(),
+        fp8=False,
+        total_steps=3,
+        device="cpu",
     )
     for _ in range(2):
         second.train_step([batch], SftLossFn(), num_target_tokens(batch))
