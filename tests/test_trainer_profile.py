@@ -17,14 +17,14 @@ from infir2_rl.trainers.torch.trainer import TorchTrainer
 
 def test_the_named_step_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = init_model(tmp_path / "model", preset="tiny", num_hidden_layers=1)
-    trainer = TorchTrainer(
-        ModelConfig(path=str(model)),
-        TrainerConfig(),
-        OptimizerConfig(),
-        fp8=False,
-        total_steps=3,
-        device="cpu",
-    )
+
+    def new_trainer() -> TorchTrainer:
+        config = ModelConfig(path=str(model))
+        return TorchTrainer(
+            config, TrainerConfig(), OptimizerConfig(), fp8=False, total_steps=3, device="cpu"
+        )
+
+    trainer = new_trainer()
     paths = make_data(tmp_path / "data", num_sft=8, num_rl=4, num_test=4)
     examples, _ = load_sft_examples(paths.sft_train, trainer.tokenizer)
     batch = to_token_batch(examples[:4], trainer.tokenizer.pad_token_id)
@@ -37,14 +37,7 @@ def test_the_named_step_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert text.startswith("step 2, wall") and "aten::" in text
     # A second trainer profiling the same step into the same folder (bench/true_on_policy.py runs one per
     # mode) keeps the first one's file.
-    second = TorchTrainer(
-        ModelConfig(path=str(model)),
-        TrainerConfig(),
-        OptimizerConfig(),
-        fp8=False,
-        total_steps=3,
-        device="cpu",
-    )
+    second = new_trainer()
     for _ in range(2):
         second.train_step([batch], SftLossFn(), num_target_tokens(batch))
     names = sorted(p.name for p in (tmp_path / "prof").iterdir())

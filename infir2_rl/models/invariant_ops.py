@@ -140,6 +140,31 @@ if _HAVE_TRITON:
         )
 
     @triton.jit
+    def _attend(q, k_base, v_base, sk_t, sv_t, n, n_row, sm_scale, D: tl.constexpr, BLOCK: tl.constexpr):
+        """q's rows (R, D) over keys 0..n-1 of one sequence and KV head, in blocks of BLOCK from key 0 with an
+        online softmax; row i sees keys below n_row[i], the rest -inf (a fully masked block is an exact no-op:
+        alpha 1, p 0). The (R, D) output in FP32, normalized."""
+        d = tl.arange(0, D)
+        offs = tl.arange(0, BLOCK)
+        m_i = tl.full(n_row.shape, float("-inf"), tl.float32)
+        l_i = tl.zeros(n_row.shape, tl.float32)
+        acc = tl.zeros(q.shape, tl.float32)
+        for start in range(0, n, BLOCK):
+            t = start + offs
+            tm = t < n
+            k = tl.load(k_base + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=tm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.where(t[None, :] < n_row[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=tm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return acc / l_i[:, None]
+
+    @triton.jit
     def _attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, len_ptr, codes_ptr, scales_ptr, R, rows_pad, sc_r,
         sq_r, sq_h, sk_s, sk_h, sk_t, sv_s, sv_h, sv_t, so_r, so_h, sm_scale,
@@ -157,26 +182,10 @@ if _HAVE_TRITON:
         q = tl.load(
             q_ptr + r.to(tl.int64) * sq_r + heads[:, None] * sq_h + d[None, :], mask=qm & valid, other=0.0
         )
-        m_i = tl.full((GP,), float("-inf"), tl.float32)
-        l_i = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, D), tl.float32)
         k_base = k_ptr + seq * sk_s + kvh * sk_h
         v_base = v_ptr + seq * sv_s + kvh * sv_h
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, n, BLOCK):
-            t = start + offs
-            tm = t < n
-            k = tl.load(k_base + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=tm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
-            s = tl.where(tm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=tm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+        n_row = tl.full((GP,), n, tl.int32)
+        out = _attend(q, k_base, v_base, sk_t, sv_t, n, n_row, sm_scale, D, BLOCK).to(o_ptr.dtype.element_ty)
         if QUANT:  # D == 128: head h of row r is tile h of o_proj's input row, quantized from the rounded out
             y = tl.where(valid, out.to(tl.float32), 0.0)  # (padding rows: 0/0 above)
             tile_scale = _tile_scales(y, 1, POW2)
@@ -209,28 +218,12 @@ if _HAVE_TRITON:
         q = tl.load(
             q_ptr + row[:, None] * sq_r + heads[:, None] * sq_h + d[None, :], mask=real[:, None], other=0.0
         )
-        n_row = tok + 1
-        n = tl.minimum(t0 + T, L)
-        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-        l_i = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, D), tl.float32)
         k_base = k_ptr + b * sk_b + kvh * sk_h
         v_base = v_ptr + b * sv_b + kvh * sv_h
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, n, BLOCK):
-            t = start + offs
-            tm = t < n
-            k = tl.load(k_base + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=tm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
-            s = tl.where(t[None, :] < n_row[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=tm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+        n = tl.minimum(t0 + T, L)
+        out = _attend(q, k_base, v_base, sk_t, sv_t, n, tok + 1, sm_scale, D, BLOCK).to(
+            o_ptr.dtype.element_ty
+        )
         tl.store(o_ptr + row[:, None] * so_r + heads[:, None] * so_h + d[None, :], out, mask=real[:, None])
 
     @triton.jit
