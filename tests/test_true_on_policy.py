@@ -224,3 +224,25 @@ def test_silu_mul_reads_gate_and_up_apart_at_one_row_stride() -> None:
     assert torch.equal(apart, F.silu(gate) * up)
     with pytest.raises(ValueError, match="one row stride"):
         fused_ops.silu_mul(gate, up=torch.cat((gate, up), 1)[:, 256:])
+
+
+def test_whole_sequence_attention_is_causal_and_refuses_rows_that_are_not_sequences() -> None:
+    """``causal_rows`` (CPU: the torch reference of ``attention``): row b * L + t sees keys 0..t of sequence
+    b; no sequences give no rows; rows that do not split into whole sequences get one ValueError."""
+    import torch.nn.functional as F
+
+    from infir2_rl.models import invariant_ops as ops
+
+    torch.manual_seed(0)
+    batch, length, heads, kv_heads, dim = 2, 5, 4, 2, 8
+    q = torch.randn(batch * length, heads, dim)
+    k, v = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    ref = F.scaled_dot_product_attention(
+        q.view(batch, length, heads, dim).transpose(1, 2), k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+        is_causal=True,
+    ).transpose(1, 2).reshape(batch * length, heads * dim)  # fmt: skip
+    assert torch.allclose(ops.causal_rows(q, k, v), ref, atol=1e-5)
+    empty = ops.causal_rows(q[:0], k[:0], v[:0])
+    assert empty.shape == (0, heads * dim)
+    with pytest.raises(ValueError, match="not whole sequences"):
+        ops.causal_rows(q[:7], k, v)

@@ -798,10 +798,11 @@ def causal_rows(
     sequence b, k / v (B, KVH, >= L, D) -> (R, H * D), with the bits of ``attention``. On CUDA one program
     takes ``tokens`` consecutive rows (default: as many as fill ``ATTN_TILE_ROWS`` rows with their query
     heads) and loads each K/V block once for them (``_causal_attention_kernel``); ``tokens=1`` runs
-    ``attention`` itself. ``warps``: for the bench (4 is the count whose bits were measured). No autograd."""
+    ``attention`` itself. ``tokens`` and ``warps`` other than the defaults are for the bench: more rows than
+    ``ATTN_TILE_ROWS``, or other than 4 warps, measured other bits. No autograd."""
     rows, heads, dim = q_RHD.shape
     batch, kv_heads = k_BKLD.shape[:2]
-    length = rows // batch
+    length = rows // batch if batch else 0
     group = heads // kv_heads
     if tokens is None:
         tokens = 1 << max(0, (ATTN_TILE_ROWS // group).bit_length() - 1)  # a power of two: divides ATTN_BLOCK
