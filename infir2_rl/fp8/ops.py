@@ -123,22 +123,37 @@ class _SharedTiles:
 # freed tensor whose memory is reused can never match) and version counter (so an in-place change
 # invalidates it), plus the dtype its values were rounded to before quantizing, and dropped when it dies.
 _last_input: list[Any] = [None]
+# The same for the token tiles made beside a caller's forward GEMM (``fp8_linear(fprop=...)``): q, k and v
+# (gate and up) of the true_on_policy walk read one input, whose wgrad tiles are then made once and kept once.
+_last_cols: list[Any] = [None]
+
+
+def _current(slot: list[Any], x: torch.Tensor) -> tuple[Any, ...] | None:
+    """The fields ``_remember`` kept in ``slot`` for ``x``, if its entry is x's as x is now; else None."""
+    entry = slot[0]
+    if entry is not None and entry[0]() is x and entry[1] == x._version:
+        return entry[2:]  # type: ignore[no-any-return]
+    return None
+
+
+def _remember(slot: list[Any], x: torch.Tensor, *fields: Any) -> None:
+    """Keep ``fields`` for ``x`` as the slot's one entry, dropped when x dies (its quantized copies with it)."""
+
+    def drop(ref: weakref.ref) -> None:
+        if slot[0] is not None and slot[0][0] is ref:
+            slot[0] = None
+
+    slot[0] = (weakref.ref(x, drop), x._version, *fields)
 
 
 def _quantize_input_fast(
     x: torch.Tensor, x2d: torch.Tensor, pow2: bool, need_cols: bool, round_to: torch.dtype
 ) -> tuple[Any, ...]:
-    entry = _last_input[0]
-    if entry is not None:
-        ref, version, dtype, entry_pow2, has_cols, out = entry
-        if (
-            ref() is x
-            and version == x._version
-            and dtype == round_to
-            and entry_pow2 == pow2
-            and (has_cols or not need_cols)
-        ):
-            return out
+    kept = _current(_last_input, x)
+    if kept is not None:
+        dtype, entry_pow2, has_cols, out = kept
+        if dtype == round_to and entry_pow2 == pow2 and (has_cols or not need_cols):
+            return out  # type: ignore[no-any-return]
     if getattr(x, "_infir2_unwritten", False):
         raise RuntimeError(
             "FP8 linear: its input's values were never written (a fused producer quantized them for the FP8 "
@@ -150,37 +165,17 @@ def _quantize_input_fast(
         out = quant_triton.quantize_rows_and_cols(x2d, pow2, round_to=round_to)
     else:
         out = (*quant_triton.quantize_rows(x2d, pow2, round_to=round_to), None, None)
-    _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, round_to, pow2, need_cols, out)
+    _remember(_last_input, x, round_to, pow2, need_cols, out)
     return out
-
-
-def _drop_last_input(ref: weakref.ref) -> None:
-    entry = _last_input[0]
-    if entry is not None and entry[0] is ref:  # free the quantized copy together with its source
-        _last_input[0] = None
-
-
-# The last input's token tiles made beside a caller's forward GEMM (``fp8_linear(fprop=...)``): q, k and v
-# (gate and up) of the true_on_policy walk read one input, whose wgrad tiles are then made once and kept once
-# (3 of 5 such quantizations per layer saved). Keyed as ``_last_input``.
-_last_cols: list[Any] = [None]
 
 
 def _token_tiles(x: torch.Tensor, x2d: torch.Tensor, pow2: bool, round_to: torch.dtype) -> Any:
-    entry = _last_cols[0]
-    if entry is not None:
-        ref, version, dtype, entry_pow2, out = entry
-        if ref() is x and version == x._version and dtype == round_to and entry_pow2 == pow2:
-            return out
+    kept = _current(_last_cols, x)
+    if kept is not None and kept[:2] == (round_to, pow2):
+        return kept[2]
     out = quant_triton.quantize_cols(x2d, pow2, round_to=round_to)
-    _last_cols[0] = (weakref.ref(x, _drop_last_cols), x._version, round_to, pow2, out)
+    _remember(_last_cols, x, round_to, pow2, out)
     return out
-
-
-def _drop_last_cols(ref: weakref.ref) -> None:
-    entry = _last_cols[0]
-    if entry is not None and entry[0] is ref:
-        _last_cols[0] = None
 
 
 def offer_input_quantization(
@@ -199,7 +194,7 @@ def offer_input_quantization(
     if unwritten:
         x._infir2_unwritten = True  # type: ignore[attr-defined]
     has_cols = out[2] is not None
-    _last_input[0] = (weakref.ref(x, _drop_last_input), x._version, x.dtype, pow2, has_cols, out)
+    _remember(_last_input, x, x.dtype, pow2, has_cols, out)
 
 
 # Quantized output gradients handed over by the kernel that made them (the fused SwiGLU's backward makes
