@@ -84,6 +84,24 @@ def test_swiglu_equals_silu_times_up_forward_and_backward(dtype: torch.dtype) ->
             assert float((got != want).float().mean()) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_silu_mul_equals_this_swiglu_bit_for_bit(dtype: torch.dtype) -> None:
+    """The engine's SiLU*up (``engines/native/fused_ops.silu_mul``, decode and prefill) and this module's
+    SwiGLU compute ``silu(g) * u`` by one formula (Triton's exponential and its plain FP32 division), so a
+    trainer and an engine fed the same gate and up hold the same MLP input (the engine's quantized form equals
+    ``quantize_rows`` of its plain one: tests/test_engine_runner.py). Before session 61 the engine divided
+    correctly rounded (``div_rn``) and this module by ``/`` (``div.full.f32``): in FP32 the quotients differ
+    in the last bit; in BF16 that rarely survives the rounding (none of these 2.3M products differed)."""
+    from infir2_rl.engines.native import fused_ops
+
+    torch.manual_seed(0)
+    g = (4 * torch.randn(257, 8960, device="cuda")).to(dtype)
+    u = torch.randn(257, 8960, device="cuda").to(dtype)
+    engine = fused_ops.silu_mul(torch.cat((g, u), 1))
+    assert isinstance(engine, torch.Tensor)
+    assert torch.equal(engine, fused_layers.swiglu(g, u))
+
+
 def _trainer(model: Path, fp8: bool, fused: bool, **trainer: object) -> TorchTrainer:
     return TorchTrainer(
         ModelConfig(path=str(model)),

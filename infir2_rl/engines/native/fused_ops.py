@@ -8,7 +8,11 @@ Why: inside a CUDA graph the host cost is gone, and what remained of a 1.5B deco
   (FP32 statistics, cast, times the weight).
 * ``rope_write_kv``: rotary embedding of q and k straight from the fused qkv output, k and v written into
   the cache slot at the row's position; returns q (B, H, D).
-* ``silu_mul``: ``silu(gate) * up`` from the fused gate|up output.
+* ``silu_mul``: ``silu(gate) * up`` from the fused gate|up output, by the trainer's formula
+  (``trainers/torch/fused_layers._silu``: Triton's exponential, its plain FP32 division), so that both give
+  the same bits from the same gate and up (GPU test in tests/test_fused_layers_gpu.py). Until session 61 it
+  divided correctly rounded (``div_rn``): ~9 more instructions per element, which the quantizing form,
+  issue-bound, paid in time (docs/performance.md, "Rollout decode", session 61).
 
 FP8 (``quant=True``): ``add_rms_norm`` and ``silu_mul`` also quantize their output in 1x128 tiles with the
 trainer's rule (``fp8.quant_triton``: scale = amax / 448, codes = x times its correctly rounded reciprocal, rounded
@@ -20,7 +24,8 @@ On Hopper and later every kernel here (and the attention and FP8 GEMM kernels) i
 programmatic dependent launch and waits for its predecessor inside (``pdl.py``).
 
 The roundings follow torch's op by op (each product rounded to the model dtype where torch rounds), so
-the outputs equal the torch versions up to the order of the FP32 sums (RMSNorm's mean).
+the outputs equal the torch versions up to the order of the FP32 sums (RMSNorm's mean) and, in SiLU, the
+last bits of Triton's exponential and division.
 """
 
 from __future__ import annotations
@@ -191,7 +196,7 @@ if _HAVE_TRITON:
         gate = tl.load(gate_ptr + base + cols, mask=mask, other=0.0)
         up = tl.load(up_ptr + base + cols, mask=mask, other=0.0)
         g = gate.to(tl.float32)
-        act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
         if QUANT:
             _quant_store(out.to(tl.float32), q_ptr, s_ptr, row, rows_pad, inter, tiles, cols, POW2)
