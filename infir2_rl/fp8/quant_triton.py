@@ -84,13 +84,16 @@ def _round_up(a: int, b: int) -> int:
 
 
 if _HAVE_TRITON:
+    from infir2_rl.fp8.quant import MIN_SCALE
+
+    _MIN_SCALE = tl.constexpr(MIN_SCALE)  # the smallest scale, 2^-126 (quant.MIN_SCALE says why)
 
     @triton.jit
     def _scale_from_amax(amax, num_nonfinite, POW2: tl.constexpr):
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         # All-zero, or amax / 448 underflowed to 0: scale 1; an FP32 subnormal: 2^-126, so that 1 / s is
         # finite (quant._scales_from_amax).
-        s = tl.where(s > 0, tl.maximum(s, 1.1754943508222875e-38), 1.0)
+        s = tl.where(s > 0, tl.maximum(s, _MIN_SCALE), 1.0)
         if POW2:
             # Round up to a power of two on the bit pattern (same rule as quant.round_scale_up_pow2).
             bits = s.to(tl.int32, bitcast=True)
