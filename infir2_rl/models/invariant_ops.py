@@ -936,7 +936,7 @@ class _SiluMul(torch.autograd.Function):
         ctx.save_for_backward(gate, up)
         if gate.stride() != up.stride() or gate.stride(-1) != 1:  # the kernel reads both at one row stride
             gate, up = gate.contiguous(), up.contiguous()
-        out = fused_ops.silu_mul(gate, up=up)
+        out = fused_ops.silu_mul_apart(gate, up)
         assert isinstance(out, Tensor)
         return out
 
@@ -954,8 +954,8 @@ class _SiluMul(torch.autograd.Function):
 
 
 def silu_mul(gate_NI: Tensor, up_NI: Tensor) -> Tensor:
-    """``silu(gate) * up`` by the engine's kernel (``fused_ops.silu_mul``: its exponential is Triton's, which
-    need not round like torch's), so the trainer's MLP input is the engine's bit for bit."""
+    """``silu(gate) * up`` by the engine's kernel (``fused_ops.silu_mul_apart``: its exponential and division
+    are Triton's, which need not round like torch's), so the trainer's MLP input is the engine's bit for bit."""
     out = _SiluMul.apply(gate_NI, up_NI)
     assert isinstance(out, Tensor)
     return out

@@ -334,24 +334,32 @@ def silu_mul(
     tiles: int | None = None,
     num_warps: int | None = None,
     rows: int = 0,
-    up: Tensor | None = None,
 ) -> Tensor | QuantizedRows:
-    """``silu(gate) * up`` of a fused (M, 2I) gate|up output -> (M, I), or FP8 rows when ``quant``.
-    One program per row and ``tiles`` 128-column tiles, ``num_warps`` warps (by default ``silu_launch``).
-    ``rows`` > M (BF16): the output is the first M rows of a ``rows``-row buffer (the rest unwritten), for a
-    GEMM that runs on that many rows (``models/invariant_ops``' padded plans) without copying.
-    ``up`` given: ``gate_up`` is the gate alone (M, I) and ``up`` the up projection (M, I), both with one row
-    stride (the true_on_policy walk's two GEMM outputs, read where they are instead of concatenated)."""
-    if up is None:
-        inter = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    elif gate_up.shape != up.shape or gate_up.stride() != up.stride() or gate_up.stride(1) != 1:
+    """``silu(gate) * up`` of a fused (M, 2I) gate|up output -> (M, I), or FP8 rows when ``quant``: the
+    arguments as ``silu_mul_apart``'s, on the output's two halves."""
+    inter = gate_up.shape[1] // 2
+    return silu_mul_apart(gate_up[:, :inter], gate_up[:, inter:], quant, pow2, tiles, num_warps, rows)
+
+
+def silu_mul_apart(
+    gate: Tensor,
+    up: Tensor,
+    quant: bool = False,
+    pow2: bool = False,
+    tiles: int | None = None,
+    num_warps: int | None = None,
+    rows: int = 0,
+) -> Tensor | QuantizedRows:
+    """``silu(gate) * up`` of gate and up (M, I), read where they are (the halves of a fused gate|up output, or
+    the true_on_policy walk's two GEMM outputs): one shape and one row stride, columns contiguous. One program
+    per row and ``tiles`` 128-column tiles, ``num_warps`` warps (by default ``silu_launch``). ``rows`` > M
+    (BF16): the output is the first M rows of a ``rows``-row buffer (the rest unwritten), for a GEMM that runs
+    on that many rows (``models/invariant_ops``' padded plans) without copying."""
+    if gate.shape != up.shape or gate.stride() != up.stride() or gate.stride(1) != 1:
         raise ValueError(
-            f"silu_mul: gate {tuple(gate_up.shape)} strides {gate_up.stride()} and up {tuple(up.shape)} strides "
+            f"silu_mul: gate {tuple(gate.shape)} strides {gate.stride()} and up {tuple(up.shape)} strides "
             f"{up.stride()}: need one shape and one row stride, columns contiguous"
         )
-    else:
-        gate = gate_up
     m, inter = gate.shape
     if not use_triton(gate):
         return F.silu(gate) * up
