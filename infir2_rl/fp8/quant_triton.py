@@ -84,9 +84,9 @@ def _round_up(a: int, b: int) -> int:
 
 
 if _HAVE_TRITON:
-    from infir2_rl.fp8.quant import MIN_SCALE
-
-    _MIN_SCALE = tl.constexpr(MIN_SCALE)  # the smallest scale, 2^-126 (quant.MIN_SCALE says why)
+    # quant.MIN_SCALE, FP32's smallest normal: the least scale (its comment says why). Not imported from
+    # quant.py, which imports this module.
+    _MIN_SCALE = tl.constexpr(2.0**-126)
 
     @triton.jit
     def _scale_from_amax(amax, num_nonfinite, POW2: tl.constexpr):
