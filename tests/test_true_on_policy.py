@@ -213,7 +213,8 @@ def test_the_split_rule_is_a_rule_of_the_shape() -> None:
 def test_silu_mul_reads_gate_and_up_apart_at_one_row_stride() -> None:
     """The walk's SiLU*up passes its two GEMM outputs to the engine's kernel without concatenating them
     (``fused_ops.silu_mul_apart(gate, up)``): the same values as the fused gate|up form; halves of different row
-    strides, which the kernel cannot read at one stride, are refused in one line."""
+    strides, which the kernel cannot read at one stride, or columns that are not contiguous, are refused in one
+    line."""
     import torch.nn.functional as F
 
     from infir2_rl.engines.native import fused_ops
@@ -224,6 +225,8 @@ def test_silu_mul_reads_gate_and_up_apart_at_one_row_stride() -> None:
     assert torch.equal(apart, F.silu(gate) * up)
     with pytest.raises(ValueError, match="one row stride"):
         fused_ops.silu_mul_apart(gate, torch.cat((gate, up), 1)[:, 256:])
+    with pytest.raises(ValueError, match="columns contiguous"):  # a gate|up view the kernel cannot read
+        fused_ops.silu_mul(torch.cat((gate, up), 1).t().contiguous().t())
 
 
 def test_whole_sequence_attention_is_causal_and_refuses_rows_that_are_not_sequences() -> None:
