@@ -86,7 +86,8 @@ def _remote_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
-def _is_actor_death(exc: BaseException) -> bool:
+def is_actor_death(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ray's report that an actor died (``RayActorError``)."""
     try:
         from ray.exceptions import RayActorError
     except ImportError:  # pragma: no cover
@@ -104,7 +105,7 @@ def describe(exc: BaseException) -> tuple[int, str]:
         return EXIT_TERMINATED, f"terminated (SIGTERM); {RESUME_HINT}"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"interrupted; {RESUME_HINT}"
-    if _is_actor_death(exc):
+    if is_actor_death(exc):
         return EXIT_FAILED, (
             f"{_actor_death(exc)}; its log is under /tmp/ray/session_latest/logs (or the dashboard); "
             f"{RESUME_HINT}"

@@ -303,13 +303,18 @@ def test_flat_bytes_packs_tensors_back_to_back() -> None:
     ]
 
 
-def test_sglang_engines_need_the_byte_self_check_off() -> None:
-    from infir2_rl.actors.rollout_engine import create_engines
+def test_sglang_engines_need_the_byte_self_check_off_and_no_cuda_ipc_when_the_config_loads() -> None:
+    """Both are refused by the stage config, before any Ray actor starts (they used to be refused only when the
+    engines or the weight-sync service were created)."""
     from infir2_rl.config.loader import parse_stage_config
 
-    cfg = parse_stage_config({"kind": "rl", "rollout": {"backend": "sglang"}})
+    sglang = {"kind": "rl", "rollout": {"backend": "sglang"}}
     with pytest.raises(ValueError, match="weight_sync.self_check_layers=2: SGLang engines cannot read back"):
-        create_engines(cfg, placement=None)  # type: ignore[arg-type]  # refused before any placement is used
+        parse_stage_config(sglang)
+    with pytest.raises(ValueError, match="transport=cuda_ipc needs rollout.backend=native"):
+        parse_stage_config({**sglang, "weight_sync": {"self_check_layers": 0, "transport": "cuda_ipc"}})
+    cfg = parse_stage_config({**sglang, "weight_sync": {"self_check_layers": 0}})
+    assert cfg.rollout.backend == "sglang" and cfg.weight_sync.transport == "auto"
 
 
 def test_the_sglang_backend_gets_the_batch_cap_and_dtype_and_says_what_it_cannot_honour(

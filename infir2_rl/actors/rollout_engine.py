@@ -202,11 +202,6 @@ class RolloutEngine:
 def create_engines(cfg: RlStageConfig, placement: Placement) -> list[ActorHandle]:
     """Start ``cfg.rollout.num_engines`` engine actors in the placement's engine slots (Ray must be initialised)."""
     num = cfg.rollout.num_engines
-    if cfg.rollout.backend == "sglang" and cfg.weight_sync.self_check_layers:
-        raise ValueError(
-            f"weight_sync.self_check_layers={cfg.weight_sync.self_check_layers}: SGLang engines cannot read back"
-            " the tensors the trainer sent (they check each push with SGLang's /weights_checker); set it to 0"
-        )
     slots = len(placement.plan.engine.bundles)
     if slots < num:
         raise ValueError(f"rollout.num_engines={num}: the placement plan has {slots} engine slots")

@@ -261,6 +261,17 @@ class RlStageConfig(_StageBase):
                 f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: RL sampling needs top_p=1.0 and top_k=-1"
                 " so engine log-probs are the plain tempered softmax the trainer recomputes"
             )
+        ws = self.weight_sync
+        if r.backend == "sglang" and ws.self_check_layers:
+            raise ValueError(
+                f"weight_sync.self_check_layers={ws.self_check_layers}: SGLang engines cannot read back the"
+                " tensors the trainer sent (they check each push with SGLang's /weights_checker); set it to 0"
+            )
+        if r.backend != "native" and ws.transport == "cuda_ipc":
+            raise ValueError(
+                f"weight_sync.transport=cuda_ipc needs rollout.backend=native (got {r.backend}); set"
+                " weight_sync.transport=auto or object_store"
+            )
         if self.true_on_policy:
             problems = []
             if self.precision == "bf16_train_fp8_rollout":

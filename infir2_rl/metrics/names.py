@@ -74,6 +74,10 @@ ROLLOUT_SCORE_TIME_S = "rollout/score_time_s"
 ROLLOUT_GRAPH_CAPTURE_S = "rollout/graph_capture_s"
 # Mean |advantage| of the batch (0 when every group's rewards are equal).
 ROLLOUT_ADVANTAGE_ABS_MEAN = "rollout/advantage_abs_mean"
+# Rollout engines found dead and replaced, and rollouts retried after that, since this run of the stage started
+# (``stages.recovery``).
+ROLLOUT_ENGINE_RESTARTS = "rollout/engine_restarts"
+ROLLOUT_STEP_RETRIES = "rollout/step_retries"
 # Reward answers killed at the math-verify deadline during the step (a reward with counters:
 # ``reward.protocol.counters``, the math reward's).
 REWARD_TIMEOUTS = "reward/timeouts"

@@ -16,8 +16,8 @@ while the RL loop waits on it:
    undisturbed run would have.
 
 At most ``MAX_STEP_RETRIES`` retries per call; past that the stage fails with ``RunFailed`` naming the
-engine, and the rerun resumes from the last checkpoint. ``ENGINE_RESTARTS`` and ``STEP_RETRIES`` are
-logged every step (totals for this run of the stage). Engines die rarely enough that this costs nothing
+engine, and the rerun resumes from the last checkpoint. ``names.ROLLOUT_ENGINE_RESTARTS`` and
+``ROLLOUT_STEP_RETRIES`` are logged every step (totals for this run of the stage). Engines die rarely enough that this costs nothing
 when they do not: one Python ``try`` per call.
 """
 
@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from infir2_rl.errors import RunFailed
+from infir2_rl.errors import RunFailed, is_actor_death
+from infir2_rl.metrics import names
 
 if TYPE_CHECKING:
     from infir2_rl.config import RlStageConfig
@@ -42,15 +43,6 @@ T = TypeVar("T")
 MAX_STEP_RETRIES = 3
 FIRST_BACKOFF_S = 1.0
 HEALTH_TIMEOUT_S = 60.0
-# Metric names (totals since this run of the stage started).
-ENGINE_RESTARTS = "rollout/engine_restarts"
-STEP_RETRIES = "rollout/step_retries"
-
-
-def _is_actor_death(exc: BaseException) -> bool:
-    from ray.exceptions import RayActorError
-
-    return isinstance(exc, RayActorError)
 
 
 def dead_engines(engines: list[object], timeout_s: float = HEALTH_TIMEOUT_S) -> list[int]:
@@ -91,7 +83,7 @@ class EngineRecovery:
             try:
                 return call()
             except Exception as exc:
-                if not _is_actor_death(exc):
+                if not is_actor_death(exc):
                     raise
                 dead = dead_engines(self.actors.engines)
                 if not dead:
@@ -152,4 +144,7 @@ class EngineRecovery:
         )  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
-        return {ENGINE_RESTARTS: float(self.num_engine_restarts), STEP_RETRIES: float(self.num_step_retries)}
+        return {
+            names.ROLLOUT_ENGINE_RESTARTS: float(self.num_engine_restarts),
+            names.ROLLOUT_STEP_RETRIES: float(self.num_step_retries),
+        }

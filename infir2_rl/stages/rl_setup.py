@@ -159,19 +159,17 @@ class _RlCheckpointWriter:
 
 def resolve_transport(cfg: RlStageConfig, colocate: bool, on_gpu: bool = False) -> str:
     """The weight-sync transport for this placement (``colocate``: engines share the trainer's GPUs; ``on_gpu``:
-    the placement uses GPUs); ``cuda_ipc`` needs native engines colocated on GPUs."""
+    the placement uses GPUs); ``cuda_ipc`` needs native engines (the stage config's rule) colocated on GPUs."""
     native = cfg.rollout.backend == "native"
-    ipc_ok = colocate and native
     chosen = cfg.weight_sync.transport
     if chosen == "auto":
-        if ipc_ok:
+        if colocate and native:
             return "cuda_ipc"
         return "nccl" if native and on_gpu and not colocate else "object_store"
-    if chosen == "cuda_ipc" and not ipc_ok:
-        here = f"placement.mode={cfg.placement.mode}, rollout.backend={cfg.rollout.backend}"
+    if chosen == "cuda_ipc" and not colocate:
         raise ValueError(
-            f"weight_sync.transport=cuda_ipc needs native engines colocated with the trainer on GPUs ({here}"
-            f"{'' if colocate else ', not colocated on GPUs'}): set weight_sync.transport=object_store or auto"
+            f"weight_sync.transport=cuda_ipc needs the engines colocated with the trainer on GPUs (placement.mode="
+            f"{cfg.placement.mode}, not colocated on GPUs): set weight_sync.transport=object_store or auto"
         )
     if chosen == "nccl" and colocate:
         raise ValueError(
