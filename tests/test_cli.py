@@ -85,8 +85,12 @@ def test_report_refuses_bad_input_with_exit_2_before_drawing(
     assert "not a directory" in _err(capsys)
 
 
-def test_sigterm_ends_a_stage_with_one_line_and_exit_143(tmp_path: Path) -> None:
-    """`kill`, `timeout` and schedulers send SIGTERM: it once ended a stage with Ray's stack dump (exit 134)."""
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_ends_a_stage_with_one_line_and_exit_143(to: str, tmp_path: Path) -> None:
+    """`kill`, `timeout` and schedulers send SIGTERM: it once ended a stage with Ray's stack dump (exit 134).
+    ``group``: sent to the command's whole process group, as `timeout` and `kill -TERM -PGID` do, it also ends
+    the local Ray's GCS and raylet; the teardown then waited 60 s on the dead GCS and Ray aborted with exit 1."""
+    import os
     import signal
     import subprocess
     import sys
@@ -106,8 +110,8 @@ def test_sigterm_ends_a_stage_with_one_line_and_exit_143(tmp_path: Path) -> None
         "trainer.max_steps=100000",
         "metrics.progress_bar=false",
     ]
-    env = {**__import__("os").environ, "INFIR2_RAY_DASHBOARD": "0"}
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    env = {**os.environ, "INFIR2_RAY_DASHBOARD": "0"}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, start_new_session=to == "group")
     assert proc.stderr is not None
     lines = []
     deadline = time.monotonic() + 240
@@ -116,7 +120,10 @@ def test_sigterm_ends_a_stage_with_one_line_and_exit_143(tmp_path: Path) -> None
         if "trainer group:" in line or time.monotonic() > deadline:
             break
     time.sleep(2.0)
-    proc.send_signal(signal.SIGTERM)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, rest = proc.communicate(timeout=120)
     err = "".join(lines) + rest
     assert proc.returncode == 143, err[-2000:]

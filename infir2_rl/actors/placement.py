@@ -156,6 +156,11 @@ class Placement:
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
+        from infir2_rl.actors.ray_runtime import cluster_gone
+
+        if cluster_gone():
+            log.warning("Ray's cluster has gone (its GCS does not answer): its placement group goes with it")
+            return
         remove_placement_group(self.placement_group)
 
 

@@ -74,6 +74,24 @@ def ensure_ray() -> None:
     raise_on_sigterm()
 
 
+def cluster_gone(timeout_s: float = 2.0) -> bool:
+    """Whether this driver's Ray cluster has gone: its GCS refuses or does not answer a TCP connect within
+    ``timeout_s``. A stop signal sent to the command's whole process group (``timeout``, ``kill -TERM -PGID``)
+    also ends the GCS and raylet of a local Ray, which share that group; the teardown's Ray calls (actor stops,
+    removing the placement group) then each waited 60 s for the GCS until Ray aborted the process with exit
+    1 and none of our line. Teardown asks this first and skips what needs the cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        return True
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False
+
+
 def raise_on_sigterm() -> None:
     """Make SIGTERM end the command like Ctrl-C: one line, stage.log, exit 143 (errors.Terminated).
 

@@ -115,8 +115,13 @@ def stop_actors(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
     """
     import ray
 
+    from infir2_rl.actors.ray_runtime import cluster_gone
+
     actors = [a for a in actors if is_actor(a)]
     if not actors:
+        return
+    if cluster_gone():  # a stop signal to the whole process group ended the local Ray with the actors
+        log.warning("Ray's cluster has gone (its GCS does not answer): %d actors not stopped", len(actors))
         return
     closing = [a.close.remote() for a in actors if hasattr(a, "close")]
     done, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
