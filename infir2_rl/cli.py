@@ -40,6 +40,7 @@ VERBOSE_HELP = "debug logging, and the traceback of an error (anywhere on the co
 def _check_config(args: argparse.Namespace) -> int:
     from infir2_rl.config import validate_paths
     from infir2_rl.pipeline import describe_casts, resolve_stages, split_pipeline_overrides
+    from infir2_rl.stages.guards import check_reward
 
     if is_pipeline_file(args.config):
         own, for_stages, scoped = split_pipeline_overrides(args.overrides)
@@ -56,6 +57,7 @@ def _check_config(args: argparse.Namespace) -> int:
             if args.paths:
                 try:
                     validate_paths(stage, check_model=i == 0)
+                    check_reward(stage)
                 except ValueError as e:
                     raise ValueError(f"stage {name!r}: {e}") from e
     else:
@@ -63,6 +65,7 @@ def _check_config(args: argparse.Namespace) -> int:
         print(dump_config(stage), end="")
         if args.paths:
             validate_paths(stage)
+            check_reward(stage)
     print(f"# {args.config}: OK", file=sys.stderr)
     return 0
 
@@ -219,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("check-config", _check_config, "validate a stage or pipeline YAML and print the resolved config")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--paths", action="store_true", help="also require every input path to exist")
+    p.add_argument(
+        "--paths",
+        action="store_true",
+        help="also require every input path to exist and each RL stage's rollout.reward to import",
+    )
 
     p = add("init-model", _init_model, "write a Qwen2-architecture HF model + tokenizer built locally")
     p.add_argument("--out", required=True)

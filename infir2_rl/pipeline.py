@@ -28,7 +28,8 @@ from infir2_rl.config import (
     validate_paths,
 )
 from infir2_rl.config.loader import ConfigError, parse_stage_config
-from infir2_rl.stages.guards import check_stage_data
+from infir2_rl.errors import BadInput
+from infir2_rl.stages.guards import check_reward, check_stage_data
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def run_stage_file(path: str | Path, overrides: Sequence[str] = ()) -> Path:
     cfg = load_stage_config(path, overrides)
     validate_paths(cfg)
     check_stage_data(cfg)
+    check_reward(cfg)
     return run_stage(cfg)
 
 
@@ -64,9 +66,19 @@ class PipelineState:
 
     @classmethod
     def load(cls, path: Path) -> PipelineState:
-        if path.exists():
-            return cls(path, dict(json.loads(path.read_text())["finished"]))
-        return cls(path)
+        """The state in ``path`` (none: nothing finished); one line naming the file when it cannot be read."""
+        if not path.exists():
+            return cls(path)
+        try:
+            finished = json.loads(path.read_text())["finished"]
+            if not isinstance(finished, dict) or not all(isinstance(v, str) for v in finished.values()):
+                raise TypeError("'finished' is not a map of stage name to checkpoint path")
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise BadInput(
+                f"{path}: not a pipeline state this command wrote ({type(exc).__name__}: {exc}); restore it, or"
+                " delete it to run every stage again (the stages' own checkpoints still resume them)"
+            ) from exc
+        return cls(path, dict(finished))
 
     def mark(self, name: str, checkpoint: Path) -> None:
         self.finished[name] = str(checkpoint)
@@ -100,6 +112,7 @@ def run_pipeline(
             try:
                 validate_paths(cfg, check_model=i == 0 and len(todo) == len(resolved))
                 check_stage_data(cfg)  # one batch of usable rows, before Ray starts
+                check_reward(cfg)  # an RL stage's reward imports
             except ValueError as e:
                 raise ValueError(f"stage {name!r}: {e}") from e
     run_dir.mkdir(parents=True, exist_ok=True)

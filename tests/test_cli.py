@@ -333,3 +333,41 @@ def test_a_pipeline_warns_about_a_cast_nothing_reads(
         "stage cast_a: cast the checkpoint of 'sft' to blockwise FP8; UNUSED: the next stage, 'sft_again', is an SFT"
         in (caplog.text)
     )
+
+
+def test_a_pipeline_refuses_an_rl_reward_that_does_not_import_before_its_first_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reward used to be imported only when the RL stage started, after the SFT stages had trained."""
+    from infir2_rl.data.synthetic import make_data
+    from infir2_rl.models.factory import init_model
+
+    model = init_model(tmp_path / "model", preset="tiny", num_hidden_layers=1)
+    data = make_data(tmp_path / "data", num_sft=64, num_rl=64, num_test=4)
+    run_dir = tmp_path / "run"
+    argv = ["pipeline", str(REPO / "configs" / "demo" / "pipeline_demo.yaml"), f"run_dir={run_dir}"]
+    argv += [f"model.path={model}", f"sft:data.train_path={data.sft_train}", "sft:data.test_path=null"]
+    argv += [f"rl:data.train_path={data.rl_train}", "rl:data.test_path=null"]
+    assert main([*argv, "rl:rollout.reward=no_such_module_here:score"]) == 2
+    err = _err(capsys)
+    assert "stage 'rl_stage1': rollout.reward='no_such_module_here:score': cannot import module" in err
+    assert not run_dir.exists()  # nothing started
+    check = [
+        "check-config",
+        "--paths",
+        str(REPO / "configs" / "demo" / "rl_stage1.yaml"),
+        f"model.path={model}",
+    ]
+    check += [f"data.train_path={data.rl_train}", "data.test_path=null", "rollout.reward=nonsense"]
+    assert main(check) == 2
+    assert "rollout.reward='nonsense': not a built-in" in _err(capsys)
+
+
+@pytest.mark.parametrize("text", ["{oops", "{}", '{"finished": ["a"]}'])
+def test_a_broken_pipeline_state_is_named_in_one_line(
+    text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "pipeline_state.json").write_text(text)
+    argv = ["pipeline", str(REPO / "configs" / "demo" / "pipeline_demo.yaml"), f"run_dir={tmp_path}"]
+    assert main(argv) == 2
+    assert f"{tmp_path / 'pipeline_state.json'}: not a pipeline state this command wrote" in _err(capsys)

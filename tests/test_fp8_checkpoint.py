@@ -191,6 +191,26 @@ def test_refusals(tmp_path: Path, bf16_dir: Path, fp8_dir: Path) -> None:
     _refuses(tmp_path, empty, "no \\*.safetensors")
     with pytest.raises(ValueError, match="block_size=64"):
         cast_checkpoint(bf16_dir, tmp_path / "x", block_size=64, progress=False)
+    # found by a review as a new user: each used to fail with a bare JSON or Python error, or (the last)
+    # to write an "FP8" checkpoint in which nothing was quantized
+    for name, config, match in [
+        ("bad_json", "{oops", "config.json: not valid JSON"),
+        ("list_json", "[]", "config.json: a JSON list, not an object"),
+    ]:
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text(config)
+        _refuses(tmp_path, bad, match)
+    unrelated = tmp_path / "unrelated"
+    unrelated.mkdir()
+    (unrelated / "config.json").write_text("{}")
+    save_file({"embed.weight": torch.randn(4, 4)}, str(unrelated / "model.safetensors"))
+    _refuses(tmp_path, unrelated, "no decoder linear weight")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _refuses(tmp_path, a_file, "a file, not a directory")
+    with pytest.raises(ValueError, match="a_file is a file, not a directory"):
+        cast_checkpoint(bf16_dir, a_file / "out", progress=False)
 
 
 def test_failure_mid_cast_leaves_no_partial_output(

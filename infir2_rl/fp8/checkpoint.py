@@ -74,10 +74,20 @@ def _shard_files(model_dir: Path) -> list[str]:
 def _check_input(input_dir: Path) -> tuple[dict, list[str]]:
     config_path = input_dir / "config.json"
     if not input_dir.is_dir():
-        raise ValueError(f"input_dir={input_dir}: no such directory; pass a Hugging Face model directory")
+        what = "a file, not a directory" if input_dir.exists() else "no such directory"
+        raise ValueError(f"input_dir={input_dir}: {what}; pass a Hugging Face model directory")
     if not config_path.is_file():
         raise ValueError(f"input_dir={input_dir}: no config.json found; pass a Hugging Face model directory")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(
+            f"{config_path}: not valid JSON ({exc}); pass a Hugging Face model directory"
+        ) from exc
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{config_path}: a JSON {type(config).__name__}, not an object; pass a Hugging Face model directory"
+        )
     if config.get("quantization_config") is not None:
         method = config["quantization_config"].get("quant_method", "?")
         raise ValueError(
@@ -99,6 +109,11 @@ def _check_input(input_dir: Path) -> tuple[dict, list[str]]:
                     "cast a BF16/FP32 checkpoint instead"
                 )
     check_index(input_dir, keys_by_shard)
+    if not any(is_decoder_linear_weight(k) for keys in keys_by_shard.values() for k in keys):
+        raise ValueError(
+            f"input_dir={input_dir}: no decoder linear weight (model.layers.N.self_attn.q_proj.weight and the"
+            " like) in its shards, so nothing would be quantized; pass a Qwen2/Llama-style HF checkpoint"
+        )
     return config, shards
 
 
@@ -147,6 +162,9 @@ def cast_checkpoint(
         raise ValueError(f"block_size={block_size}: only 128 is supported (the format's [128, 128] blocks)")
     if output_dir.exists():
         raise ValueError(f"output_dir={output_dir}: already exists; choose a new path or delete it first")
+    parent = next(p for p in output_dir.absolute().parents if p.exists())  # the root exists
+    if not parent.is_dir():
+        raise ValueError(f"output_dir={output_dir}: {parent} is a file, not a directory; choose another path")
     config, shards = _check_input(input_dir)
     dev = (
         torch.device(device)

@@ -1,7 +1,7 @@
 """The reward-function protocol, loading a reward by name, and batch scoring.
 
 A reward function maps one response (the full decoded text, reasoning included) and the row's
-label to a float. Configs name one with `algorithm.reward`: `"math"` for the built-in math-verify
+label to a float. Configs name one with `rollout.reward`: `"math"` for the built-in math-verify
 reward, or a dotted path to any callable with that signature, `"my_pkg.rewards:exact_match"` or
 `"my_pkg.rewards.exact_match"`. A class that needs setup can be named by a factory function.
 

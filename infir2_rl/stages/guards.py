@@ -75,6 +75,15 @@ def check_stage_data(cfg: SftStageConfig | RlStageConfig) -> None:
         check_fills_batch(report, cfg.rollout.prompts_per_step, "rollout.prompts_per_step")
 
 
+def check_reward(cfg: SftStageConfig | RlStageConfig) -> None:
+    """Refuse (ValueError, one line) an RL stage whose ``rollout.reward`` does not import, before Ray starts: a
+    pipeline would otherwise find it only when its first RL stage starts, after the SFT stages."""
+    if isinstance(cfg, RlStageConfig):
+        from infir2_rl.reward.protocol import load_reward_fn
+
+        load_reward_fn(cfg.rollout.reward)
+
+
 def check_prompts_fill_step(cfg: RlStageConfig, num_prompts: int) -> None:
     """After loading (token lengths known): enough prompts for one step without repeating any."""
     need = cfg.rollout.prompts_per_step
