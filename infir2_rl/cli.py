@@ -35,6 +35,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 VERBOSE_FLAGS = ("-v", "--verbose")
 VERBOSE_HELP = "debug logging, and the traceback of an error (anywhere on the command line)"
+# models/factory.PRESETS' names, written out so that --help does not import transformers (a test keeps them equal).
+PRESET_NAMES = ("tiny", "small", "100m", "qwen2.5-1.5b-shape", "qwen2.5-7b-shape")
+CONFIG_HELP = "a stage YAML (kind: sft or rl) or a pipeline YAML (a list of stages)"
+SEED_HELP = "seed of everything random here (an integer in [0, 2**63 - 1]; default 0)"
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -118,7 +122,9 @@ def _make_data(args: argparse.Namespace) -> int:
         )
     kwargs = {k: v for k, v in (("num_sft", args.num_sft), ("num_rl", args.num_rl)) if v is not None}
     paths = make_data(out, seed=args.seed, **kwargs)
-    print(f"wrote synthetic math data to {args.out}: {paths}")
+    print(f"wrote synthetic math data to {args.out}:")
+    for name, path in vars(paths).items():
+        print(f"  {name}: {path}")
     return 0
 
 
@@ -145,6 +151,11 @@ def _report(args: argparse.Namespace) -> int:
         return 0
     if len(args.run_dir) > 1 and not args.compare_out:
         raise BadInput("several run directories: give --compare-out DIR for the comparison plots")
+    if args.compare_out:  # refused before any run's PNGs are drawn
+        compare = Path(args.compare_out).absolute()
+        taken = next(p for p in (compare, *compare.parents) if p.exists())
+        if not taken.is_dir():
+            raise BadInput(f"--compare-out {args.compare_out!r}: {taken} is a file; give a directory")
     summaries = [summarize(run_dir) for run_dir in args.run_dir]  # every directory checked before drawing
     paths = []
     for run_dir, summary in zip(args.run_dir, summaries, strict=True):
@@ -168,6 +179,19 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    """argparse type for a seed: an integer in [0, 2**63 - 1] (torch.manual_seed's range)."""
+    from infir2_rl.config.stage import MAX_SEED
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer seed in [0, 2**63 - 1]")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infir2-rl", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
@@ -182,9 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    p = add("demo", _demo, "build the tiny model and data if absent, run SFT -> FP8 cast -> RL 8K -> RL 16K")
+    p = add(
+        "demo",
+        _demo,
+        "build the tiny model and data if absent, then run the InfiR2 pipeline at CPU scale: SFT 1 -> SFT 2 -> FP8"
+        " cast -> RL 1 (64-token responses, T=1.0) -> RL 2 (128 tokens, T=1.1)",
+    )
     p.add_argument("--out", default="runs/demo", help="run directory (assets/ and one folder per stage)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument(
         "--pipeline", default=None, help="pipeline YAML (default: configs/demo/pipeline_demo.yaml)"
     )
@@ -211,17 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
         ("pipeline", "run a pipeline YAML (same as `run` on a pipeline file)"),
     ):
         p = add(name, _run, help)
-        p.add_argument("config")
+        p.add_argument("config", help=CONFIG_HELP)
         p.add_argument(
             "overrides",
             nargs="*",
+            default=[],
             help="dotted overrides, e.g. optimizer.lr=1e-6; for a pipeline file also scoped to a stage kind or"
             " name (rl:rollout.num_steps=3), as for demo",
         )
 
     p = add("check-config", _check_config, "validate a stage or pipeline YAML and print the resolved config")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("config", help=CONFIG_HELP)
+    p.add_argument(
+        "overrides", nargs="*", default=[], help="dotted overrides, as for run (optimizer.lr=1e-6, rl:seed=1)"
+    )
     p.add_argument(
         "--paths",
         action="store_true",
@@ -229,15 +261,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = add("init-model", _init_model, "write a Qwen2-architecture HF model + tokenizer built locally")
-    p.add_argument("--out", required=True)
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="new directory for the HF model (must be empty or absent)")
+    p.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
 
     p = add("make-data", _make_data, "write deterministic synthetic math SFT and RL data (jsonl)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-sft", type=int, default=None)
-    p.add_argument("--num-rl", type=int, default=None)
+    p.add_argument("--out", required=True, help="directory for the four jsonl files (created if absent)")
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
+    p.add_argument(
+        "--num-sft",
+        type=int,
+        default=None,
+        help="SFT training rows (default 20000; the test split is 500 rows)",
+    )
+    p.add_argument(
+        "--num-rl",
+        type=int,
+        default=None,
+        help="RL training prompts (default 4000; the test split is 500 rows)",
+    )
 
     p = add("cast-fp8", _cast_fp8, "cast a BF16 HF checkpoint to blockwise FP8 (weight_scale_inv format)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="--input HF_DIR --output FP8_DIR [--pow2-scales]")

@@ -208,7 +208,15 @@ def resolve_stages(
             try:
                 cfg = parse_stage_config(apply_overrides(data, extra))
             except ConfigError as e:
-                raise ConfigError(f"stage {name!r}: {e}") from None
+                # the unscoped override the error names, if one does
+                bad = next((o for o in stage_overrides if o.split("=")[0].split(".")[0] in str(e)), None)
+                hint = (
+                    " (an override without a prefix goes to every stage: scope it to a kind or a stage name, e.g."
+                    f" {'rl' if cfg.kind == 'sft' else 'sft'}:{bad})"
+                    if bad
+                    else ""
+                )
+                raise ConfigError(f"stage {name!r}: {e}{hint}") from None
         if cfg is not None and adjust is not None:
             adjust(cfg)
         resolved.append((name, cfg))

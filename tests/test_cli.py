@@ -49,6 +49,9 @@ def test_pipeline_file_takes_stage_overrides(capsys: pytest.CaptureFixture[str])
     assert "run_dir: /tmp/r7b" in out and "lr: 3.0e-05" in out and "num_steps: 2" in out
     assert main(["check-config", pipeline, "rl_stage9:seed=1"]) == 2
     assert "rl_stage9" in _err(capsys)
+    demo = str(REPO / "configs" / "demo" / "pipeline_demo.yaml")  # an RL section without the rl: scope
+    assert main(["check-config", demo, "seed=1", "rollout.num_steps=3"]) == 2
+    assert "scope it to a kind or a stage name, e.g. rl:rollout.num_steps=3" in _err(capsys)
 
 
 def test_yaml_errors_name_the_line_and_empty_files_are_refused(
@@ -371,3 +374,17 @@ def test_a_broken_pipeline_state_is_named_in_one_line(
     argv = ["pipeline", str(REPO / "configs" / "demo" / "pipeline_demo.yaml"), f"run_dir={tmp_path}"]
     assert main(argv) == 2
     assert f"{tmp_path / 'pipeline_state.json'}: not a pipeline state this command wrote" in _err(capsys)
+
+
+def test_help_names_every_model_preset_and_seeds_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from infir2_rl.cli import PRESET_NAMES
+    from infir2_rl.models.factory import PRESETS
+
+    assert sorted(PRESET_NAMES) == sorted(PRESETS)
+    with pytest.raises(SystemExit) as exited:  # argparse's own one line and exit 2
+        main(["init-model", "--out", "/nonexistent/x", "--seed", str(2**63)])
+    assert exited.value.code == 2 and "is not an integer seed in [0, 2**63 - 1]" in _err(capsys)
+    with pytest.raises(ValueError, match="less than or equal to 9223372036854775807"):
+        from infir2_rl.config import SftStageConfig
+
+        SftStageConfig.model_validate({"seed": 2**63})

@@ -467,12 +467,26 @@ def test_model_and_data_paths_must_be_what_the_stage_reads(tmp_path: Path) -> No
 
     with pytest.raises(ValueError, match=r"^model.path='.*afile': a file, not a directory"):
         check(afile)
-    with pytest.raises(ValueError, match=r"no config.json and no weights \(\*.safetensors\) in it"):
+    with pytest.raises(
+        ValueError, match=r"no config.json and no weights \(\*.safetensors\) and no tokenizer"
+    ):
         check(empty)
-    with pytest.raises(ValueError, match=r"config_only': no weights \(\*.safetensors\) in it"):
+    with pytest.raises(ValueError, match=r"config_only': no weights \(\*.safetensors\) and no tokenizer"):
         check(config_only)
-    (config_only / "model.safetensors").write_bytes(b"")
+    import torch
+    from safetensors.torch import save_file
+
+    (config_only / "tokenizer.json").write_text("{}")
+    (config_only / "model.safetensors").write_bytes(b"\xff" * 64)  # corrupt: its header does not read
+    with pytest.raises(ValueError, match=r"^model.path: .*model.safetensors: unreadable safetensors shard"):
+        check(config_only)
+    save_file({"w": torch.zeros(2)}, str(config_only / "model.safetensors"))
     check(config_only)
+    for text, what in [("{oops", "is not valid JSON"), ("[]", "is a JSON list, not an object")]:
+        (config_only / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=f"^model.path: .*config.json {what}"):
+            check(config_only)
+    (config_only / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"^data.train_path='.*empty': a directory"):
         check(config_only, empty)
 

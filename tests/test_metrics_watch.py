@@ -99,3 +99,11 @@ def test_grafana_dashboard_is_generated_and_covers_the_issue_metrics() -> None:
     assert all('stage=~"$stage"' in e for e in exprs)  # every panel splits and filters by stage
     ids = [p["id"] for p in board["panels"]]  # type: ignore[index]
     assert len(ids) == len(set(ids))
+
+
+def test_watch_of_a_run_without_metrics_says_nothing_was_drawn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert watch(tmp_path, interval_s=0.0, max_updates=1) == []
+    out = capsys.readouterr().out
+    assert "nothing drawn" in out and "report PNGs" not in out

@@ -39,13 +39,18 @@ RETIRED_KEYS = {
 _RL_SECTIONS = ("rollout", "algorithm", "weight_sync")
 
 
+# The largest seed a stage, `init-model` and `make-data` take (torch.manual_seed's int64).
+MAX_SEED = 2**63 - 1
+
+
 class _StageBase(_Config):
     # Stage name (used for the run directory and metric tags).
     name: str = "stage"
     # Directory for the resolved config, logs, metrics.jsonl, TensorBoard events and checkpoints.
     run_dir: str = "runs/stage"
     # Seed of data order, initialisation of anything random, and sampling.
-    seed: int = 0
+    # torch.manual_seed takes a 64-bit integer: a larger seed failed inside a Ray actor.
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     model: ModelConfig = ModelConfig()
     default_kind: ClassVar[str] = "sft"  # the kind of a stage dict that names none
     # Each kind narrows these to its own sections (SftDataConfig / RlDataConfig, SftTrainerConfig / ...).
@@ -402,10 +407,40 @@ def validate_paths(cfg: SftStageConfig | RlStageConfig, *, check_model: bool = T
                 ("config.json", (path / "config.json").is_file()),
                 ("weights (*.safetensors)", any(path.glob("*.safetensors")) or any(path.glob("*.bin"))),
             ) if not ok]  # fmt: skip
+            if field == "model.path" and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+                missing.append(f"tokenizer ({' or '.join(_TOKENIZER_FILES)})")
             if missing:
                 raise ValueError(
                     f"{field}={value!r}: no {' and no '.join(missing)} in it; point it at an HF checkpoint"
                     " directory (a stage's final/, or `infir2-rl init-model --out DIR`)"
                 )
+            _check_checkpoint_files(field, path)
         elif path.is_dir():
             raise ValueError(f"{field}={value!r}: a directory; point it at a jsonl or parquet file")
+
+
+# What AutoTokenizer reads a tokenizer from (fast, SentencePiece, or BPE vocabulary files).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _check_checkpoint_files(field: str, path: Path) -> None:
+    """An HF directory's config.json is a JSON object and each safetensors shard's header reads (headers only,
+    milliseconds even at 7B): a broken file fails here in one line naming it, not later inside a Ray actor."""
+    import json
+
+    from infir2_rl.fp8.cast_checks import shard_keys
+
+    config = path / "config.json"
+    try:
+        parsed = json.loads(config.read_text())
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(
+            f"{field}: {config} is not valid JSON ({exc}); restore the checkpoint's config"
+        ) from exc
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{field}: {config} is a JSON {type(parsed).__name__}, not an object")
+    for shard in sorted(path.glob("*.safetensors")):
+        try:
+            shard_keys(shard)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from exc

@@ -86,9 +86,8 @@ def load_run(run_dir: str | Path) -> list[StageMetrics]:
     """The stages of a run directory, in the order they ran."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ValueError(
-            f"run_dir={str(run_dir)!r}: no such directory; pass a stage or pipeline run directory"
-        )
+        what = "a file, not a directory" if run_dir.exists() else "no such directory"
+        raise ValueError(f"run_dir={str(run_dir)!r}: {what}; pass a stage or pipeline run directory")
     if (run_dir / JSONL_NAME).is_file():
         stage_files = [run_dir / JSONL_NAME]
         stages = [read_metrics_jsonl(run_dir / JSONL_NAME, run_dir.name)]

@@ -187,5 +187,8 @@ def watch(
                 time.sleep(interval_s)
         except KeyboardInterrupt:
             pass
-    console.print(f"report PNGs in {run_dir / 'report'}")
+    drawn = sorted((run_dir / "report").glob("*.png")) if (run_dir / "report").is_dir() else []
+    console.print(
+        f"report PNGs in {run_dir / 'report'}" if drawn else f"no metrics in {run_dir} yet: nothing drawn"
+    )
     return rows
