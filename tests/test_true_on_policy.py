@@ -104,7 +104,10 @@ def test_trainer_and_engine_refuse_without_the_gpu_kernels(model_dir: Path) -> N
     "overrides, message",
     [
         ({"precision": "bf16_train_fp8_rollout"}, "a BF16 trainer cannot reproduce"),
-        ({"rollout": {"backend": "sglang"}}, "rollout.backend=native"),
+        (
+            {"rollout": {"backend": "sglang"}, "weight_sync": {"self_check_layers": 0}},
+            "rollout.backend=native",
+        ),
         ({"trainer": {"num_workers": 2}}, "trainer.num_workers=1"),
         ({"trainer": {"fsdp_param_dtype": "bfloat16"}}, "trainer.fsdp_param_dtype auto or float32"),
         ({"trainer": {"pack_sequences": True}}, "trainer.pack_sequences auto or false"),

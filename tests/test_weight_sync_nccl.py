@@ -215,5 +215,7 @@ def test_nccl_is_auto_for_native_engines_on_gpus_of_their_own_and_refused_for_co
     auto = RlStageConfig.model_validate({})
     assert resolve_transport(auto, colocate=False, on_gpu=True) == "nccl"
     assert resolve_transport(auto, colocate=False, on_gpu=False) == "object_store"  # CPU: as before
-    sglang = RlStageConfig.model_validate({"rollout": {"backend": "sglang"}})
+    sglang = RlStageConfig.model_validate(
+        {"rollout": {"backend": "sglang"}, "weight_sync": {"self_check_layers": 0}}
+    )
     assert resolve_transport(sglang, colocate=False, on_gpu=True) == "object_store"  # its NCCL join never ran
