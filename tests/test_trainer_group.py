@@ -237,3 +237,12 @@ def test_ray_counts_only_the_cpus_a_pinned_process_may_use(monkeypatch: pytest.M
     assert ray_runtime._affinity_cpus() == 2  # taskset -c 0,1 on a 16-core machine
     monkeypatch.setattr(ray_runtime.os, "cpu_count", lambda: 2)
     assert ray_runtime._affinity_cpus() is None  # not pinned: Ray's own count (cgroup quotas included)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_cluster_gone_is_false_while_the_gcs_answers() -> None:
+    """Teardown skips its Ray calls when this is true (tests/test_cli.py's group SIGTERM): it must not be true
+    for a live cluster, or every stage would leave its actors and placement group behind."""
+    from infir2_rl.actors.ray_runtime import cluster_gone
+
+    assert cluster_gone() is False

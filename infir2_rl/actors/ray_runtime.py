@@ -84,7 +84,10 @@ def cluster_gone(timeout_s: float = 2.0) -> bool:
 
     if not ray.is_initialized():
         return True
-    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    except Exception:  # noqa: BLE001 - e.g. a Ray Client connection (ray://) has no GCS address here
+        return False  # cannot tell: teardown goes on as usual
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError:
