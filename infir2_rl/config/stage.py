@@ -426,19 +426,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 def _check_checkpoint_files(field: str, path: Path) -> None:
     """An HF directory's config.json is a JSON object and each safetensors shard's header reads (headers only,
     milliseconds even at 7B): a broken file fails here in one line naming it, not later inside a Ray actor."""
-    import json
+    from infir2_rl.fp8.cast_checks import config_of, shard_keys
 
-    from infir2_rl.fp8.cast_checks import shard_keys
-
-    config = path / "config.json"
     try:
-        parsed = json.loads(config.read_text())
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        config_of(path)
+    except ValueError as exc:
         raise ValueError(
-            f"{field}: {config} is not valid JSON ({exc}); restore the checkpoint's config"
+            f"{field}: {path / 'config.json'} is {exc}; restore the checkpoint's config"
         ) from exc
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{field}: {config} is a JSON {type(parsed).__name__}, not an object")
     for shard in sorted(path.glob("*.safetensors")):
         try:
             shard_keys(shard)

@@ -16,6 +16,18 @@ from safetensors import safe_open
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def config_of(model_dir: Path) -> dict:
+    """The directory's config.json as a dict; ValueError whose message is the reason alone ("not valid JSON
+    (...)" or "a JSON list, not an object"), for the caller to put after the path it names."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    return config
+
+
 def weight_map_of(model_dir: Path) -> dict[str, str] | None:
     """The index's tensor -> shard map, or None for a directory without an index."""
     index = model_dir / INDEX_NAME

@@ -36,6 +36,7 @@ from infir2_rl.fp8.cast_checks import (
     INDEX_NAME,
     check_finite,
     check_index,
+    config_of,
     shard_keys,
     weight_map_of,
 )
@@ -79,15 +80,9 @@ def _check_input(input_dir: Path) -> tuple[dict, list[str]]:
     if not config_path.is_file():
         raise ValueError(f"input_dir={input_dir}: no config.json found; pass a Hugging Face model directory")
     try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-        raise ValueError(
-            f"{config_path}: not valid JSON ({exc}); pass a Hugging Face model directory"
-        ) from exc
-    if not isinstance(config, dict):
-        raise ValueError(
-            f"{config_path}: a JSON {type(config).__name__}, not an object; pass a Hugging Face model directory"
-        )
+        config = config_of(input_dir)
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: {exc}; pass a Hugging Face model directory") from exc
     if config.get("quantization_config") is not None:
         method = config["quantization_config"].get("quant_method", "?")
         raise ValueError(
