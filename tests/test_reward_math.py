@@ -199,3 +199,11 @@ def test_score_batch_checks_lengths_and_return_types(reward: MathReward) -> None
         score_batch(reward, [answer("1")], [])
     with pytest.raises(TypeError, match="float"):
         score_batch(lambda response, label: "1.0", ["a"], ["b"])  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_score_batch_refuses_a_reward_that_is_not_finite(bad: float) -> None:
+    # A NaN reward made its whole GRPO group's advantages NaN (max != min counts it as spread), so the
+    # step's loss was NaN and the update skipped, every step it recurred, with no word of why.
+    with pytest.raises(ValueError, match="response 1 of the batch; it must be finite"):
+        score_batch(lambda response, label: bad if response == "b" else 1.0, ["a", "b"], ["x", "x"])

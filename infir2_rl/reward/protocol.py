@@ -14,6 +14,7 @@ publishes per step as ``reward/timeouts`` / ``reward/errors`` (``counters``).
 from __future__ import annotations
 
 import importlib
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
@@ -80,7 +81,7 @@ def counters(fn: RewardFn) -> Callable[[], RewardStats] | None:
 
 
 def score_batch(fn: RewardFn, responses: Sequence[str], labels: Sequence[str]) -> list[float]:
-    """`fn` applied to each (response, label) pair, in order; values are checked to be real numbers.
+    """`fn` applied to each (response, label) pair, in order; values are checked to be finite real numbers.
 
     The built-in math reward (and any object with a ``score_many(responses, labels)`` method, such as a
     ``MathReward``) scores the whole batch at once in parallel worker processes with a per-answer
@@ -97,6 +98,11 @@ def score_batch(fn: RewardFn, responses: Sequence[str], labels: Sequence[str]) -
         if not isinstance(score, numbers.Real):
             raise TypeError(
                 f"reward function returned {score!r} ({type(score).__name__}); it must return a float."
+            )
+        # A NaN made its whole group's advantages NaN (max != min counts it as spread), and the update with it.
+        if not math.isfinite(score):
+            raise ValueError(
+                f"reward function returned {score!r} for response {len(scores)} of the batch; it must be finite."
             )
         scores.append(float(score))
     return scores
