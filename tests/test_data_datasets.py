@@ -11,7 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from infir2_rl.data.datasets import load_prompt_examples, load_sft_examples, tokenize_conversation
+from infir2_rl.data.datasets import (
+    load_prompt_examples,
+    load_sft_examples,
+    stop_token_ids,
+    tokenize_conversation,
+    turn_end_token,
+)
 from infir2_rl.data.readers import read_records
 from infir2_rl.models.tokenizer import build_tokenizer
 
@@ -58,6 +64,44 @@ def test_loss_mask_multi_turn_with_system_prompt(tok: PreTrainedTokenizerFast) -
     assert len(ids) == len(mask)
     assert _masked_text(tok, ids, mask) == "2<|im_end|>é 4<|im_end|>"
     assert sum(1 for i, m in zip(ids, mask) if m and i == tok.eos_token_id) == 2
+
+
+def _base_like(eos: str = "<|endoftext|>", template: str | None = None) -> PreTrainedTokenizerFast:
+    """Our tokenizer with another eos, as Qwen2.5's base checkpoints name ``<|endoftext|>`` while their ChatML
+    template ends each turn with ``<|im_end|>``."""
+    tok = build_tokenizer()
+    tok.eos_token = eos
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def test_a_turn_ends_at_the_templates_token_whatever_the_eos(tok: PreTrainedTokenizerFast) -> None:
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end_token(tok) == "<|im_end|>" and stop_token_ids(tok) == [im_end]  # our tokenizer: eos too
+    base = _base_like()
+    endoftext = base.convert_tokens_to_ids("<|endoftext|>")
+    assert base.eos_token_id == endoftext != im_end
+    # Before, generation stopped at eos alone, which this template never writes: every response ran on.
+    assert turn_end_token(base) == "<|im_end|>" and stop_token_ids(base) == [im_end, endoftext]
+    answer = "The answer is \\boxed{4}."
+    ids, mask = tokenize_conversation(base, _chat("2+2?", answer))
+    assert ids == tokenize_conversation(tok, _chat("2+2?", answer))[0]
+    # The same mask as with eos = <|im_end|>: the turn's end is learned, the newline after it is not.
+    assert mask == tokenize_conversation(tok, _chat("2+2?", answer))[1]
+    assert _masked_text(base, ids, mask) == answer + "<|im_end|>"
+
+
+def test_a_template_with_no_turn_end_token_stops_at_eos() -> None:
+    plain = _base_like(
+        template="{%- for m in messages %}{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}"
+    )
+    assert turn_end_token(plain) is None
+    assert stop_token_ids(plain) == [plain.convert_tokens_to_ids("<|endoftext|>")]
+    plain.eos_token = None
+    with pytest.raises(ValueError, match="nothing to stop generation at"):
+        stop_token_ids(plain)
 
 
 def test_sft_bad_rows_are_counted_per_reason_and_logged(

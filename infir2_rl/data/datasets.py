@@ -1,15 +1,16 @@
 """SFT and RL-prompt datasets: chat-template rendering, assistant-only loss masks, bad-row accounting.
 
 Loss mask. An SFT example trains only on what the assistant writes: for every assistant turn, the
-tokens of its content *and the turn-ending eos token* (``<|im_end|>`` for ChatML), so the model learns
-to stop; never the role header ``<|im_start|>assistant\\n`` (the generation prompt, which is given at
-inference) nor the separator after the eos. The mask is computed for any chat template by rendering
-prefixes: the text of turn i is ``render(messages[:i+1])`` minus ``render(messages[:i],
-add_generation_prompt=True)``, cut after the last eos string in it. The whole conversation is then
-tokenized once with character offsets and a token is masked in when it lies entirely inside such a
-span. Rendering prefixes needs the template to render a prefix of the conversation as a prefix of the
-text (true of ChatML/Qwen2.5; not of templates that rewrite earlier turns): rows where it does not hold
-are skipped as `bad_format`.
+tokens of its content *and the turn-ending token* (``<|im_end|>`` for ChatML: `turn_end_token`, else
+the eos token), so the model learns to stop; never the role header ``<|im_start|>assistant\\n`` (the
+generation prompt, which is given at inference) nor the separator after the turn end. The mask is
+computed for any chat template by rendering prefixes: the text of turn i is ``render(messages[:i+1])``
+minus ``render(messages[:i], add_generation_prompt=True)``, cut after the last turn-end string in it. The
+whole conversation is then tokenized once with character offsets and a token is masked in when it lies
+entirely inside such a span. Rendering prefixes needs the template to render a prefix of the
+conversation as a prefix of the text (true of ChatML/Qwen2.5; not of templates that rewrite earlier
+turns): rows where it does not hold are skipped as `bad_format`. Generation stops at the same token
+(`stop_token_ids`), and at the eos token.
 
 `SftExample.loss_mask[t] == 1` means token t is a training *target*: the loss on logits at position
 t-1 predicting token t. The SFT loss shifts by one accordingly.
@@ -155,12 +156,47 @@ def _render(
     return text
 
 
+# An assistant message's content in the probe below: text no template rewrites, so where it ends is plain.
+_TURN_PROBE = "turn-end-probe"
+
+
+def turn_end_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The special token the chat template writes right after an assistant message's content, or None.
+
+    ``<|im_end|>`` for ChatML. A model learns in SFT to end its turn with it, so generation must stop there,
+    whatever the tokenizer names as eos: Qwen2.5's base checkpoints (the recipe's starting point) name
+    ``<|endoftext|>``, which the template never writes, and a stop at eos alone let every RL response run
+    on to the length limit.
+    """
+    messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _TURN_PROBE}]
+    text = _render(tokenizer, messages, generation_prompt=False)
+    after = text[text.rfind(_TURN_PROBE) + len(_TURN_PROBE) :]
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    special |= set(tokenizer.all_special_tokens)
+    return next((t for t in sorted(special, key=len, reverse=True) if t and after.startswith(t)), None)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids that end a response: the chat template's turn end (`turn_end_token`) and the eos token."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    end = turn_end_token(tokenizer)
+    end_id = None if end is None else tokenizer.convert_tokens_to_ids(end)
+    if isinstance(end_id, int) and end_id not in ids:
+        ids.insert(0, end_id)
+    if not ids:
+        raise ValueError(
+            "the tokenizer has no eos token and its chat template ends an assistant turn with no special "
+            "token: nothing to stop generation at"
+        )
+    return ids
+
+
 def _assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], turn_end: str | None
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character span of each assistant turn."""
+    """The rendered conversation and the [start, end) character span of each assistant turn, each cut
+    after the last ``turn_end`` string in it when given."""
     full = _render(tokenizer, messages, generation_prompt=False)
-    eos = tokenizer.eos_token
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -177,23 +213,25 @@ def _assistant_char_spans(
                 "bad_format", "the chat template does not render conversation prefixes as text prefixes"
             )
         end = len(upto)
-        if eos:
-            # Keep the turn-ending eos, drop what follows it (the newline between turns).
-            cut = upto.rfind(eos, len(prefix))
+        if turn_end:
+            # Keep the turn-ending token, drop what follows it (the newline between turns).
+            cut = upto.rfind(turn_end, len(prefix))
             if cut >= 0:
-                end = cut + len(eos)
+                end = cut + len(turn_end)
         spans.append((len(prefix), end))
     return full, spans
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], turn_end: str | None = None
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a conversation; the mask covers assistant tokens and their eos.
+    """(input_ids, loss_mask) of a conversation; the mask covers assistant tokens and their turn-ending token
+    (``turn_end``, by default `turn_end_token`'s, else the eos token).
 
     Raises ValueError when the chat template renders a prefix of the conversation differently.
     """
-    text, spans = _assistant_char_spans(tokenizer, messages)
+    end = turn_end or turn_end_token(tokenizer) or tokenizer.eos_token
+    text, spans = _assistant_char_spans(tokenizer, messages, end)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids: list[int] = encoding["input_ids"]
     loss_mask = [0] * len(input_ids)
@@ -214,13 +252,14 @@ def load_sft_examples(
     """Tokenize every usable conversation of a jsonl/parquet file; raise if none is usable."""
     report = LoadReport(path=str(path))
     examples: list[SftExample] = []
+    turn_end = turn_end_token(tokenizer) or tokenizer.eos_token
     for row in read_records(path, format):
         report.num_rows += 1
         try:
             messages = _check_messages(_get(row, messages_key), messages_key)
             if not any(m["role"] == "assistant" for m in messages):
                 raise _Skip("bad_format", f"{messages_key!r} has no assistant message to train on")
-            input_ids, loss_mask = tokenize_conversation(tokenizer, messages)
+            input_ids, loss_mask = tokenize_conversation(tokenizer, messages, turn_end)
             if len(input_ids) > max_seq_len:
                 raise _Skip("too_long", f"{len(input_ids)} tokens > max_seq_len={max_seq_len}")
             if not any(loss_mask):

@@ -28,7 +28,7 @@ from infir2_rl.actors.rollout_engine import create_engines
 from infir2_rl.actors.trainer_group import TrainerGroup
 from infir2_rl.checkpoint import Checkpoint, StageState
 from infir2_rl.config import RlStageConfig
-from infir2_rl.data.datasets import PromptExample, load_prompt_examples
+from infir2_rl.data.datasets import PromptExample, load_prompt_examples, stop_token_ids
 from infir2_rl.metrics import names
 from infir2_rl.reward.protocol import RewardFn
 from infir2_rl.rollout.manager import RolloutManager
@@ -46,11 +46,17 @@ class RlData:
     train: list[PromptExample]
     # Held-out prompts for greedy accuracy (empty when data.test_path is null).
     test: list[PromptExample]
+    # Where a response ends: the chat template's turn end (<|im_end|> in ChatML) and the eos token.
+    stop_ids: list[int]
 
 
 def load_rl_data(cfg: RlStageConfig) -> RlData:
     d = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+    try:
+        stop_ids = stop_token_ids(tokenizer)
+    except ValueError as exc:
+        raise ValueError(f"model.path={cfg.model.path!r}: {exc}") from None
     kwargs: dict[str, Any] = dict(
         input_key=d.input_key, label_key=d.label_key, max_prompt_tokens=d.max_prompt_tokens, format=d.format
     )
@@ -59,7 +65,7 @@ def load_rl_data(cfg: RlStageConfig) -> RlData:
     if d.test_path is not None:
         test, _ = load_prompt_examples(d.test_path, tokenizer, **kwargs)
         test = test[: d.num_eval_examples]
-    return RlData(tokenizer=tokenizer, train=train, test=test)
+    return RlData(tokenizer=tokenizer, train=train, test=test, stop_ids=stop_ids)
 
 
 @dataclass
@@ -211,12 +217,7 @@ def start_rl_actors(
         placement.remove()
         raise
     tok = data.tokenizer
-    if tok.eos_token_id is None:
-        raise ValueError(
-            f"model.path={cfg.model.path!r}: the tokenizer has no eos token to stop generation at"
-        )
-    stop_ids = [int(tok.eos_token_id)]  # the end of the assistant turn (<|im_end|> in ChatML templates)
-    manager = RolloutManager(engines, cfg.rollout, reward_fn, tok, stop_ids, cfg.seed)
+    manager = RolloutManager(engines, cfg.rollout, reward_fn, tok, data.stop_ids, cfg.seed)
     prompts = PromptSource(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     if resume_from is not None:
         trainer.load(resume_from.path)

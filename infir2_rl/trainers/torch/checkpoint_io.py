@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from infir2_rl.data.datasets import stop_token_ids
 from infir2_rl.trainers.torch import distributed as D
 
 
@@ -236,10 +237,11 @@ def generate_greedy(
     from transformers import GenerationConfig
 
     tok = trainer.tokenizer
+    stops = stop_token_ids(tok)  # the chat template's turn end and the eos token, as the rollout stops
     gen_cfg = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=tok.eos_token_id,
+        eos_token_id=stops,
         pad_token_id=tok.pad_token_id,
         use_cache=True,
     )
@@ -264,7 +266,7 @@ def generate_greedy(
                 synced_gpus=trainer.fsdp,
             )
         for row in out[:, width:].tolist():
-            cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            cut = next((t + 1 for t, token in enumerate(row) if token in stops), len(row))
             results.append(row[:cut])
     trainer.model.train()
     return results[: len(prompts)]
