@@ -19,8 +19,10 @@ from torch import Tensor
 from infir2_rl.config.components import WeightSyncConfig
 from infir2_rl.config.stage import RlStageConfig
 from infir2_rl.engines.native.engine import NativeEngine
+from infir2_rl.fp8 import ops
 from infir2_rl.fp8.checkpoint import fp8_state_from_model
 from infir2_rl.fp8.linear import swap_to_fp8_training
+from infir2_rl.fp8.quant import dequantize_weight_blockwise
 from infir2_rl.models.factory import init_model, load_model
 from infir2_rl.stages.rl_setup import resolve_transport
 from infir2_rl.types import StaleWeightsError
@@ -121,6 +123,30 @@ def test_flat_buffer_round_trip_keeps_every_byte_dtype_and_shape() -> None:
     assert all(same_bytes(a, b) for a, b in zip(tensors, unflatten(inside, layout)))
     with pytest.raises(ValueError, match="outside"):
         unflatten(flat[:256], layout)
+
+
+def test_a_planned_copy_remakes_what_was_cached_by_version(model_dir: Path) -> None:
+    """A copy plan's kernel writes the engine's tensors behind autograd's back; the receiver bumps their versions,
+    so an emulated FP8 GEMM's dequantized weight (cached by version) is made again from the new bytes. Before,
+    the emulated layers kept the first planned push's weights from then on (seen on an H200 with an eager
+    decode path and k/v projections too narrow for the FP8 GEMM), while the engine reported the new version."""
+    engine = NativeEngine(str(model_dir), fp8=True, dtype="float32")
+    receiver = engine._receiver
+    name = next(n for n in receiver.fp8_modules)
+    weight, scale = receiver._tensor(name + ".weight"), receiver._tensor(name + ".weight_scale_inv")
+    assert weight is not None and scale is not None and weight.dtype == torch.float8_e4m3fn
+    before = ops._dequantized_weight(weight, scale).clone()
+    new = dict(_state(model_dir, seed=1))[name + ".weight"]
+    assert not torch.equal(new.float(), weight.float())
+
+    class _Plan:  # writes as the Triton kernel does: through another handle on the storage, no version bump
+        def run(self, source: Tensor, to_flat: bool) -> None:
+            weight.data.copy_(source)
+
+    receiver._run_plan(_Plan(), [name + ".weight"], new)  # type: ignore[arg-type]
+    assert torch.equal(weight.view(torch.uint8), new.view(torch.uint8))
+    after = ops._dequantized_weight(weight, scale)
+    assert torch.equal(after, dequantize_weight_blockwise(weight, scale)) and not torch.equal(after, before)
 
 
 def test_copy_plan_describes_tensors_as_rows_apart_or_refuses() -> None:

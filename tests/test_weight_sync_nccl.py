@@ -219,3 +219,47 @@ def test_nccl_is_auto_for_native_engines_on_gpus_of_their_own_and_refused_for_co
         {"rollout": {"backend": "sglang"}, "weight_sync": {"self_check_layers": 0}}
     )
     assert resolve_transport(sglang, colocate=False, on_gpu=True) == "object_store"  # its NCCL join never ran
+
+
+@pytest.mark.gpu
+def test_planned_pushes_reach_the_emulated_fp8_layers_of_an_eager_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the second push on, a bucket laid out as before is copied by a plan's Triton kernel, which autograd
+    does not see; the k and v projections here (N = 8) are too narrow for the FP8 GEMM and run on the cached
+    dequantized weight, which kept the first planned push's values while the engine reported the new version
+    (found on an H200). After each push the engine must sample what an engine given those weights by a first,
+    tensor-by-tensor load samples."""
+    import infir2_rl.weight_sync.receiver as receiver_module
+    from infir2_rl.types import GenerateRequest, SamplingParams
+
+    model = init_model(tmp_path / "m", "tiny", seed=0, num_attention_heads=16, num_key_value_heads=1)
+    request = [
+        GenerateRequest("a", list(range(5, 30)), n=2, params=SamplingParams(max_new_tokens=16), seed=1)
+    ]
+
+    def engine() -> NativeEngine:
+        return NativeEngine(
+            str(model), fp8=True, dtype="float32", device="cuda", decode_path="eager", cuda_graphs=False
+        )
+
+    def push(to: NativeEngine, version: int, state: list[tuple[str, torch.Tensor]]) -> None:
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in state])
+        monkeypatch.setattr(receiver_module, "receive_flat", lambda group, meta, device: flat.clone())
+        metas = [(t.dtype, tuple(t.shape)) for _, t in state]
+        to.update_weights_from_distributed(version, 0, 1, [n for n, _ in state], metas)
+
+    pushed = engine()
+    pushed.generate(request)
+    for version, seed in enumerate((1, 2, 3), start=1):
+        state = [
+            (n, t.cuda().contiguous()) for n, t in perturbed_fp8_state(model, seed) if n != "lm_head.weight"
+        ]
+        push(pushed, version, state)
+        assert bool(pushed._receiver._plans), "a bucket laid out as the last one takes the copy plan"
+        got = pushed.generate(request)
+        fresh = engine()
+        push(fresh, 1, state)  # its first push: loaded tensor by tensor
+        want = fresh.generate(request)
+        assert [s.response_ids for s in got] == [s.response_ids for s in want], f"push {version}"
+        assert [s.logprobs for s in got] == [s.logprobs for s in want], f"push {version}"

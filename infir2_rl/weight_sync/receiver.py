@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
 
 from infir2_rl.fp8.linear import Fp8InferenceLinear
 from infir2_rl.fp8.quant import FP8_DTYPE
@@ -136,7 +137,7 @@ class WeightReceiver:
         plan = self._planned(key, meta.names, meta.metas)
         if plan is not None:
             self._admit(meta)
-            plan.run(flat, to_flat=False)
+            self._run_plan(plan, meta.names, flat)
             self._commit(meta)
             return
         self.load(WeightBucket(version, index, num_buckets, meta.names, unflatten_bytes(flat, meta.metas)))
@@ -194,7 +195,7 @@ class WeightReceiver:
         plan = self._planned(key, bucket.names, bucket.layout)
         if plan is not None:
             self._admit(bucket)  # the version rule, as for any bucket
-            plan.run(map_ipc_buffer(bucket, device), to_flat=False)
+            self._run_plan(plan, bucket.names, map_ipc_buffer(bucket, device))
         else:
             self.load(open_ipc_bucket(bucket, device))
         # The trainer may free or overwrite its buffer once this returns: the copies must be done.
@@ -204,6 +205,14 @@ class WeightReceiver:
         else:
             offsets = [offset for _, _, offset in bucket.layout]
             self._plan_next(key, bucket.names, bucket.layout, offsets, [d for d, _, _ in bucket.layout])
+
+    def _run_plan(self, plan: CopyPlan, names: list[str], source: Tensor) -> None:
+        """Copy a bucket into the engine's tensors of ``names`` by its plan. The plan's kernel writes them behind
+        autograd's back, so their version counters are bumped as an in-place copy would: what is cached by
+        version (``fp8.ops``' dequantized weights, used where an FP8 GEMM is emulated) is made again, where it
+        kept the first push's weights before."""
+        plan.run(source, to_flat=False)
+        increment_version([t for t in map(self._tensor, names) if t is not None])
 
     def _planned(self, key: tuple[str, int], names: list[str], layout: list[Any]) -> CopyPlan | None:
         """The plan of the bucket last loaded under ``key``, if this one has its names and layout (as sent)
