@@ -491,6 +491,43 @@ def test_model_and_data_paths_must_be_what_the_stage_reads(tmp_path: Path) -> No
         check(config_only, empty)
 
 
+def test_an_rl_stage_longer_than_the_models_positions_is_refused_before_ray(tmp_path: Path) -> None:
+    """data.max_prompt_tokens + rollout.max_response_len above config.json's max_position_embeddings: one line
+    at the path check (the GPU engine refused the whole rollout at its first long prompt; the CPU engine decoded
+    past the model's positions)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from infir2_rl.config.stage import RlStageConfig, validate_paths
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 1024}')
+    (model / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
+
+    def check(prompt: int, response: int) -> None:
+        validate_paths(
+            RlStageConfig.model_validate(
+                {
+                    "model": {"path": str(model)},
+                    "data": {"train_path": str(data), "test_path": None, "max_prompt_tokens": prompt},
+                    "rollout": {"max_response_len": response},
+                }
+            )
+        )
+
+    check(512, 512)
+    with pytest.raises(
+        ValueError,
+        match=r"^data.max_prompt_tokens 512 \+ rollout.max_response_len 513 = 1025 exceeds the "
+        r"max_position_embeddings 1024 of model.path='.*model': lower one of them$",
+    ):
+        check(512, 513)
+
+
 def test_pipeline_errors_name_the_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A missing stage file or a stage's missing input path: the line names the pipeline stage it belongs to."""
     (tmp_path / "p.yaml").write_text("stages:\n  - {name: first, config: missing.yaml}\n")

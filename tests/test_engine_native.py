@@ -289,3 +289,17 @@ def test_engine_logprobs_track_trainer_forward_on_gpu_in_bf16(model_dir: Path, f
     assert torch.cuda.memory_allocated() < before
     engine.resume_memory()
     assert len(engine.generate(_requests(max_new_tokens=4))) == 6
+
+
+@pytest.mark.parametrize("decode_path", ["eager", "runner"])
+def test_no_requests_give_no_samples_and_top_p_outside_0_1_is_refused(
+    model_dir: Path, decode_path: str
+) -> None:
+    # The runner path's scheduler took max() of an empty list; top_p = 0 masked every token, and the sampler
+    # then drew from NaN probabilities (the least likely token came back).
+    engine = NativeEngine(str(model_dir), fp8=False, dtype="float32", device="cpu", decode_path=decode_path)
+    assert engine.generate([]) == []
+    for top_p in (0.0, -0.5, 1.5):
+        bad = [GenerateRequest("r", [5, 6], n=1, params=SamplingParams(top_p=top_p, max_new_tokens=2))]
+        with pytest.raises(ValueError, match=rf"request 'r': top_p={top_p} must be in \(0, 1\]"):
+            engine.generate(bad)

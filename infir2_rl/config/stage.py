@@ -415,12 +415,28 @@ def validate_paths(cfg: SftStageConfig | RlStageConfig, *, check_model: bool = T
                     " directory (a stage's final/, or `infir2-rl init-model --out DIR`)"
                 )
             _check_checkpoint_files(field, path)
+            if field == "model.path" and isinstance(cfg, RlStageConfig):
+                _check_context(cfg, path)
         elif path.is_dir():
             raise ValueError(f"{field}={value!r}: a directory; point it at a jsonl or parquet file")
 
 
 # What AutoTokenizer reads a tokenizer from (fast, SentencePiece, or BPE vocabulary files).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _check_context(cfg: RlStageConfig, path: Path) -> None:
+    """The longest row an RL stage makes fits the model's positions. Before, the GPU engine refused the whole
+    rollout at its first long prompt, and the CPU one decoded past the positions the model was trained for."""
+    from infir2_rl.fp8.cast_checks import config_of
+
+    limit = config_of(path).get("max_position_embeddings")
+    if isinstance(limit, int) and cfg.longest_row() > limit:
+        raise ValueError(
+            f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} + rollout.max_response_len "
+            f"{cfg.rollout.max_response_len} = {cfg.longest_row()} exceeds the max_position_embeddings {limit} of "
+            f"model.path={str(path)!r}: lower one of them"
+        )
 
 
 def _check_checkpoint_files(field: str, path: Path) -> None:

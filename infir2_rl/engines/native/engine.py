@@ -191,7 +191,6 @@ class NativeEngine:
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest]) -> list[Sample]:
         """All n samples of every request, in request order then sample index."""
-        self._abort.clear()
         rows = [_Row(req, i) for req in requests for i in range(req.n)]
         for req in requests:
             if req.n < 1 or req.params.max_new_tokens < 1 or not req.prompt_ids:
@@ -203,9 +202,17 @@ class NativeEngine:
                 raise ValueError(
                     f"request {req.request_id!r}: temperature={req.params.temperature} must be > 0"
                 )
+            # top_p 0 masked every token: NaN probabilities, and a garbage sample.
+            if not 0 < req.params.top_p <= 1:
+                raise ValueError(f"request {req.request_id!r}: top_p={req.params.top_p} must be in (0, 1]")
+        if not requests:
+            return []
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].request.prompt_ids))
         results: dict[int, Sample] = {}
         with self._lock:
+            # Cleared once this call holds the engine: an abort() for a call still running is not undone by the
+            # next one that waits for it.
+            self._abort.clear()
             if self._released:
                 raise RuntimeError("generate() called after release_memory(): call resume_memory() first")
             if self._scheduler is not None:
