@@ -178,13 +178,32 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one_and_says_w
         chosen = manager.latest()
     assert chosen is not None and chosen.step == 2
     assert f"checkpoint {newest.path} is damaged (hf/model.safetensors has" in caplog.text
-    assert "skipping it and resuming from the previous complete one" in caplog.text
+    assert "moved aside to damaged_step_000004; resuming from the previous complete one" in caplog.text
+    assert not newest.path.exists() and (tmp_path / "damaged_step_000004" / "hf").is_dir()  # kept for a look
     # A truncated optimizer state (torch.save zip) without a manifest (an older checkpoint) is caught too.
+    newest = save_checkpoint(_Trainer(), manager, _state(4))
     (newest.path / "MANIFEST.json").unlink()
-    weights.write_bytes(_tensors_bytes())
     state_file = newest.path / "train_state" / "rank_0.pt"
     state_file.write_bytes(state_file.read_bytes()[:-30])
     assert manager.latest().step == 2  # type: ignore[union-attr]
+    assert (tmp_path / "damaged_step_000004.2").is_dir()
+
+
+def test_saves_after_a_damaged_newest_checkpoint_are_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The only checkpoint, step 6, is damaged: the stage starts over at step 0. Its saves of steps 3, 6, ... must
+    stay. Before, keep-last counted the damaged step 6 as the newest and deleted each new save at once (with
+    `latest` pointing at it), so a later resume found nothing but the damaged one and started over again."""
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    damaged = save_checkpoint(_Trainer(), manager, _state(6))
+    (damaged.hf_dir / "model.safetensors").write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        assert manager.latest() is None
+    assert "no complete one is left: starting at step 0" in caplog.text
+    saved = save_checkpoint(_Trainer(), manager, _state(3))
+    assert saved.path.is_dir() and manager.latest() == saved
+    assert [c.step for c in manager.complete()] == [3]
 
 
 def _tensors_bytes() -> bytes:

@@ -14,6 +14,7 @@ from infir2_rl.config import SftStageConfig
 from infir2_rl.data.synthetic import make_data
 from infir2_rl.metrics import names
 from infir2_rl.models.factory import init_model
+from infir2_rl.stages.common import final_step
 from infir2_rl.stages.sft import run_sft_stage
 
 
@@ -132,7 +133,7 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_stage_stopped_before_its_export_hands_on_what_the_straight_run_did(
-    assets: tuple[Path, Path], tmp_path: Path
+    assets: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # BF16 compute (the GPU default): final/ holds BF16 weights, the checkpoint's hf/ the FP32 masters. A stage
     # killed after its last checkpoint and before the export once handed on a copy of hf/, in FP32.
@@ -146,6 +147,22 @@ def test_a_stage_stopped_before_its_export_hands_on_what_the_straight_run_did(
     assert again.nothing_to_do and again.steps_run == 0
     assert (again.final_checkpoint / "model.safetensors").read_bytes() == exported
     assert json.loads((again.final_checkpoint / "config.json").read_text()) == config
+    assert final_step(tmp_path / "run") == 3
+
+    # Extended to 5 steps and killed after the step-5 checkpoint, before its export: final/ still holds step 3,
+    # which the rerun ("nothing to do") handed on as the stage's output before final_step said which step it is.
+    def killed(write: Any, run_dir: Path, step: int) -> Path:
+        raise Killed
+
+    monkeypatch.setattr(sft_module, "publish_final", killed)
+    longer = {**sections, "trainer": {"max_steps": 5}}
+    with pytest.raises(Killed):
+        run_sft_stage(stage(assets, tmp_path / "run", **longer))
+    monkeypatch.undo()
+    assert final_step(tmp_path / "run") == 3
+    extended = run_sft_stage(stage(assets, tmp_path / "run", **longer))
+    assert extended.nothing_to_do and final_step(tmp_path / "run") == 5
+    assert (extended.final_checkpoint / "model.safetensors").read_bytes() != exported
 
 
 def test_no_full_batch_fails_instead_of_training_nothing(assets: tuple[Path, Path], tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ Layout under RUN_DIR/checkpoints:
         DONE                   written last, before the directory gets its final name
     latest                     text file: the name of the newest complete checkpoint
     .tmp_step_000050           a save in progress (or one killed mid-write): never read
+    damaged_step_000060        a checkpoint that failed the checks at resume, moved aside (never read)
 
 A save writes everything into `.tmp_step_N`, records the manifest, reads back what it wrote (verify.py:
 headers and sizes, not the tensors), writes DONE, renames the directory to `step_N` (atomic on POSIX),
@@ -17,7 +18,9 @@ then replaces `latest` by an atomic rename of a temp file; older checkpoints are
 A save that fails (disk full, read-only directory, a trainer error) removes its temp directory before the
 error goes on; a run killed at any point leaves the previous checkpoint and pointer intact, and the next
 save removes the killed one's temp directory. Resume takes the newest checkpoint that passes the
-checks, and says in the log why it passed over any newer one (e.g. a file truncated after the save).
+checks, and says in the log why it passed over any newer one (e.g. a file truncated after the save), which
+it moves aside: left among the checkpoints, its higher step outranked every later save, so keep-last
+deleted each new save at once and a later resume went back to it.
 Every rank must see the same directory: across nodes RUN_DIR has to be on a shared filesystem.
 """
 
@@ -40,6 +43,7 @@ LATEST_FILE = "latest"
 STATE_FILE = "stage_state.json"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
+DAMAGED_PREFIX = "damaged_"
 
 
 @dataclass
@@ -123,7 +127,8 @@ class CheckpointManager:
         return sorted(found, key=lambda c: c.step)
 
     def latest(self) -> Checkpoint | None:
-        """The newest complete checkpoint that passes verification; newer ones that fail are named in the log.
+        """The newest complete checkpoint that passes verification; newer ones that fail are named in the log
+        and moved aside (``damaged_step_N``), so that later saves and keep-last see only what can be resumed.
 
         The `latest` pointer is advisory: a crash between the directory rename and the pointer update
         leaves it one behind, so the directories themselves decide.
@@ -135,17 +140,33 @@ class CheckpointManager:
                 log.warning(
                     "%s names %r, which is not a complete checkpoint: scanning instead", pointer, name
                 )
-        for ckpt in reversed(self.complete()):
+        complete = self.complete()
+        for i in reversed(range(len(complete))):
+            ckpt = complete[i]
             reason = problem(ckpt.path, STATE_FILE)
             if reason is None:
                 return ckpt
+            aside = self._move_aside(ckpt.path)
             log.warning(
-                "checkpoint %s is damaged (%s): skipping it and resuming from the previous complete one; "
-                "delete it once you have looked at it",
+                "checkpoint %s is damaged (%s): moved aside to %s; %s; delete it once you have looked at it",
                 ckpt.path,
                 reason,
+                aside.name,
+                "resuming from the previous complete one"
+                if i
+                else "no complete one is left: starting at step 0",
             )
         return None
+
+    def _move_aside(self, path: Path) -> Path:
+        """Rename a damaged checkpoint out of the step_N names (kept for a look, never read again)."""
+        aside = self.root / f"{DAMAGED_PREFIX}{path.name}"
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.root / f"{DAMAGED_PREFIX}{path.name}.{n}"
+        os.rename(path, aside)
+        return aside
 
     def begin(self, step: int) -> Path:
         """A fresh temp directory for the save of `step`; leftovers of killed saves are removed first."""

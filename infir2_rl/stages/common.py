@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,8 @@ from infir2_rl.types import TrainStats
 log = logging.getLogger(__name__)
 
 FINAL_DIR = "final"
+# Beside final/ (not in it: the cast and the next stage copy final/'s files): the step final/ was exported at.
+FINAL_STEP_FILE = "final_step"
 CHECKPOINTS_DIR = "checkpoints"
 LOG_FILE = "logs/stage.log"
 
@@ -118,33 +121,51 @@ def resume_state(
     return state, latest
 
 
-def publish_final(write: Callable[[Path], object], run_dir: Path) -> Path:
-    """Write RUN_DIR/final through `write(temp_dir)` (e.g. `group.save_hf`) and one rename: complete or absent."""
-    final, tmp = run_dir / FINAL_DIR, run_dir / f".tmp_{FINAL_DIR}"
+def publish_final(write: Callable[[Path], object], run_dir: Path, step: int) -> Path:
+    """Write RUN_DIR/final through `write(temp_dir)` (e.g. `group.save_hf`) and one rename: complete or absent.
+    RUN_DIR/final_step then names the step it holds; a run killed before that leaves none, which
+    `final_from_checkpoint` takes as unknown."""
+    final, tmp, marker = run_dir / FINAL_DIR, run_dir / f".tmp_{FINAL_DIR}", run_dir / FINAL_STEP_FILE
     shutil.rmtree(tmp, ignore_errors=True)
+    marker.unlink(missing_ok=True)
     write(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    log.info("final checkpoint: %s", final)
+    marker_tmp = run_dir / f".tmp_{FINAL_STEP_FILE}"
+    marker_tmp.write_text(f"{step}\n")
+    os.replace(marker_tmp, marker)
+    log.info("final checkpoint: %s (step %d)", final, step)
     return final
+
+
+def final_step(run_dir: Path) -> int | None:
+    """The step RUN_DIR/final was exported at, or None when unknown (no final_step: an older run, or one killed
+    between the export and the marker)."""
+    marker = run_dir / FINAL_STEP_FILE
+    text = marker.read_text().strip() if marker.is_file() else ""
+    return int(text) if text.isdigit() and (run_dir / FINAL_DIR).is_dir() else None
 
 
 def final_from_checkpoint(
     cfg: SftStageConfig | RlStageConfig, ckpt: Checkpoint, run_dir: Path, *, total_steps: int
 ) -> Path:
-    """RUN_DIR/final for a stage whose last step is already checkpointed (killed before the export).
+    """RUN_DIR/final for a stage whose last step is already checkpointed (killed before the export), unless
+    final/ already holds that step (`final_step`): a final/ of an earlier last step (the stage since extended
+    by trainer.max_steps or rollout.num_steps and killed before its export) was handed on as it was before.
 
     A trainer loads the checkpoint and exports it as the uninterrupted run did: in the compute dtype. A copy of
     the checkpoint's ``hf/`` would hand on its FP32 master weights where the uninterrupted run hands on BF16
     (on GPUs), so the next stage and the FP8 cast would depend on when this one was stopped.
     """
     final = run_dir / FINAL_DIR
-    if not final.exists():
+    if (
+        final_step(run_dir) != ckpt.step
+    ):  # absent, or older: a finished stage extended, killed before its export
         ensure_ray()
         with placed_trainer_group(cfg, total_steps=total_steps) as group:
             group.load(ckpt.path)
-            publish_final(group.save_hf, run_dir)
+            publish_final(group.save_hf, run_dir, ckpt.step)
     return final
 
 

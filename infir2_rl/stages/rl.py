@@ -112,7 +112,7 @@ def run_rl_stage(cfg: RlStageConfig) -> StageResult:
                     updates = int(metrics[names.TRAIN_UPDATES_PER_ROLLOUT])
                     skipped, lr = result.num_skipped_updates, metrics[names.TRAIN_LR]
                     streak.update(step=step, num_updates=updates, num_skipped=skipped, lr=lr, stage=cfg.name)
-            final = publish_final(actors.trainer.save_hf, run_dir)
+            final = publish_final(actors.trainer.save_hf, run_dir, last_step)
         finally:
             actors.shutdown()
     return StageResult(final, run_dir, steps_run=last_step - first + 1, last_step=last_step, summary=summary)

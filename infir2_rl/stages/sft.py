@@ -94,7 +94,7 @@ def run_sft_stage(cfg: SftStageConfig) -> StageResult:
                     )
                     if is_due(step, cfg.checkpoint.save_every, last_step):
                         save_checkpoint(group, ckpts, state)
-            final = publish_final(group.save_hf, run_dir)
+            final = publish_final(group.save_hf, run_dir, last_step)
     return StageResult(final, run_dir, steps_run=last_step - first + 1, last_step=last_step, summary=summary)
 
 
