@@ -159,10 +159,15 @@ def test_requests_are_spread_over_engines_and_seeded_by_a_saved_counter() -> Non
     assert engine.calls == [["req3"]] and engine.seeds == [5_000_018]  # a resumed run goes on counting
 
 
-def test_evaluate_scores_one_greedy_answer_per_prompt() -> None:
-    result = _manager([ScriptedEngine()], _cfg()).evaluate([_prompt(1), _prompt(0, truncated=1)])
+def test_evaluate_scores_one_greedy_answer_per_prompt_and_leaves_the_training_seeds_alone() -> None:
+    engine = ScriptedEngine()
+    manager = _manager([engine], _cfg())
+    result = manager.evaluate([_prompt(1), _prompt(0, truncated=1)])
     assert result.accuracy == 0.5 and result.num_prompts == 2
     assert result.response_len_mean == 2 and result.truncated_frac == 0.5
+    # Evaluation used to draw from the training requests' counter, so when and how much a stage evaluated
+    # changed every later rollout's seeds (a resumed run with another eval_every trained differently).
+    assert engine.calls == [["eval0", "eval1"]] and manager.state_dict() == {"num_requests": 0}
 
 
 def test_token_batches_align_response_tokens_logprobs_and_advantages() -> None:

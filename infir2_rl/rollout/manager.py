@@ -112,19 +112,27 @@ class RolloutManager:
         self._score(groups)
         return groups
 
-    def _sample(self, prompts: Sequence[PromptLike], n: int, params: SamplingParams) -> list[Group]:
+    def _sample(
+        self, prompts: Sequence[PromptLike], n: int, params: SamplingParams, *, held_out: bool = False
+    ) -> list[Group]:
+        """``held_out`` (greedy evaluation) requests are named apart and leave ``num_requests`` alone: they need
+        no seed, and counting them made every later training rollout's seeds depend on when and on how many
+        problems the stage evaluated (so a resumed run with another eval_every, or an extended one, which
+        evaluates at its old last step, trained differently from a straight run)."""
         requests = []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            number = i if held_out else self.num_requests
             requests.append(
                 GenerateRequest(
-                    request_id=f"req{self.num_requests}",
+                    request_id=f"eval{number}" if held_out else f"req{number}",
                     prompt_ids=list(prompt.prompt_ids),
                     n=n,
                     params=params,
-                    seed=self.seed * 1_000_003 + self.num_requests,
+                    seed=self.seed * 1_000_003 + number,
                 )
             )
-            self.num_requests += 1
+            if not held_out:
+                self.num_requests += 1
         num_engines = len(self.engines)
         calls = [Call(e, "generate", (requests[i::num_engines],)) for i, e in enumerate(self.engines)]
         by_request: dict[str, list[Sample]] = {}
@@ -248,7 +256,8 @@ class RolloutManager:
         if not prompts:
             raise ValueError("evaluate() got no prompts: check data.test_path and data.num_eval_examples")
         log.info("evaluating: greedy answers to %d held-out problems", len(prompts))
-        groups = self.sample_groups(prompts, 1, self._params(greedy=True))
+        groups = self._sample(prompts, 1, self._params(greedy=True), held_out=True)
+        self._score(groups)
         samples = [g.samples[0] for g in groups]
         return EvalResult(
             accuracy=statistics.fmean(g.rewards[0] for g in groups),
