@@ -43,7 +43,7 @@ SEED_HELP = "seed of everything random here (an integer in [0, 2**63 - 1]; defau
 
 def _check_config(args: argparse.Namespace) -> int:
     from infir2_rl.config import validate_paths
-    from infir2_rl.pipeline import describe_casts, resolve_stages, split_pipeline_overrides
+    from infir2_rl.pipeline import cast_before_each, describe_casts, resolve_stages, split_pipeline_overrides
     from infir2_rl.stages.guards import check_reward
 
     if is_pipeline_file(args.config):
@@ -51,7 +51,7 @@ def _check_config(args: argparse.Namespace) -> int:
         pipeline = load_pipeline_config(args.config, own)
         print(dump_config(pipeline), end="")
         resolved = resolve_stages(args.config, pipeline, for_stages, scoped)
-        casts = describe_casts(resolved)
+        casts, cast_before = describe_casts(resolved), cast_before_each(resolved)
         for i, (name, stage) in enumerate(resolved):
             if stage is None:
                 print(f"# --- {name}: {casts[name][0]}")
@@ -60,7 +60,7 @@ def _check_config(args: argparse.Namespace) -> int:
             print(dump_config(stage), end="")
             if args.paths:
                 try:
-                    validate_paths(stage, check_model=i == 0)
+                    validate_paths(stage, check_model=i == 0, cast_before=cast_before[name])
                     check_reward(stage)
                 except ValueError as e:
                     raise ValueError(f"stage {name!r}: {e}") from e

@@ -106,10 +106,12 @@ def run_pipeline(
     for name, (what, used) in describe_casts(resolved).items():
         if not used and name not in state.finished:
             log.warning("stage %s: %s", name, what)
+    casts_before = cast_before_each(resolved)
     for i, (name, cfg) in enumerate(todo):
         if cfg is not None:
             try:
-                validate_paths(cfg, check_model=i == 0 and len(todo) == len(resolved))
+                first = i == 0 and len(todo) == len(resolved)
+                validate_paths(cfg, check_model=first, cast_before=casts_before[name])
                 check_stage_data(cfg)  # one batch of usable rows, before Ray starts
                 check_reward(cfg)  # an RL stage's reward imports
             except ValueError as e:
@@ -146,6 +148,13 @@ def run_pipeline(
         outputs[name] = out
         log.info("stage %s finished in %.1f s -> %s", name, time.perf_counter() - t0, out)
     return outputs
+
+
+def cast_before_each(
+    resolved: Sequence[tuple[str, SftStageConfig | RlStageConfig | None]],
+) -> dict[str, bool]:
+    """Whether a cast_fp8 step comes right before each stage (it sets an FP8 RL stage's rollout.fp8_checkpoint)."""
+    return {name: i > 0 and resolved[i - 1][1] is None for i, (name, _) in enumerate(resolved)}
 
 
 def describe_casts(

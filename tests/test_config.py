@@ -2,6 +2,7 @@
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,8 @@ from infir2_rl.config import (
     parse_stage_config,
     validate_paths,
 )
+from infir2_rl.fp8.checkpoint import cast_checkpoint
+from infir2_rl.models.factory import init_model
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/**/*.yaml"))
 
@@ -526,6 +529,49 @@ def test_an_rl_stage_longer_than_the_models_positions_is_refused_before_ray(tmp_
         r"max_position_embeddings 1024 of model.path='.*model': lower one of them$",
     ):
         check(512, 513)
+
+
+def test_sglang_fp8_rollout_needs_an_fp8_checkpoint_to_start_from(tmp_path: Path) -> None:
+    """SGLang started on a BF16 checkpoint builds BF16 linears; each push's FP8 bytes were then cast into them
+    without their scales (SGLang only logs the scales it cannot place). The shipped 7B pipeline did this in its
+    second RL stage, which had no cast before it."""
+    from infir2_rl.config.stage import RlStageConfig, validate_paths
+    from infir2_rl.pipeline import cast_before_each
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    model = init_model(tmp_path / "model", "tiny", seed=0)
+
+    def cfg(**rollout: Any) -> RlStageConfig:
+        return RlStageConfig.model_validate(
+            {
+                "model": {"path": str(model)},
+                "data": {"train_path": str(data), "test_path": None},
+                "rollout": {"backend": "sglang", **rollout},
+                "weight_sync": {"self_check_layers": 0},
+            }
+        )
+
+    with pytest.raises(
+        ValueError, match=r"^rollout.backend=sglang with precision=unified_fp8 starts its servers"
+    ):
+        validate_paths(cfg())
+    validate_paths(cfg(), cast_before=True)  # a pipeline's cast sets rollout.fp8_checkpoint
+    with pytest.raises(ValueError, match=r"fp8_checkpoint=.*no blockwise FP8 quantization_config"):
+        validate_paths(cfg(fp8_checkpoint=str(model)))  # the BF16 model itself
+    cast_checkpoint(model, tmp_path / "fp8")
+    validate_paths(cfg(fp8_checkpoint=str(tmp_path / "fp8")))
+    validate_paths(RlStageConfig.model_validate({**cfg().model_dump(), "precision": "bf16"}))
+    sft, rl = object(), object()
+    steps = [("s", sft), ("c", None), ("r1", rl), ("r2", rl), ("c2", None), ("r3", rl)]
+    assert cast_before_each(steps) == {
+        "s": False,
+        "c": False,
+        "r1": True,
+        "r2": False,
+        "c2": False,
+        "r3": True,
+    }  # type: ignore[arg-type]
 
 
 def test_pipeline_errors_name_the_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

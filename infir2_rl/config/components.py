@@ -127,7 +127,8 @@ class TrainerConfig(_Config):
     # dtype is bfloat16 (GPUs), without FSDP (true_on_policy too: its walk then reads the BF16 parameters and
     # kept FP8 weights the engine receives); float32 elsewhere (the CPU demo).
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Sequences per forward/backward on one worker; gradients accumulate to the global batch.
+    # Sequences per forward/backward on one worker; gradients accumulate to the global batch. Not used when
+    # max_tokens_per_gpu is set: the token budget alone then decides how many rows a micro-batch holds.
     micro_batch_size: int = Field(default=8, ge=1)
     # Token budget of one micro-batch on one worker (padded tokens, or real tokens when packed); None =
     # fixed micro_batch_size. Must hold the longest row: an RL stage checks data.max_prompt_tokens +
@@ -175,7 +176,8 @@ class TrainerConfig(_Config):
     # as one kernel each way (trainers/torch/fused_rope.py, torch's bits). "auto": on where it can run (CUDA with
     # Triton, not true_on_policy, which has its own kernels); true: required; false: torch's modules.
     fused_kernels: bool | Literal["auto"] = "auto"
-    # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give).
+    # Stop after this many optimizer steps (None = as many as the epochs / rollout steps give). The lr schedule
+    # then spans these steps (warmup and decay of a shorter run), not the steps the epochs would give.
     max_steps: int | None = Field(default=None, ge=1)
     # Stop the stage, publishing nothing, after this many steps in a row skipped for a non-finite gradient
     # norm (a diverged run); 0 never stops. An RL step counts when all of its optimizer updates were skipped.

@@ -379,8 +379,13 @@ def stage_paths_to_check(cfg: SftStageConfig | RlStageConfig, *, check_model: bo
     return paths
 
 
-def validate_paths(cfg: SftStageConfig | RlStageConfig, *, check_model: bool = True) -> None:
-    """Fail with one sentence for the first input path that does not exist."""
+def validate_paths(
+    cfg: SftStageConfig | RlStageConfig, *, check_model: bool = True, cast_before: bool = False
+) -> None:
+    """Fail with one sentence for the first input path that does not exist or cannot serve (``cast_before``: a
+    pipeline's cast_fp8 step right before this stage will set rollout.fp8_checkpoint)."""
+    if isinstance(cfg, RlStageConfig):
+        _check_engine_start(cfg, cast_before)
     for field, value in stage_paths_to_check(cfg, check_model=check_model).items():
         if not Path(value).exists():
             if value.startswith("/path/to/"):  # the recipe configs' placeholders (configs/*_7b*.yaml)
@@ -423,6 +428,39 @@ def validate_paths(cfg: SftStageConfig | RlStageConfig, *, check_model: bool = T
 
 # What AutoTokenizer reads a tokenizer from (fast, SentencePiece, or BPE vocabulary files).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _check_engine_start(cfg: RlStageConfig, cast_before: bool) -> None:
+    """SGLang servers with FP8 rollout start from an FP8 checkpoint (one with a blockwise quantization_config).
+    From a BF16 one SGLang builds BF16 linears with no weight_scale_inv, and each push's FP8 bytes were cast
+    into them without their scales (it only logs the scales it cannot place): wrong weights, nothing failed.
+    The native engine quantizes a BF16 checkpoint itself."""
+    if cfg.rollout.backend != "sglang" or not cfg.rollout_fp8:
+        return
+    start = cfg.rollout.fp8_checkpoint
+    if start is None:
+        if cast_before:
+            return
+        raise ValueError(
+            f"rollout.backend=sglang with precision={cfg.precision} starts its servers from an FP8 checkpoint and "
+            "rollout.fp8_checkpoint is not set: run `infir2-rl cast-fp8 --input MODEL_DIR --output DIR` on "
+            "model.path and set it, or in a pipeline put a cast_fp8 step right before this stage"
+        )
+    if not (Path(start) / "config.json").is_file():
+        return  # the path check that follows says what is missing
+    from infir2_rl.fp8.cast_checks import config_of
+
+    quant = config_of(Path(start)).get("quantization_config")
+    if not (
+        isinstance(quant, dict)
+        and quant.get("quant_method") == "fp8"
+        and quant.get("weight_block_size") == [128, 128]
+    ):
+        raise ValueError(
+            f"rollout.fp8_checkpoint={start!r}: its config.json has no blockwise FP8 quantization_config "
+            "(quant_method fp8, weight_block_size [128, 128]), so SGLang would load it in BF16; point it at an "
+            "`infir2-rl cast-fp8` output"
+        )
 
 
 def _check_context(cfg: RlStageConfig, path: Path) -> None:
