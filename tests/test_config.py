@@ -511,13 +511,15 @@ def test_an_rl_stage_longer_than_the_models_positions_is_refused_before_ray(tmp_
     (model / "tokenizer.json").write_text("{}")
     save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
 
-    def check(prompt: int, response: int) -> None:
+    def check(prompt: int, response: int, backend: str = "native") -> None:
         validate_paths(
             RlStageConfig.model_validate(
                 {
                     "model": {"path": str(model)},
                     "data": {"train_path": str(data), "test_path": None, "max_prompt_tokens": prompt},
-                    "rollout": {"max_response_len": response},
+                    "rollout": {"max_response_len": response, "backend": backend},
+                    "precision": "bf16",
+                    "weight_sync": {"self_check_layers": 0},
                 }
             )
         )
@@ -529,6 +531,10 @@ def test_an_rl_stage_longer_than_the_models_positions_is_refused_before_ray(tmp_
         r"max_position_embeddings 1024 of model.path='.*model': lower one of them$",
     ):
         check(512, 513)
+    # SGLang's scheduler keeps two positions and wants the prompt 6 below the context (engines/sglang/protocol.py).
+    check(512, 510, "sglang")
+    with pytest.raises(ValueError, match=r"512 \+ rollout.max_response_len 511 does not fit SGLang's limits"):
+        check(512, 511, "sglang")
 
 
 def test_sglang_fp8_rollout_needs_an_fp8_checkpoint_to_start_from(tmp_path: Path) -> None:

@@ -165,15 +165,28 @@ def test_generate_response_becomes_samples() -> None:
 
 
 def test_overlong_prompts_are_refused_per_request_and_budgets_fit_the_context(fake: FakeSglang) -> None:
-    engine = _engine(fake, colocated=False, context_length=10)
-    short, near, long = _request("a", [1] * 3), _request("b", [1] * 7), _request("c", [1] * 10)
+    # SGLang's scheduler refuses a prompt of context - 6 tokens or more and keeps prompt + new <= context - 2
+    # (test_sglang_contract.py holds these against its code).
+    engine = _engine(fake, colocated=False, context_length=20)
+    short, near, long = _request("a", [1] * 3), _request("b", [1] * 13), _request("c", [1] * 14)
     samples = engine.generate([short, near, long])
     sent = [body for _, path, body in fake.calls if path == "/generate"]
     assert sorted(b["rid"][0] for b in sent) == ["a-0", "b-0"]  # the long prompt never reached SGLang
     budgets = {b["rid"][0]: b["sampling_params"][0]["max_new_tokens"] for b in sent}
-    assert budgets == {"a-0": 7, "b-0": 3}  # prompt + max_new_tokens <= context length
+    assert budgets == {"a-0": min(SamplingParams().max_new_tokens, 15), "b-0": 5}
     assert [(s.request_id, s.finish_reason, s.response_ids) for s in samples[4:]] == [("c", "abort", [])] * 2
     assert [s.request_id for s in samples[:4]] == ["a", "a", "b", "b"]
+
+
+def test_fp8_engines_start_only_from_an_fp8_checkpoint(tmp_path: Any) -> None:
+    # From a BF16 checkpoint SGLang builds BF16 linears and casts each pushed FP8 tensor into them unscaled.
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match="not a blockwise FP8 checkpoint"):
+        SglangEngine.launch(str(tmp_path), fp8=True)
+    assert P.is_blockwise_fp8(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    )
+    assert not P.is_blockwise_fp8({"quantization_config": {"quant_method": "fp8"}})
 
 
 def test_sglang_error_bodies_reach_our_errors(fake: FakeSglang) -> None:

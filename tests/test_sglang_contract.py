@@ -248,6 +248,58 @@ def test_requests_we_send_pass_sglangs_context_length_validation() -> None:
             validate(manager_state, obj, body["input_ids"][0])
 
 
+def _method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
+    owner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(f for f in owner.body if isinstance(f, ast.FunctionDef) and f.name == name)
+
+
+def test_requests_we_send_pass_sglangs_scheduler_limits_unchanged() -> None:
+    """The scheduler is stricter than the tokenizer manager: it aborts a prompt of max_req_len - 5 tokens or more
+    (failing the whole /generate call it is in) and cuts max_new_tokens silently. What we send must pass both
+    unaltered: SGLang's own functions run on our requests, and its margin read from ``get_worker_info``."""
+    info = _method(_tree("managers/tp_worker.py"), "TpModelWorker", "get_worker_info")
+    returned = next(n for n in ast.walk(info) if isinstance(n, ast.Return))
+    assert isinstance(returned.value, ast.Tuple)
+    margins = [
+        e.right.value
+        for e in returned.value.elts
+        if isinstance(e, ast.BinOp) and isinstance(e.left, ast.Name) and e.left.id == "max_req_len"
+        and isinstance(e.op, ast.Sub) and isinstance(e.right, ast.Constant)
+    ]  # fmt: skip
+    assert margins == [P.INPUT_MARGIN], "SGLang's max_req_input_len is no longer max_req_len - INPUT_MARGIN"
+    assert "self.model_config.context_len - 1" in ast.unparse(info)  # max_req_len, the KV pool's bound aside
+    ns: dict[str, Any] = {
+        "logger": types.SimpleNamespace(warning=lambda *a: None),
+        "Optional": Any,
+        "Req": Any,
+    }
+    utils = _tree("managers/utils.py")
+    validate = next(
+        f for f in utils.body if isinstance(f, ast.FunctionDef) and f.name == "validate_input_length"
+    )
+    clip = _method(_tree("managers/scheduler.py"), "Scheduler", "init_req_max_new_tokens")
+    exec(compile(ast.Module(body=[validate, clip], type_ignores=[]), "sglang", "exec"), ns)
+    context, wanted = 64, 40
+    for prompt_len in range(1, context + 2):
+        request = GenerateRequest("r", [1] * prompt_len, n=1, params=SamplingParams(max_new_tokens=wanted))
+        budget = P.fit_to_context(request, context)
+        body = P.generate_payload(request, budget)
+        req = types.SimpleNamespace(
+            origin_input_ids=body["input_ids"][0],
+            sampling_params=types.SimpleNamespace(
+                max_new_tokens=body["sampling_params"][0]["max_new_tokens"]
+            ),
+        )
+        scheduler = types.SimpleNamespace(page_size=1, max_req_len=context - 1, max_total_num_tokens=1 << 30)
+        refused = ns["validate_input_length"](req, context - 1 - P.INPUT_MARGIN, False)
+        if budget is None:  # we return it as aborted without sending it: SGLang would have refused it
+            assert refused is not None, prompt_len
+            continue
+        assert refused is None, prompt_len
+        ns["init_req_max_new_tokens"](scheduler, req)
+        assert req.sampling_params.max_new_tokens == budget > 0, prompt_len  # SGLang keeps what we ask for
+
+
 @pytest.fixture(scope="module")
 def probe() -> dict[str, Any]:
     done = subprocess.run(

@@ -448,14 +448,10 @@ def _check_engine_start(cfg: RlStageConfig, cast_before: bool) -> None:
         )
     if not (Path(start) / "config.json").is_file():
         return  # the path check that follows says what is missing
+    from infir2_rl.engines.sglang.protocol import is_blockwise_fp8
     from infir2_rl.fp8.cast_checks import config_of
 
-    quant = config_of(Path(start)).get("quantization_config")
-    if not (
-        isinstance(quant, dict)
-        and quant.get("quant_method") == "fp8"
-        and quant.get("weight_block_size") == [128, 128]
-    ):
+    if not is_blockwise_fp8(config_of(Path(start))):
         raise ValueError(
             f"rollout.fp8_checkpoint={start!r}: its config.json has no blockwise FP8 quantization_config "
             "(quant_method fp8, weight_block_size [128, 128]), so SGLang would load it in BF16; point it at an "
@@ -469,7 +465,19 @@ def _check_context(cfg: RlStageConfig, path: Path) -> None:
     from infir2_rl.fp8.cast_checks import config_of
 
     limit = config_of(path).get("max_position_embeddings")
-    if isinstance(limit, int) and cfg.longest_row() > limit:
+    if not isinstance(limit, int):
+        return
+    if cfg.rollout.backend == "sglang":
+        from infir2_rl.engines.sglang.protocol import INPUT_MARGIN, max_new_tokens_within
+
+        wanted = cfg.rollout.max_response_len
+        if max_new_tokens_within(cfg.data.max_prompt_tokens, wanted, limit) != wanted:
+            raise ValueError(
+                f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} + rollout.max_response_len {wanted} does not "
+                f"fit SGLang's limits for the max_position_embeddings {limit} of model.path={str(path)!r} (a prompt "
+                f"below {limit - 1 - INPUT_MARGIN} tokens, prompt + response at most {limit - 2}): lower one of them"
+            )
+    if cfg.longest_row() > limit:
         raise ValueError(
             f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} + rollout.max_response_len "
             f"{cfg.rollout.max_response_len} = {cfg.longest_row()} exceeds the max_position_embeddings {limit} of "

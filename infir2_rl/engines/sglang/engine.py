@@ -144,7 +144,14 @@ class SglangEngine:
         base_gpu_id: int = 0, deterministic: bool = False, startup_timeout_s: float = 900.0,
         max_running_requests: int | None = None, dtype: str = "auto",
     ) -> SglangEngine:  # fmt: skip
-        """Start a server on ``model_path``; ``gpu_share`` (colocated) sets its memory fraction and memory saver."""
+        """Start a server on ``model_path``; ``gpu_share`` (colocated) sets its memory fraction and memory saver.
+        With ``fp8`` it must be an FP8 checkpoint (the stage config checks this before Ray starts, too)."""
+        if fp8 and not P.is_blockwise_fp8(_config(model_path)):
+            raise ValueError(
+                f"{model_path}: not a blockwise FP8 checkpoint (config.json has no quantization_config with "
+                "weight_block_size [128, 128]); SGLang would build BF16 linears and cast the pushed FP8 weights "
+                "into them without their scales"
+            )
         context_length = _context_length(model_path)
         opts = P.LaunchOptions(
             model_path, _free_port(), tensor_parallel_size, gpu_share, base_gpu_id, deterministic,
@@ -374,8 +381,13 @@ class SglangEngine:
         self.server.close()
 
 
+def _config(model_path: str) -> dict[str, Any]:
+    with open(f"{model_path}/config.json") as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
 def _context_length(model_path: str) -> int:
     """The context length SGLang takes from the model's ``config.json`` (``max_position_embeddings``)."""
-    with open(f"{model_path}/config.json") as f:
-        config = json.load(f)
+    config = _config(model_path)
     return int(config.get("text_config", config)["max_position_embeddings"])

@@ -109,12 +109,36 @@ def sampling_seed(seed: int, index: int) -> int:
     return row_key(seed, index) % SEED_LIMIT
 
 
+# SGLang's scheduler (0.5.15: managers/tp_worker.get_worker_info, utils.validate_input_length and
+# scheduler.init_req_max_new_tokens) allows requests of max_req_len = context_length - 1 tokens; it aborts a
+# prompt of max_req_len - INPUT_MARGIN tokens or more (which fails the whole /generate call the request is in)
+# and cuts max_new_tokens to max_req_len - prompt - 1 (the KV pool's own bound aside).
+INPUT_MARGIN = 5
+
+
+def max_new_tokens_within(prompt_len: int, max_new_tokens: int, context_length: int) -> int | None:
+    """``max_new_tokens`` SGLang's scheduler keeps for a prompt of ``prompt_len`` tokens, or None when it
+    refuses the prompt (see INPUT_MARGIN)."""
+    max_req_len = context_length - 1
+    if prompt_len >= max_req_len - INPUT_MARGIN:
+        return None
+    return min(max_new_tokens, max_req_len - prompt_len - 1)
+
+
 def fit_to_context(request: GenerateRequest, context_length: int) -> int | None:
     """``max_new_tokens`` SGLang will accept for this request, or None when its prompt alone is too long."""
-    room = context_length - len(request.prompt_ids)
-    if room <= 0:
-        return None
-    return min(request.params.max_new_tokens, room)
+    return max_new_tokens_within(len(request.prompt_ids), request.params.max_new_tokens, context_length)
+
+
+def is_blockwise_fp8(config: dict[str, Any]) -> bool:
+    """Whether an HF ``config.json`` describes a checkpoint of 128x128-block FP8 weights with ``weight_scale_inv``
+    (what ``infir2-rl cast-fp8`` writes and SGLang's Fp8Config reads)."""
+    quant = config.get("quantization_config")
+    return (
+        isinstance(quant, dict)
+        and quant.get("quant_method") == "fp8"
+        and list(quant.get("weight_block_size") or []) == [128, 128]
+    )
 
 
 def generate_payload(request: GenerateRequest, max_new_tokens: int | None = None) -> dict[str, Any]:
