@@ -46,7 +46,7 @@ class FakeSglang:
                 raw = self.rfile.read(length).decode() if length else ""
                 body = json.loads(raw) if raw else None
                 fake.calls.append((method, self.path, body))
-                status, reply = fake.reply(self.path, body)
+                status, reply = fake.reply(self.path.split("?")[0], body)
                 data = reply.encode() if isinstance(reply, str) else json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
@@ -213,7 +213,7 @@ def test_colocated_handover_pauses_flushes_releases_then_resumes_weights_before_
     engine.release_memory()
     assert fake.calls == [
         ("POST", "/pause_generation", {"mode": "abort"}),
-        ("POST", "/flush_cache", None),
+        ("POST", "/flush_cache?timeout=30", None),  # SGLang waits for the aborted batch to leave (up to 30 s)
         ("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]}),
     ]
     fake.calls.clear()
@@ -282,6 +282,22 @@ def test_health_generates_one_token_unless_memory_is_released(fake: FakeSglang) 
     fake.calls.clear()
     health = engine.health()
     assert health.ok and "memory released" in health.detail and fake.calls == []
+    # Paused mid-push (a push that failed half-way, say): /health_generate would wait for the pause, then 503.
+    fresh = _engine(fake)
+    fresh._pause()
+    fake.calls.clear()
+    health = fresh.health()
+    assert health.ok and "paused" in health.detail and fake.calls == []
+
+
+def test_a_colocated_server_puts_its_cuda_graphs_under_the_memory_saver() -> None:
+    # Without SGLANG_MEMORY_SAVER_CUDA_GRAPH SGLang keeps graph memory outside the saver: releasing the
+    # cuda_graph tag freed nothing (test_sglang_contract.py checks the variable still gates it).
+    def opts(share: float | None) -> P.LaunchOptions:
+        return P.LaunchOptions("/m", 1, 1, share, 0, False)
+
+    assert P.server_env(opts(0.5), {"A": "1"}) == {"A": "1", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+    assert P.server_env(opts(None), {"A": "1"}) == {"A": "1"}
 
 
 def test_nccl_requests_and_group_layout(fake: FakeSglang) -> None:

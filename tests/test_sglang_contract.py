@@ -300,6 +300,21 @@ def test_requests_we_send_pass_sglangs_scheduler_limits_unchanged() -> None:
         assert req.sampling_params.max_new_tokens == budget > 0, prompt_len  # SGLang keeps what we ask for
 
 
+def test_the_memory_saver_variable_still_gates_cuda_graph_memory() -> None:
+    """server_env sets MEMORY_SAVER_ENV for colocated servers: SGLang's graph backend must still read it."""
+    (name,) = P.MEMORY_SAVER_ENV
+    source = (SRT / "model_executor/runner_backend/full_cuda_graph_backend.py").read_text()
+    assert f'get_bool_env_var("{name}")' in source and "enable_memory_saver" in source
+
+
+def test_flush_cache_takes_the_timeout_we_send() -> None:
+    route = next(
+        f for f in _tree("entrypoints/http_server.py").body
+        if isinstance(f, ast.AsyncFunctionDef) and f.name == "flush_cache"
+    )  # fmt: skip
+    assert [a.arg for a in route.args.args] == ["timeout"]
+
+
 @pytest.fixture(scope="module")
 def probe() -> dict[str, Any]:
     done = subprocess.run(

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import threading
@@ -79,7 +80,7 @@ class SglangServer:
                 " (docker/README.md) or set rollout.backend=native"
             )
         self.base_url = f"http://127.0.0.1:{opts.port}"
-        self.process = subprocess.Popen(P.launch_command(opts))
+        self.process = subprocess.Popen(P.launch_command(opts), env=P.server_env(opts, dict(os.environ)))
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -102,6 +103,9 @@ class SglangServer:
             self.process.terminate()
             self.process.wait(timeout=60)
 
+
+# How long /flush_cache may wait for the batch a pause aborted to leave SGLang's scheduler.
+FLUSH_TIMEOUT_S = 30
 
 _NO_READ_BACK = (
     "the SGLang engine cannot read back HF-named tensors (SGLang fuses and shards them, and its Qwen models"
@@ -347,7 +351,9 @@ class SglangEngine:
             return  # the server runs without the memory saver on GPUs of its own
         with self._lock:
             self._pause()
-            self._request("POST", "/flush_cache")
+            # The aborted batch may still be leaving the scheduler: SGLang waits up to the timeout for idle
+            # (without one it refuses at once while anything runs).
+            self._request("POST", f"/flush_cache?timeout={FLUSH_TIMEOUT_S}")
             tags = [P.TAG_KV_CACHE, P.TAG_WEIGHTS, P.TAG_CUDA_GRAPH]
             self._post("/release_memory_occupation", {"tags": tags})
             self._released.update(tags)
@@ -364,6 +370,8 @@ class SglangEngine:
             detail = "server process exited"
         elif self._released:
             detail = f"memory released ({sorted(self._released)}); not probed"
+        elif self._paused:  # /health_generate would wait for the pause and answer 503 after 20 s
+            detail = "generation paused for a weight update; not probed"
         else:
             try:  # generates one token (waits behind running requests)
                 self._request("GET", "/health_generate", timeout=60)

@@ -5,16 +5,19 @@ tests (``tests/test_sglang_contract.py``) hold every body here against that whee
 Facts of SGLang 0.5.15.post1 this module relies on (files under ``python/sglang/srt/``):
 
 * ``server_args.py``: every ``ServerArgs`` field is a flag named after it (``tp_size`` -> ``--tp-size``;
-  there is no ``--tp``). ``--mem-fraction-static`` is the share of the whole GPU SGLang takes for weights
-  and KV cache (default: chosen from the GPU size, ~0.8-0.9, which starves a colocated trainer);
+  there is no ``--tp``). ``--mem-fraction-static`` is the share of the GPU SGLang takes for weights
+  and KV cache (default: chosen from the GPU size, ~0.8-0.9, which starves a colocated trainer), counted
+  against the memory free when the server starts (``model_runner.py``): what the trainer holds then is
+  not SGLang's to take;
   ``--base-gpu-id`` is the first visible GPU its TP ranks use (rank r on ``base + r``);
   ``--enable-memory-saver`` makes ``/release_memory_occupation`` possible; ``sampling_seed`` is only used
   with ``--enable-deterministic-inference`` (then per-request int64 seeds, default 42; 0.5.5 packed them as
   int32, so we keep seeds below 2**31 for either).
 * ``entrypoints/http_server.py``: ``POST /generate`` (``GenerateReqInput``); weight endpoints answer
   ``{"success": bool, "message": str}`` with HTTP 400 on failure; ``/generate`` and memory endpoints answer
-  400 with ``{"error": {"message": ...}}``; ``/flush_cache`` answers plain text (400 while requests run).
-  ``GET /health_generate`` generates one token (``/health`` only checks the process).
+  400 with ``{"error": {"message": ...}}``; ``/flush_cache`` answers plain text (400 while requests run,
+  unless ``?timeout=S`` lets it wait that long for them). ``GET /health_generate`` generates one token and
+  waits while generation is paused (503 after 20 s); ``/health`` may generate one too (``environ.py``).
 * ``managers/io_struct.py``: the request classes (field names used below). ``UpdateWeightsFromTensorReqInput
   .serialized_named_tensors`` holds one base64 string per TP rank; rank r deserializes entry r.
 * ``model_executor/model_runner.py`` with ``load_format="flattened_bucket"``: the payload of a rank is
@@ -25,9 +28,13 @@ Facts of SGLang 0.5.15.post1 this module relies on (files under ``python/sglang/
   few SGLang modules: nothing of ours may be pickled into them.
 * ``managers/scheduler_components/weight_updater.py``: ``release_memory_occupation`` asserts an idle server;
   memory tags are ``weights``, ``kv_cache`` and ``cuda_graph`` (none = all). Released weights come back as
-  garbage unless re-sent, so weights are resumed first, the push refills them, then the KV cache.
+  garbage unless re-sent, so weights are resumed first, the push refills them, then the KV cache. CUDA-graph
+  memory is under the memory saver only with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH`` set in the server's
+  environment (``runner_backend/full_cuda_graph_backend.py``), so a colocated server is started with it
+  (``server_env``); without it releasing ``cuda_graph`` freed nothing.
 * ``managers/tokenizer_manager.py``: a prompt of >= context-length tokens fails the whole ``/generate`` call
-  with a 400, and so does prompt + ``max_new_tokens`` > context length.
+  with a 400, and so does prompt + ``max_new_tokens`` > context length; the scheduler is stricter
+  (``INPUT_MARGIN`` below).
 * ``/generate`` replies: ``meta_info.output_token_logprobs`` = ``[[logprob, token_id, text|None], ...]``,
   ``meta_info.finish_reason`` = ``{"type": "stop"|"length"|"abort", ...}`` (``schedule_batch.py``).
 """
@@ -102,6 +109,15 @@ def launch_command(opts: LaunchOptions) -> list[str]:
     if opts.dtype != "auto":
         cmd += ["--dtype", opts.dtype]
     return cmd
+
+
+# Where a colocated server releases memory: its CUDA graphs too (see the module docstring).
+MEMORY_SAVER_ENV = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+
+
+def server_env(opts: LaunchOptions, base: dict[str, str]) -> dict[str, str]:
+    """The server process's environment: ``base`` plus, when colocated (the memory saver on), MEMORY_SAVER_ENV."""
+    return {**base, **MEMORY_SAVER_ENV} if opts.gpu_share is not None else dict(base)
 
 
 def sampling_seed(seed: int, index: int) -> int:
