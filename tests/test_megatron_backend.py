@@ -4,6 +4,7 @@ weights (log-probs in FP32 and FP8, the FP8 export bytes, 20 SFT steps), exact s
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,32 @@ def test_hf_mapping_round_trips_both_norm_layouts_and_interleaves_qkv_per_group(
     ):
         full = hfm.hf_to_megatron(hf, arch)[name]
         assert torch.equal(hfm.unshard(name, [hfm.shard(name, full, r, 2) for r in range(2)]), full)
+
+
+def test_weights_or_settings_the_megatron_model_does_not_build_are_refused(assets: tuple) -> None:
+    """A Llama with o_proj and MLP biases loaded, its biases left out, and ran as another model (log-probs 0.55
+    off the torch backend's) without a word."""
+    model, _ = assets
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    hf = read_hf_weights(model)
+    arch = hfm.Arch.from_hf_config(config)
+    extra = {**hf, "model.layers.0.self_attn.o_proj.bias": torch.zeros(arch.hidden_size)}
+    with pytest.raises(ValueError, match=r"1 HF tensors the megatron model has no place for .*o_proj.bias"):
+        hfm.hf_to_megatron(extra, arch)
+    hfm.hf_to_megatron(
+        {**hf, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}, arch
+    )  # a buffer
+    for key, value, what in [
+        ("mlp_bias", True, "mlp_bias=true"),
+        ("hidden_act", "gelu", "hidden_act='gelu'"),
+        ("use_sliding_window", True, "use_sliding_window=true"),
+    ]:
+        changed = AutoConfig.from_pretrained(model)
+        setattr(changed, key, value)  # (a Llama config has mlp_bias; a Qwen2 one has not)
+        with pytest.raises(ValueError, match=f"{re.escape(what)}: trainer.backend=megatron does not build"):
+            hfm.Arch.from_hf_config(changed)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

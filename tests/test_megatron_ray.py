@@ -83,6 +83,36 @@ def test_tensor_parallel_2_over_gloo_equals_tensor_parallel_1(tmp_path: Path, ra
     torch.testing.assert_close(after_2, after_1, rtol=0, atol=3e-3)
 
 
+def test_a_bf16_trained_model_exports_the_hf_grid_under_tensor_parallel(
+    tmp_path: Path, ray_local: None
+) -> None:
+    """bf16_train_fp8_rollout: TP is allowed where shards are not whole 128-row blocks (the tiny preset at TP=2),
+    and each shard used to be quantized on its own grid and concatenated: other bytes and other scale shapes
+    than the HF projection's, which the engine refused at the first weight sync."""
+    model = init_model(tmp_path / "model", preset="tiny", num_hidden_layers=2)
+    exports = {}
+    for tp in (1, 2):
+        cfg = SftStageConfig(
+            model={"path": str(model)},
+            precision="bf16",
+            trainer={
+                "backend": "megatron",
+                "megatron_spec": "local",
+                "num_workers": tp,
+                "tensor_parallel_size": tp,
+            },
+            placement={"cpus_per_actor": 1},
+        )
+        with placed_trainer_group(cfg, total_steps=1) as group:
+            exports[tp] = dict(group.export_weights(fp8=True))
+    assert set(exports[2]) == set(exports[1])
+    scales = [n for n in exports[1] if n.endswith("weight_scale_inv")]
+    assert scales
+    for name, value in exports[1].items():
+        assert exports[2][name].shape == value.shape, name
+        assert torch.equal(exports[2][name].float(), value.float()), name
+
+
 def test_rl_stage_runs_two_steps_with_weight_sync_into_the_native_engine(
     tmp_path: Path, ray_local: None
 ) -> None:

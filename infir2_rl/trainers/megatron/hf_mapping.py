@@ -54,6 +54,20 @@ class Arch:
                 f"model_type={cfg.model_type!r}: trainer.backend=megatron maps only qwen2 and llama models;"
                 " use trainer.backend=torch"
             )
+        unmapped = [
+            what
+            for what, present in (
+                ("mlp_bias=true", bool(getattr(cfg, "mlp_bias", False))),
+                ("attention_bias=true (an o_proj bias)", cfg.model_type == "llama" and bool(getattr(cfg, "attention_bias", False))),
+                (f"hidden_act={getattr(cfg, 'hidden_act', 'silu')!r}", getattr(cfg, "hidden_act", "silu") != "silu"),
+                ("use_sliding_window=true", bool(getattr(cfg, "use_sliding_window", False))),
+            )
+            if present
+        ]  # fmt: skip
+        if unmapped:  # loading would leave those weights out, or compute another model, without a word
+            raise ValueError(
+                f"{', '.join(unmapped)}: trainer.backend=megatron does not build this; use trainer.backend=torch"
+            )
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
@@ -110,8 +124,23 @@ def split_qkv(qkv: Tensor, arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
+class _Reads(dict[str, Tensor]):
+    """An HF state dict that remembers which names were read."""
+
+    def __init__(self, hf: Mapping[str, Tensor]) -> None:
+        super().__init__(hf)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> Tensor:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+
 def hf_to_megatron(hf: Mapping[str, Tensor], arch: Arch, fused_norms: bool = False) -> dict[str, Tensor]:
-    """Full (tp=1) megatron state dict from an HF one (``lm_head`` ignored when the embeddings are tied)."""
+    """Full (tp=1) megatron state dict from an HF one (``lm_head`` ignored when the embeddings are tied). An HF
+    tensor the mapping does not read (a bias of a kind megatron's layer is built without, say) is an error:
+    the model would have run without it."""
+    hf = _Reads(hf)
     out = {
         "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
@@ -135,6 +164,13 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: Arch, fused_norms: bool = Fal
             [hf[f"{mlp}gate_proj.weight"], hf[f"{mlp}up_proj.weight"]]
         )
         out[f"{m}mlp.linear_fc2.weight"] = hf[f"{mlp}down_proj.weight"]
+    ignored = {"lm_head.weight"} if arch.tied_embeddings else set()
+    unread = sorted(n for n in set(hf) - hf.read - ignored if not n.endswith("rotary_emb.inv_freq"))
+    if unread:
+        raise ValueError(
+            f"{len(unread)} HF tensors the megatron model has no place for (e.g. {unread[:3]}); use "
+            "trainer.backend=torch"
+        )
     return out
 
 

@@ -209,7 +209,8 @@ def ddp_config_kwargs(fp8: bool) -> dict[str, Any]:
 
 def optimizer_config_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     """megatron ``OptimizerConfig`` of our AdamW settings. Clipping is ours (`TeRuntime.update`), so 0 here.
-    megatron leaves biases and norm weights out of weight decay (the torch backend decays every parameter)."""
+    Biases and norm weights get no weight decay (megatron's wd_mult, applied in `TeRuntime`; the torch backend
+    and the local spec decay every parameter)."""
     return dict(
         optimizer="adam",
         lr=cfg.lr,
@@ -260,6 +261,11 @@ class TeRuntime:
         self.optimizer: Any = get_megatron_optimizer(
             MegatronOptimizerConfig(**optimizer_config_kwargs(optimizer_cfg)), [self.ddp]
         )
+        # megatron marks biases and norm weights with wd_mult 0, but only its OptimizerParamScheduler (not used
+        # here: our schedule writes lr) turns that into each group's weight_decay; Adam otherwise decays every
+        # group by the config's value (megatron-core 0.16.1's optimizer/__init__.py).
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = optimizer_cfg.weight_decay * group.get("wd_mult", 1.0)
         self.dp_group = dp_group
         self.names = {id(p): n for n, p in model.named_parameters()}
 

@@ -293,14 +293,16 @@ class MegatronTrainer:
     def export_weights(self, fp8: bool = True) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors (collective over the TP group; te: and the DP group). With ``fp8`` each decoder
         projection is the FP8 bytes + FP32 ``weight_scale_inv`` its forward uses (TP shards' grids
-        concatenated: the full grid). te spec trained without FP8: our quantizer on the FP32 masters, the
-        torch backend's cast at sync. Dense tensors in the compute dtype, a tied lm_head left out
+        concatenated: the full grid). Trained without FP8 (bf16_train_fp8_rollout, either spec): our quantizer
+        on the gathered FP32 masters, the torch backend's cast at sync; the shards' own grids are not the HF
+        projection's under TP where a shard's rows are not whole 128-row blocks, which FP8 training alone is
+        held to (config/parallel_rules.py), and their export had another shape. Dense tensors in the compute dtype, a tied lm_head left out
         (``trainers.engine_export``)."""
         from_te = fp8 and self.te is not None and self.fp8
         # TE's FP8 bytes replace the decoder linears' masters: those are not gathered at all.
         keep = (lambda name: not _is_te_linear_weight(name)) if from_te else (lambda name: True)
         state = self.hf_state(keep)
-        if fp8 and self.te is not None and not self.fp8:
+        if fp8 and not self.fp8:
             from infir2_rl.fp8.linear import DECODER_LINEAR_NAMES
             from infir2_rl.fp8.quant import quantize_weight_blockwise
 
