@@ -47,14 +47,21 @@ def test_shapes_counts_and_answers(tmp_path: Path) -> None:
         assert row["prompt"][0]["role"] == "user" and row["label"].isdigit()
 
 
+def _expression(question: str) -> str:
+    return re.search(r"[\d+\-*]+\d", question).group(0)  # type: ignore[union-attr]
+
+
 def test_test_set_is_held_out_and_shared_by_sft_and_rl(tmp_path: Path) -> None:
-    paths = make_data(tmp_path, seed=0, **SMALL)
+    # The default sizes: with 20,000 SFT rows, a check keyed on the question let about half of the 500 test
+    # problems into training in another wording ("What is 1*7?" held out, "Compute 1*7." trained on).
+    paths = make_data(tmp_path, seed=0)
     test_q = [r["messages"][0]["content"] for r in _rows(paths.sft_test)]
     assert test_q == [r["prompt"][0]["content"] for r in _rows(paths.rl_test)]
-    train_q = {r["messages"][0]["content"] for r in _rows(paths.sft_train)}
-    train_q |= {r["prompt"][0]["content"] for r in _rows(paths.rl_train)}
-    assert not train_q & set(test_q)
-    assert len(set(test_q)) == len(test_q)
+    train = {_expression(r["messages"][0]["content"]) for r in _rows(paths.sft_train)}
+    train |= {_expression(r["prompt"][0]["content"]) for r in _rows(paths.rl_train)}
+    test = [_expression(q) for q in test_q]
+    assert not train & set(test)
+    assert len(set(test)) == len(test)
 
 
 @pytest.mark.parametrize(("steps", "digits"), [(1, 1), (3, 2), (4, 3)])
@@ -73,5 +80,7 @@ def test_impossible_request_is_a_clear_error(tmp_path: Path) -> None:
     # 1-step, 1-digit problems: far fewer than 10,000 distinct questions exist.
     with pytest.raises(ValueError, match="distinct problems"):
         make_data(tmp_path, num_sft=10_000, num_rl=10, num_test=10, max_steps=1, max_digits=1)
+    with pytest.raises(ValueError, match="distinct problems"):  # 500 questions, but not 500 expressions
+        make_data(tmp_path, num_sft=10, num_rl=10, num_test=500, max_steps=1, max_digits=1)
     with pytest.raises(ValueError, match="num_test=0"):
         make_data(tmp_path, num_test=0)

@@ -20,8 +20,9 @@ answer with the default knobs is at most ~45 tokens including the eos: cheap to 
 Difficulty knob: ``max_steps`` (operations per problem) and ``max_digits`` (digits per operand); each
 problem draws its own steps in ``1..max_steps`` and digits in ``1..max_digits`` uniformly, so one file
 mixes easy and hard problems and a partly trained model gets some right and some wrong. Questions are
-unique within and across splits, so a small cell (1 step, 1 digit: a few hundred distinct questions)
-is represented by at most its distinct questions.
+unique within and across splits up to their wording (keyed on the expression: "What is 1*7?" and "Compute
+1*7." are one problem), so a small cell (1 step, 1 digit: a few hundred distinct expressions) is
+represented by at most its distinct expressions.
 
 Shortcut answers (what gives RL room to improve): a fraction ``shortcut_fraction`` of the SFT answers
 skip the worked lines and write the whole chain in one line, ``<think>23+45-7=61</think> ...``. Both
@@ -112,14 +113,16 @@ def sample_problem(rng: random.Random, *, max_steps: int, max_digits: int) -> Pr
 def _unique_problems(
     rng: random.Random, count: int, *, max_steps: int, max_digits: int, exclude: set[str]
 ) -> list[Problem]:
-    # Duplicate questions would leak between train and test. When the space of distinct questions is
-    # used up (e.g. max_steps=1, max_digits=1), draws keep colliding: stop with a clear message.
+    # Duplicate problems would leak between train and test: keyed on the expression, since the same chain in
+    # another wording template is the same problem (keyed on the question, about half of the 500 test
+    # problems were in the training sets reworded). When the space of distinct expressions is used up (e.g.
+    # max_steps=1, max_digits=1), draws keep colliding: stop with a clear message.
     problems: list[Problem] = []
     seen = set(exclude)
     misses_in_a_row = 0
     while len(problems) < count:
         problem = sample_problem(rng, max_steps=max_steps, max_digits=max_digits)
-        if problem.question in seen:
+        if problem.expression in seen:
             misses_in_a_row += 1
             if misses_in_a_row > MAX_MISSES_IN_A_ROW:
                 raise ValueError(
@@ -128,7 +131,7 @@ def _unique_problems(
                 )
             continue
         misses_in_a_row = 0
-        seen.add(problem.question)
+        seen.add(problem.expression)
         problems.append(problem)
     return problems
 
@@ -185,7 +188,7 @@ def make_data(
     rng = random.Random(seed)
     knobs = {"max_steps": max_steps, "max_digits": max_digits}
     test = _unique_problems(rng, num_test, exclude=set(), **knobs)
-    held_out = {p.question for p in test}
+    held_out = {p.expression for p in test}
     sft_train = _unique_problems(rng, num_sft, exclude=held_out, **knobs)
     # RL prompts only need to avoid the test set; repeats of SFT problems are fine.
     rl_train = _unique_problems(rng, num_rl, exclude=held_out, **knobs)
