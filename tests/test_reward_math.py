@@ -130,6 +130,18 @@ def test_default_math_reward_counts_outcomes_and_runs_off_the_main_thread() -> N
     assert after.num_missing_think_end - before.num_missing_think_end == 2
 
 
+def test_more_calling_threads_than_guards_all_get_scored() -> None:
+    # A single answer was verified on the caller's thread; with more callers than guards (2 per worker) the
+    # guard deque ran empty and calls raised IndexError ("pop from an empty deque").
+    fn = MathReward(timeout_s=3.0, num_workers=1)
+    try:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            scores = list(pool.map(fn, [answer("3"), answer("4")] * 9, ["3"] * 18))
+        assert scores == [1.0, 0.0] * 9
+    finally:
+        fn.close()
+
+
 def test_worker_started_by_a_finished_thread_is_replaced_transparently() -> None:
     # On Linux the worker dies with the thread that started it (PR_SET_PDEATHSIG); the next call,
     # from another thread, must start a new worker instead of scoring the answer as an error.

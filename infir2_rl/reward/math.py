@@ -161,9 +161,9 @@ class MathReward:
             outcomes.append(outcome)
             if latex is not None:
                 pending.append((i, *latex))
-        if len(pending) == 1:  # no thread hop for a single answer
-            outcomes[pending[0][0]] = self._verify(pending[0][1], pending[0][2])
-        elif pending:
+        # Always on the pool, whose num_workers threads are what keeps a guard free for each (a single answer
+        # verified on the caller's thread let concurrent callers empty the deque: IndexError).
+        if pending:
             futures = [(i, self._executor().submit(self._verify, p, g)) for i, p, g in pending]
             for i, future in futures:
                 outcomes[i] = future.result()
@@ -190,7 +190,7 @@ class MathReward:
         return None, (f"{_BOXED}{{{answer.translate(_MINUS_LOOKALIKES)}}}", gold_latex)
 
     def _verify(self, pred_latex: str, gold_latex: str) -> str:
-        with self._guards_lock:  # never empty: more guards than threads
+        with self._guards_lock:  # never empty: twice as many guards as pool threads (the only callers)
             guard = self._guards.pop()
         try:
             verdict = guard.check(pred_latex, gold_latex)
