@@ -41,11 +41,16 @@ def test_autocast_scoring_equals_the_engines_w8a8_on_bf16_input() -> None:
 
     torch.manual_seed(1)
     layer = Fp8Linear(384, 256, bias=True)
+    with torch.no_grad():
+        layer.bias.normal_()  # a bias that BF16 rounds (q|k|v's)
     engine = Fp8InferenceLinear.from_linear(layer)
+    engine.bias = torch.nn.Parameter(layer.bias.detach().bfloat16(), requires_grad=False)  # a BF16 engine's
     x = torch.randn(32, 384)  # the trainer's FP32 residual-stream activations
     with torch.no_grad():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             trainer = layer(x)
         rollout = engine(x.bfloat16())
     assert trainer.dtype == rollout.dtype == torch.bfloat16
+    # The emulation added the FP32 bias to the FP32 product and rounded once: ~1/4 of these outputs were one
+    # BF16 ulp off the engine's, which adds the BF16 bias to the rounded product (as the GPU path does).
     assert torch.equal(trainer, rollout)

@@ -263,6 +263,14 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
 
+def _emulated_output(y32: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The emulated GEMM's FP32 result as the GPU path (`_fast_fprop`) and a dense autocast linear give it:
+    rounded to ``dtype``, then the bias rounded to ``dtype`` added and the sum rounded. It added an FP32 bias to
+    the FP32 result and rounded once, which under BF16 autocast moved a quarter of the biased outputs (q|k|v)
+    by one BF16 ulp from the engine's."""
+    return _add_bias(y32.to(dtype), bias)
+
+
 def _emulated_mm(a_deq: torch.Tensor, b_deq: torch.Tensor) -> torch.Tensor:
     """FP32 matmul of dequantized operands; TF32 and autocast off so emulation stays a faithful reference."""
     with torch.autocast(a_deq.device.type, enabled=False):
@@ -319,7 +327,7 @@ def fp8_linear_forward(
         y32 = _emulated_mm(
             fake_quantize_tiles(x2d, pow2_scales=pow2_scales), _dequantized_weight(w_fp8, w_scale_inv)
         )
-        y = _add_bias(y32, bias).to(dtype)
+        y = _emulated_output(y32, bias, dtype)
     return y.view(*lead, n)
 
 
@@ -413,7 +421,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             else:
                 w_deq = _dequantized_weight(w_fp8, w_scale_inv)
                 x_deq = fake_quantize_tiles(x2d, pow2_scales=pow2_scales)
-                y = _add_bias(_emulated_mm(x_deq, w_deq), bias).to(out_dtype)
+                y = _emulated_output(_emulated_mm(x_deq, w_deq), bias, out_dtype)
         return y.view(*lead, n)
 
     @staticmethod
