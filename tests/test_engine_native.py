@@ -155,6 +155,22 @@ def test_stale_buckets_are_refused_and_equal_versions_accepted(model_dir: Path) 
         engine.update_weights(old)
 
 
+def test_an_unfinished_push_makes_the_engine_unhealthy_and_refuse_to_generate(model_dir: Path) -> None:
+    # Buckets load as they arrive: after a push that broke half-way the engine held part of the new version
+    # and the rest of the old, reported the old version as healthy, and sampled from the mix.
+    engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
+    first, *rest = _fp8_buckets(model_dir, version=3)
+    engine.update_weights(first)
+    health = engine.health()
+    assert not health.ok and "push of version 3 unfinished" in health.detail and health.weight_version == 0
+    with pytest.raises(RuntimeError, match="unfinished weight push of version 3"):
+        engine.generate(_requests(max_new_tokens=2))
+    for bucket in rest:
+        engine.update_weights(bucket)
+    assert engine.health().ok and engine.health().weight_version == 3
+    assert len(engine.generate(_requests(max_new_tokens=2))) == 6
+
+
 def test_bad_names_and_dtypes_are_refused(model_dir: Path) -> None:
     fp8_engine = NativeEngine(str(model_dir), fp8=True, device="cpu")
     with pytest.raises(ValueError, match="no tensor of that name"):

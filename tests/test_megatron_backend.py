@@ -108,6 +108,11 @@ def test_logprobs_and_fp8_export_equal_the_torch_backend(assets: tuple, fp8: boo
         got = mega.forward_logprobs(batches[:2], 1.0, fp8=dense)
         for a, b in zip(ref, got, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+    # Either backend sends each FP8 weight's scale right after it, so a bucket holds both halves (the megatron
+    # export appended every scale at the end: the engine kept each weight until the last bucket).
+    names = [n for n, _ in mega.export_weights(fp8=True)]
+    scales = [i for i, n in enumerate(names) if n.endswith("weight_scale_inv")]
+    assert scales and all(names[i - 1] == names[i].removesuffix("_scale_inv") for i in scales)
     if fp8:  # the engines receive the same FP8 bytes and scales from either backend
         ref_export = dict(torch_tr.export_weights(fp8=True))
         got_export = dict(mega.export_weights(fp8=True))

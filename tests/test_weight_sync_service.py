@@ -59,8 +59,11 @@ def test_push_reaches_every_engine_and_bytes_match(model_dir: Path) -> None:
     stats = service.push(iter(state), version=1)
     assert stats.version == 1 and stats.num_tensors == len(state) and stats.num_buckets >= 1
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in state)
-    # 2 of the tiny model's 4 decoder layers: 7 FP8 linears x (weight + scale), q/k/v biases, 2 norms each.
-    assert stats.num_checked == 2 * (7 * 2 + 3 + 2) and stats.checked_engine == 0
+    # 2 of the tiny model's 4 decoder layers: 7 FP8 linears x (weight + scale), q/k/v biases, 2 norms each;
+    # and with layer 0's window, the tensors outside the layers.
+    outside = [n for n, _ in state if ".layers." not in n]
+    assert sorted(outside) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    assert stats.num_checked == 2 * (7 * 2 + 3 + 2) + 3 and stats.checked_engine == 0
     for engine in engines:
         assert engine.health().weight_version == 1
         held = engine.read_weights([n for n, _ in state])
@@ -149,19 +152,21 @@ def test_a_push_past_its_timeout_names_the_bucket_and_other_errors_pass_through(
 
 
 @pytest.mark.parametrize(("engines", "layers", "k"), [(8, 28, 2), (2, 4, 2), (3, 28, 5), (1, 28, 2)])
-def test_self_check_reads_back_every_layer_of_every_engine(engines: int, layers: int, k: int) -> None:
+def test_self_check_reads_back_every_tensor_of_every_engine(engines: int, layers: int, k: int) -> None:
     # With the window and the engine both stepping on every push, 8 engines x 28 layers (the 7B recipe) left
-    # 14 layers of each engine never read back.
+    # 14 layers of each engine never read back; the embedding and the final norm never were.
     service = WeightSyncService([object()] * engines, WeightSyncConfig(self_check_layers=k))
-    names = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(layers)] + ["model.norm.weight"]
+    outside = ["model.embed_tokens.weight", "model.norm.weight"]
+    names = [outside[0]] + [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(layers)] + [outside[1]]
     pushes = engines * -(-layers // k)
     covered: dict[int, set[str]] = {e: set() for e in range(engines)}
     for n in range(pushes):
         service.num_pushes = n
         checked = service._checked_names(names)
-        assert len(checked) == k
+        window = [x for x in checked if x not in outside]
+        assert len(window) == k and (set(outside) <= set(checked)) == ("model.layers.0." in " ".join(window))
         covered[n % engines] |= set(checked)
-    assert all(len(c) == layers for c in covered.values()), {e: layers - len(c) for e, c in covered.items()}
+    assert all(c == set(names) for c in covered.values()), {e: set(names) - c for e, c in covered.items()}
 
 
 def test_fp8_tensors_survive_pickling_inside_buckets_and_tensor_maps() -> None:

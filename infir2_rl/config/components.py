@@ -318,7 +318,8 @@ class WeightSyncConfig(_Config):
     # Upper bound of one bucket of tensors, in MiB (object_store and nccl: it bounds the object-store and
     # receive-buffer memory; cuda_ipc sends one buffer per push, see weight_sync.transport.CudaIpcTransport).
     bucket_size_mb: int = Field(default=512, ge=1)
-    # Decoder layers of one engine checked after every push against what was sent, by digest (0 = off).
+    # Decoder layers of one engine checked after every push against what was sent, by digest (0 = off); the
+    # window moves on each round of engines, and the embedding and final norm ride with layer 0's.
     self_check_layers: int = Field(default=2, ge=0)
     # Seconds a push may take before it is reported as hung (nccl: also each collective's limit inside the
     # trainer and engine processes, so a dead engine fails the push instead of hanging the trainer).

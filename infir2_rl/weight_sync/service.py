@@ -17,7 +17,8 @@ group, or ``transport.TensorSource`` over local tensors via ``push``) and a vers
    at 1.5B). The engine rotates from push to push and the layer window moves on after each round
    of engines, so every layer of every engine is checked once in engines x ceil(layers / self_check_layers)
    pushes (moving both on every push skipped windows whenever the two counts shared a factor: with 8 engines
-   and 28 layers, 14 layers of each engine were never read back). An engine that keeps a tensor in another
+   and 28 layers, 14 layers of each engine were never read back); the tensors outside the layers (embedding,
+   final norm, untied lm_head) are checked with layer 0's window. An engine that keeps a tensor in another
    dtype than it was sent (a BF16 engine sent FP32 master weights) is compared against the sent tensor cast
    to that dtype, a deterministic cast. In the same round trip every engine's ``health().weight_version``
    must equal the version. Any difference raises ``WeightSyncError`` naming the tensor. The sent side's
@@ -151,7 +152,10 @@ class WeightSyncService:
         rounds = self.num_pushes // len(self.engines)  # every engine had this many checks (module docstring)
         first = (rounds * k) % len(layers)
         chosen = {layers[(first + j) % len(layers)] for j in range(k)}
-        return [x for x in all_names if layer_of(x) in chosen]
+        # The tensors outside the layers (embedding, which is the tied lm_head too, final norm, an untied
+        # lm_head) ride with layer 0's window, once per rotation: they were never checked.
+        outside = layers[0] in chosen
+        return [x for x in all_names if layer_of(x) in chosen or (outside and layer_of(x) is None)]
 
     def _self_check(self, push: Push, version: int, stats: PushStats) -> None:
         start = time.perf_counter()

@@ -215,6 +215,12 @@ class NativeEngine:
             self._abort.clear()
             if self._released:
                 raise RuntimeError("generate() called after release_memory(): call resume_memory() first")
+            if (pending := self._receiver.gate.pending) is not None:
+                # Buckets load as they arrive: the model holds some of the new version and some of the old.
+                raise RuntimeError(
+                    f"generate() during an unfinished weight push of version {pending} (the engine holds version "
+                    f"{self._receiver.version} and part of {pending}): finish the push first"
+                )
             if self._scheduler is not None:
                 return self._scheduler.generate(requests, self._abort, self._count_steps)
             for start in range(0, len(order), self.max_batch_size):
@@ -390,13 +396,16 @@ class NativeEngine:
         return self._scheduler.slots_short() if self._scheduler is not None else None
 
     def health(self) -> EngineHealth:
+        """Not ok while a weight push is unfinished (a push that failed half-way left two versions mixed)."""
+        pending = self._receiver.gate.pending
         return EngineHealth(
-            ok=True,
+            ok=pending is None,
             weight_version=self._receiver.version,
             fp8=self.fp8,
             device=str(self.device),
             detail=f"native engine, {self.model_path}, {len(self._fp8_modules)} FP8 linears, dtype {self.dtype}"
-            + (", memory released" if self._released else ""),
+            + (", memory released" if self._released else "")
+            + (f", push of version {pending} unfinished" if pending is not None else ""),
         )
 
     def _move(self, where: Literal["cpu", "device"]) -> None:

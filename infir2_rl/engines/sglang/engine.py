@@ -206,8 +206,8 @@ class SglangEngine:
         with self._lock:
             if self._weights_stale or self._gate.pending is not None:
                 raise RuntimeError(
-                    "generate() on an SGLang engine whose weights were released and not pushed again:"
-                    " resume_memory() then push weights first"
+                    "generate() on an SGLang engine whose weights were released and not pushed again, or "
+                    "during an unfinished weight push: push weights first"
                 )
             self._resume([P.TAG_KV_CACHE, P.TAG_CUDA_GRAPH])
             self._continue()

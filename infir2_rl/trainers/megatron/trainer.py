@@ -317,7 +317,9 @@ class MegatronTrainer:
                 for hf_name, (w_fp8, scale_inv) in zip(HF_PARTS[role], parts, strict=True):
                     state[f"{prefix}{hf_name}.weight"] = torch.cat(self._gather(w_fp8), dim=dim)
                     state[f"{prefix}{hf_name}.weight_scale_inv"] = torch.cat(self._gather(scale_inv), dim=dim)
-        yield from for_engines(state.items(), self.compute_dtype, self.arch.tied_embeddings)
+        yield from for_engines(
+            _scales_after_weights(state).items(), self.compute_dtype, self.arch.tied_embeddings
+        )
 
     def invalidate_fp8_cache(self) -> None:
         for m in self.linears:  # (a BF16 trainer's export quantizes too)
@@ -612,6 +614,22 @@ class MegatronTrainer:
         Weights, masters and optimizer states stay (nothing is offloaded), so it may still be short: the step's
         ``rollout/kv_slots_short`` says so. True when the graphs went."""
         return drop_for_room(self.device, wanted_bytes, self.layer_graphs)
+
+
+def _scales_after_weights(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with each ``X.weight_scale_inv`` right after ``X.weight``. Assigning a scale to a dict that held
+    the weight already appended it at the end, so every FP8 weight and its scale went in different buckets, and
+    an engine held each weight (and the received buffer it is a view of) until the last bucket: the bucket size
+    no longer bounded its memory (``weight_sync/buckets.py`` keeps the two halves together when they come in
+    order)."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in state:
+            continue
+        out[name] = tensor
+        if (scale := state.get(f"{name}_scale_inv")) is not None:
+            out[f"{name}_scale_inv"] = scale
+    return out
 
 
 def _is_te_linear_weight(name: str) -> bool:
