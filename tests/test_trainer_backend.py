@@ -19,6 +19,7 @@ from infir2_rl.metrics import names
 from infir2_rl.models.factory import init_model
 from infir2_rl.stages.sft_eval import SftLossFn, num_target_tokens, to_token_batch
 from infir2_rl.trainers.microbatch import (
+    compact,
     merge_rows,
     micro_batches,
     row_lengths,
@@ -273,6 +274,24 @@ def test_micro_batches_cover_every_row_in_order_under_a_token_budget(assets: tup
     assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
     shards = shard_micro_batches(batch, world_size=2, micro_batch_size=3)
     assert [[p.num_sequences for p in s] for s in shards] == [[3, 1], [3, 1]]
+
+
+def test_micro_batches_sent_to_ranks_carry_only_their_own_rows(assets: tuple[Path, TokenBatch]) -> None:
+    # Micro-batches are views of the global batch, and a pickled view carries its whole buffer: Ray sent each
+    # rank its micro-batch count times the global batch (96 MB for 2.6 MB of rows at 128 x 2,048 tokens).
+    _, batch = assets
+    parts = micro_batches(batch, micro_batch_size=2)
+    assert any(p.input_ids.untyped_storage().nbytes() > p.input_ids.nbytes for p in parts)  # views
+    for part in parts:
+        own = compact(part)
+        for name, value in own.tensors().items():
+            original = part.tensors()[name]
+            if value is None:
+                assert original is None
+                continue
+            assert value.untyped_storage().nbytes() == value.nbytes, name
+            assert torch.equal(value, original), name
+        assert own.counts is part.counts
 
 
 def test_sorted_shards_deal_rows_by_length_and_results_come_back_in_batch_order(

@@ -33,6 +33,7 @@ from infir2_rl.actors.trainer_worker import TrainerSpec, TrainerWorker, unpack_t
 from infir2_rl.config import RlStageConfig, SftStageConfig
 from infir2_rl.metrics import names
 from infir2_rl.trainers.microbatch import (
+    compact,
     merge_rows,
     row_lengths,
     shard_micro_batches,
@@ -158,7 +159,9 @@ class TrainerGroup:
             rows if rows is not None else self._rows(batch),
             bucketed=self.pads_to_buckets,  # rows x bucket(longest) <= budget (microbatch docstring)
         )
-        return [shards[rank // mp] for rank in range(self.num_workers)]
+        # Sent through Ray: each micro-batch as its own tensors, not views of the global batch (``compact``).
+        own = [[compact(mb) for mb in shard] for shard in shards]
+        return [own[rank // mp] for rank in range(self.num_workers)]
 
     def _per_row(self, method: str, batch: TokenBatch, *args: Any) -> Tensor:
         """B x L per-row results of ``method`` over the ranks' micro-batches of ``batch``, in batch order."""

@@ -199,6 +199,21 @@ def shard_micro_batches(
     ]
 
 
+def compact(batch: TokenBatch) -> TokenBatch:
+    """``batch`` with each tensor that is a view of a larger buffer copied to its own. Micro-batches are views of
+    the global batch; pickled for a Ray call, a view carries its whole buffer, so each rank was sent its
+    micro-batch count times the global batch (96 MB for 2.6 MB of rows at 128 x 2,048 tokens, 2 ranks)."""
+    fields = {
+        name: None
+        if value is None
+        else value.clone()
+        if value.untyped_storage().nbytes() > value.numel() * value.element_size()
+        else value
+        for name, value in batch.tensors().items()
+    }
+    return TokenBatch(**fields, counts=batch.counts)  # type: ignore[arg-type]
+
+
 def unshuffle_rows(merged: Tensor, order: Sequence[int]) -> Tensor:
     """Per-row results in batch order: row i of ``merged`` belongs to batch row ``order[i]`` (the ranks' row
     indices of ``shard_rows``, concatenated in rank order)."""

@@ -115,8 +115,17 @@ def save_hf(trainer: TrainerRank, directory: Path, dtype: torch.dtype) -> None:
     trainer.tokenizer.save_pretrained(str(directory))
 
 
+# The saved optimizer of an FSDP rank that has not stepped yet (every update so far skipped).
+_UNSTEPPED = {"unstepped": True}
+
+
 def _optimizer_state(trainer: TrainerRank) -> dict[str, Any]:
     if trainer.fsdp:
+        if not trainer.optimizer.state:
+            # torch's get_optimizer_state_dict fills an empty state by running a step with zero gradients and
+            # lr 0: AdamW's step count became 1, and the first real update, bias-corrected as step 2, was ~26%
+            # smaller than an unsaved run's.
+            return dict(_UNSTEPPED)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(trainer.model, trainer.optimizer)
@@ -130,6 +139,7 @@ def save_checkpoint(trainer: TrainerRank, directory: Path) -> None:
     torch.save(
         {
             "world_size": trainer.world_size,
+            "fsdp": bool(trainer.fsdp),
             "step": trainer.step,
             "num_skipped": trainer.num_skipped,
             "optimizer": _optimizer_state(trainer),
@@ -162,6 +172,14 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
             f"checkpoint {directory} was written by {train_state['world_size']} trainer ranks, this run has"
             f" {trainer.world_size}: resume with trainer.num_workers={train_state['world_size']}"
         )
+    if train_state.get("fsdp", bool(trainer.fsdp)) != bool(trainer.fsdp):  # (older checkpoints do not say)
+        # Its optimizer state is sharded (FSDP) or whole (replicas): loaded into the other, the first step
+        # failed inside AdamW with "mixed torch.Tensor and DTensor".
+        was, now = ("fsdp", "replicate") if train_state["fsdp"] else ("replicate", "fsdp")
+        raise ValueError(
+            f"checkpoint {directory} was written by {was} trainer ranks, this run has {now} ones: resume with "
+            f"trainer.data_parallel={was}"
+        )
     weights = read_hf_weights(directory / HF_DIR)
     if trainer.fsdp:
         from torch.distributed.checkpoint.state_dict import (
@@ -179,7 +197,8 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
             dict[str, Any](weights),
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, train_state["optimizer"])
+        if train_state["optimizer"] != _UNSTEPPED:  # else the new optimizer is as it was: no state yet
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, train_state["optimizer"])
     else:
         missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
         check_weights_match(trainer.model, set(missing), set(unexpected), directory)
