@@ -97,12 +97,14 @@ def is_actor_death(exc: BaseException) -> bool:
 
 def describe(exc: BaseException) -> tuple[int, str]:
     """(exit code, one line naming the cause and the remedy) for an exception that ended a command."""
+    if isinstance(exc, Terminated) or SIGTERM_RECEIVED[0]:
+        # Whatever surfaced once a SIGTERM came: sent to the process group it also ends the local Ray, and a Ray
+        # error from a call in flight (or from teardown, replacing our Terminated) ended the command with exit 1.
+        return EXIT_TERMINATED, f"terminated (SIGTERM); {RESUME_HINT}"
     remote = _remote_cause(exc)
     if remote is not None:
         code, line = describe(remote)
         return code, line if "Ray actor" in line else f"{line} (raised in a Ray actor)"
-    if isinstance(exc, Terminated) or (isinstance(exc, KeyboardInterrupt) and SIGTERM_RECEIVED[0]):
-        return EXIT_TERMINATED, f"terminated (SIGTERM); {RESUME_HINT}"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"interrupted; {RESUME_HINT}"
     if is_actor_death(exc):
