@@ -15,6 +15,7 @@ import torch
 
 from infir2_rl.engines.sglang import protocol as P
 from infir2_rl.engines.sglang.engine import SglangEngine
+from infir2_rl.fp8.cast_checks import is_blockwise_fp8
 from infir2_rl.types import GenerateRequest, SamplingParams, WeightBucket
 
 
@@ -183,10 +184,8 @@ def test_fp8_engines_start_only_from_an_fp8_checkpoint(tmp_path: Any) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
     with pytest.raises(ValueError, match="not a blockwise FP8 checkpoint"):
         SglangEngine.launch(str(tmp_path), fp8=True)
-    assert P.is_blockwise_fp8(
-        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    )
-    assert not P.is_blockwise_fp8({"quantization_config": {"quant_method": "fp8"}})
+    assert is_blockwise_fp8({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert not is_blockwise_fp8({"quantization_config": {"quant_method": "fp8"}})
 
 
 def test_sglang_error_bodies_reach_our_errors(fake: FakeSglang) -> None:

@@ -419,9 +419,9 @@ def validate_paths(
                     f"{field}={value!r}: no {' and no '.join(missing)} in it; point it at an HF checkpoint"
                     " directory (a stage's final/, or `infir2-rl init-model --out DIR`)"
                 )
-            _check_checkpoint_files(field, path)
+            config = _check_checkpoint_files(field, path)
             if field == "model.path" and isinstance(cfg, RlStageConfig):
-                _check_context(cfg, path)
+                _check_context(cfg, path, config)
         elif path.is_dir():
             raise ValueError(f"{field}={value!r}: a directory; point it at a jsonl or parquet file")
 
@@ -448,8 +448,7 @@ def _check_engine_start(cfg: RlStageConfig, cast_before: bool) -> None:
         )
     if not (Path(start) / "config.json").is_file():
         return  # the path check that follows says what is missing
-    from infir2_rl.engines.sglang.protocol import is_blockwise_fp8
-    from infir2_rl.fp8.cast_checks import config_of
+    from infir2_rl.fp8.cast_checks import config_of, is_blockwise_fp8
 
     if not is_blockwise_fp8(config_of(Path(start))):
         raise ValueError(
@@ -459,12 +458,10 @@ def _check_engine_start(cfg: RlStageConfig, cast_before: bool) -> None:
         )
 
 
-def _check_context(cfg: RlStageConfig, path: Path) -> None:
+def _check_context(cfg: RlStageConfig, path: Path, config: dict[str, Any]) -> None:
     """The longest row an RL stage makes fits the model's positions. Before, the GPU engine refused the whole
     rollout at its first long prompt, and the CPU one decoded past the positions the model was trained for."""
-    from infir2_rl.fp8.cast_checks import config_of
-
-    limit = config_of(path).get("max_position_embeddings")
+    limit = config.get("max_position_embeddings")
     if not isinstance(limit, int):
         return
     if cfg.rollout.backend == "sglang":
@@ -485,13 +482,14 @@ def _check_context(cfg: RlStageConfig, path: Path) -> None:
         )
 
 
-def _check_checkpoint_files(field: str, path: Path) -> None:
+def _check_checkpoint_files(field: str, path: Path) -> dict[str, Any]:
     """An HF directory's config.json is a JSON object and each safetensors shard's header reads (headers only,
-    milliseconds even at 7B): a broken file fails here in one line naming it, not later inside a Ray actor."""
+    milliseconds even at 7B): a broken file fails here in one line naming it, not later inside a Ray actor.
+    Returns the config."""
     from infir2_rl.fp8.cast_checks import config_of, shard_keys
 
     try:
-        config_of(path)
+        config = config_of(path)
     except ValueError as exc:
         raise ValueError(
             f"{field}: {path / 'config.json'} is {exc}; restore the checkpoint's config"
@@ -501,3 +499,4 @@ def _check_checkpoint_files(field: str, path: Path) -> None:
             shard_keys(shard)
         except ValueError as exc:
             raise ValueError(f"{field}: {exc}") from exc
+    return config

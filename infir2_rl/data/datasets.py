@@ -191,6 +191,11 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return ids
 
 
+def _mask_end(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """Where an assistant turn's loss mask ends: the template's turn-end token, else the eos token."""
+    return turn_end_token(tokenizer) or tokenizer.eos_token
+
+
 def _assistant_char_spans(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], turn_end: str | None
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -230,8 +235,7 @@ def tokenize_conversation(
 
     Raises ValueError when the chat template renders a prefix of the conversation differently.
     """
-    end = turn_end or turn_end_token(tokenizer) or tokenizer.eos_token
-    text, spans = _assistant_char_spans(tokenizer, messages, end)
+    text, spans = _assistant_char_spans(tokenizer, messages, turn_end or _mask_end(tokenizer))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids: list[int] = encoding["input_ids"]
     loss_mask = [0] * len(input_ids)
@@ -252,7 +256,7 @@ def load_sft_examples(
     """Tokenize every usable conversation of a jsonl/parquet file; raise if none is usable."""
     report = LoadReport(path=str(path))
     examples: list[SftExample] = []
-    turn_end = turn_end_token(tokenizer) or tokenizer.eos_token
+    turn_end = _mask_end(tokenizer)
     for row in read_records(path, format):
         report.num_rows += 1
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,6 +27,17 @@ def config_of(model_dir: Path) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"a JSON {type(config).__name__}, not an object")
     return config
+
+
+def is_blockwise_fp8(config: dict[str, Any]) -> bool:
+    """Whether an HF ``config.json`` describes a checkpoint of 128x128-block FP8 weights with ``weight_scale_inv``
+    (what ``checkpoint.cast_checkpoint`` writes and SGLang's Fp8Config reads)."""
+    quant = config.get("quantization_config")
+    return (
+        isinstance(quant, dict)
+        and quant.get("quant_method") == "fp8"
+        and list(quant.get("weight_block_size") or []) == [128, 128]
+    )
 
 
 def weight_map_of(model_dir: Path) -> dict[str, str] | None:

@@ -159,9 +159,8 @@ def final_from_checkpoint(
     (on GPUs), so the next stage and the FP8 cast would depend on when this one was stopped.
     """
     final = run_dir / FINAL_DIR
-    if (
-        final_step(run_dir) != ckpt.step
-    ):  # absent, or older: a finished stage extended, killed before its export
+    # Absent, or older: a finished stage extended, then killed before its export.
+    if final_step(run_dir) != ckpt.step:
         ensure_ray()
         with placed_trainer_group(cfg, total_steps=total_steps) as group:
             group.load(ckpt.path)

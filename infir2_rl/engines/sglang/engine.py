@@ -49,12 +49,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from infir2_rl.engines.sglang import protocol as P
+from infir2_rl.fp8.cast_checks import config_of, is_blockwise_fp8
 from infir2_rl.types import EngineHealth, GenerateRequest, Sample, WeightBucket
 from infir2_rl.weight_sync.receiver import VersionGate
 from infir2_rl.weight_sync.transport import IpcBucket, open_ipc_bucket
@@ -150,7 +152,7 @@ class SglangEngine:
     ) -> SglangEngine:  # fmt: skip
         """Start a server on ``model_path``; ``gpu_share`` (colocated) sets its memory fraction and memory saver.
         With ``fp8`` it must be an FP8 checkpoint (the stage config checks this before Ray starts, too)."""
-        if fp8 and not P.is_blockwise_fp8(_config(model_path)):
+        if fp8 and not is_blockwise_fp8(config_of(Path(model_path))):
             raise ValueError(
                 f"{model_path}: not a blockwise FP8 checkpoint (config.json has no quantization_config with "
                 "weight_block_size [128, 128]); SGLang would build BF16 linears and cast the pushed FP8 weights "
@@ -389,13 +391,7 @@ class SglangEngine:
         self.server.close()
 
 
-def _config(model_path: str) -> dict[str, Any]:
-    with open(f"{model_path}/config.json") as f:
-        config: dict[str, Any] = json.load(f)
-    return config
-
-
 def _context_length(model_path: str) -> int:
     """The context length SGLang takes from the model's ``config.json`` (``max_position_embeddings``)."""
-    config = _config(model_path)
+    config = config_of(Path(model_path))
     return int(config.get("text_config", config)["max_position_embeddings"])

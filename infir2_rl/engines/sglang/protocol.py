@@ -146,17 +146,6 @@ def fit_to_context(request: GenerateRequest, context_length: int) -> int | None:
     return max_new_tokens_within(len(request.prompt_ids), request.params.max_new_tokens, context_length)
 
 
-def is_blockwise_fp8(config: dict[str, Any]) -> bool:
-    """Whether an HF ``config.json`` describes a checkpoint of 128x128-block FP8 weights with ``weight_scale_inv``
-    (what ``infir2-rl cast-fp8`` writes and SGLang's Fp8Config reads)."""
-    quant = config.get("quantization_config")
-    return (
-        isinstance(quant, dict)
-        and quant.get("quant_method") == "fp8"
-        and list(quant.get("weight_block_size") or []) == [128, 128]
-    )
-
-
 def generate_payload(request: GenerateRequest, max_new_tokens: int | None = None) -> dict[str, Any]:
     """``/generate`` body for all n samples of a request: a batch of n copies, each with its own seed."""
     p = request.params

@@ -197,7 +197,7 @@ def load_checkpoint(trainer: TrainerRank, directory: Path) -> None:
             dict[str, Any](weights),
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
-        if train_state["optimizer"] != _UNSTEPPED:  # else the new optimizer is as it was: no state yet
+        if not train_state["optimizer"].get("unstepped"):  # else the new optimizer is as it was: no state yet
             set_optimizer_state_dict(trainer.model, trainer.optimizer, train_state["optimizer"])
     else:
         missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
